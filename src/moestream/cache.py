@@ -1,0 +1,112 @@
+"""A byte-budgeted cache of expert records: fixed-size slots in one arena, pins, a pluggable policy.
+
+The cache owns memory and decides what to evict. It does not know files or models: the runtime asks
+for a slot, has the reader fill it, and pins what it computes with. All bookkeeping happens on the
+thread that runs the model; I/O threads only write bytes into slots they were handed.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+Key = Hashable  # (layer, expert) in the runtime
+
+
+class LRUPolicy:
+    """Evict the least recently used unpinned entry."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def on_hit(self, key: Key) -> None:
+        self._order.move_to_end(key)
+
+    def on_insert(self, key: Key) -> None:
+        self._order[key] = None
+
+    def on_remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
+        for key in self._order:
+            if evictable(key):
+                return key
+        return None
+
+
+@dataclass
+class Entry:
+    key: Key
+    slot: int
+    pins: int = 0
+    loading: Future | None = None  # set while the record is being read into the slot
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # views into the slot, once loaded
+
+
+class ExpertCache:
+    def __init__(self, budget_bytes: int, slot_bytes: int, policy=None):
+        self.slot_bytes = slot_bytes
+        self.capacity = budget_bytes // slot_bytes
+        self.budget_bytes = budget_bytes
+        self.policy = policy or LRUPolicy()
+        self._entries: dict[Key, Entry] = {}
+        self._free: list[int] = list(range(self.capacity - 1, -1, -1))
+        # One anonymous mapping: page-aligned (O_DIRECT needs it) and committed by the OS only as slots
+        # are first filled, so resident memory grows with use up to the budget, never beyond.
+        self._arena = mmap.mmap(-1, max(self.capacity, 1) * slot_bytes)
+        self._arena_tensor = torch.frombuffer(self._arena, dtype=torch.uint8)
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._entries
+
+    def lookup(self, key: Key) -> Entry | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self.policy.on_hit(key)
+        return entry
+
+    def allocate(self, key: Key) -> Entry | None:
+        """A slot for `key`, evicting an unpinned entry if needed; None when every slot is pinned."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self.policy.victim(lambda k: self._entries[k].pins == 0)
+            if victim is None:
+                return None
+            slot = self._entries.pop(victim).slot
+            self.policy.on_remove(victim)
+            self.evictions += 1
+        entry = Entry(key, slot)
+        self._entries[key] = entry
+        self.policy.on_insert(key)
+        return entry
+
+    def discard(self, key: Key) -> None:
+        """Forget an entry whose read failed: its slot holds no valid bytes."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.policy.on_remove(key)
+            self._free.append(entry.slot)
+
+    def slot_memory(self, slot: int) -> memoryview:
+        start = slot * self.slot_bytes
+        return memoryview(self._arena)[start : start + self.slot_bytes]
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        start = slot * self.slot_bytes
+        return self._arena_tensor[start : start + self.slot_bytes]
+
+    def keys(self) -> list[Key]:
+        return list(self._entries)

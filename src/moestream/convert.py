@@ -1,0 +1,373 @@
+"""Hugging Face checkpoint -> moestream store, one tensor (or one expert) at a time.
+
+Key names come from transformers' own conversion mapping (the same one `from_pretrained` applies), so a
+per-expert checkpoint key such as `model.layers.0.mlp.experts.3.gate_proj.weight` or Mixtral's
+`block_sparse_moe.experts.3.w1.weight` ends up in the slice `[3]` of the model's fused
+`experts.gate_up_proj`, exactly where transformers would put it. We run transformers' conversion
+operations on one expert at a time (a "stack" of one), so the fused [E, ...] tensors are never built.
+
+The output is written into a hidden temporary directory next to DST, manifest last, and renamed into
+place at the end: an interrupted conversion never leaves a directory that loads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+from .errors import SourceError, UsageError
+from .skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
+from .source import DecodedCheckpoint
+from .store import ExpertLayer, FileEntry, Manifest, RecordLayout, checksum
+from .units import format_bytes
+
+EXPERT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Files copied verbatim so that the store can build the tokenizer and generation defaults by itself.
+EXTRA_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+RESIDENT_SHARD_BYTES = 512 * 1024**2  # bounds the converter's buffer of resident tensors
+
+
+@dataclass
+class _Group:
+    """Source keys that transformers' converter combines into one target tensor (for one expert, if any)."""
+
+    converter: WeightConverter
+    keys: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # source pattern -> keys
+
+
+@dataclass
+class _ExpertSource:
+    """How to obtain one per-expert parameter of one experts module from the checkpoint."""
+
+    fused_key: str | None = None  # a checkpoint tensor [E, ...] already in the module's layout
+    per_expert: dict[int, _Group] = field(default_factory=dict)  # expert -> converter group
+
+
+@dataclass
+class ConversionPlan:
+    resident: dict[str, str | _Group]  # target name -> source key, or a converter group
+    experts: list[tuple[str, torch.nn.Module, dict[str, _ExpertSource]]]
+    unused: list[str]
+
+
+_LAST_INDEX = re.compile(r"\.(\d+)\.(?!.*\.\d+\.)")
+
+
+def _expert_index(key: str) -> int:
+    """Per-expert checkpoint keys carry the expert number as their last numeric path component."""
+    match = _LAST_INDEX.search(key)
+    if match is None:
+        raise SourceError(f"cannot find the expert number in checkpoint key {key!r}")
+    return int(match.group(1))
+
+
+def _rename(key: str, renamings, converters, meta_names: set[str], prefix: str) -> tuple[str, WeightConverter | None, str | None]:
+    for renaming in renamings:
+        key, _ = renaming.rename_source_key(key)
+    matched, pattern = None, None
+    for converter in converters:
+        renamed, pattern = converter.rename_source_key(key)
+        if pattern is not None:
+            key, matched = renamed, converter
+            break
+    # A checkpoint saved from the base model lacks the task model's prefix, or the other way round.
+    if key not in meta_names:
+        if f"{prefix}.{key}" in meta_names:
+            key = f"{prefix}.{key}"
+        elif key.startswith(prefix + ".") and key[len(prefix) + 1 :] in meta_names:
+            key = key[len(prefix) + 1 :]
+    return key, matched, pattern
+
+
+def plan_conversion(model: torch.nn.Module, ckpt: DecodedCheckpoint) -> ConversionPlan:
+    """Decide, from names and shapes alone, where every checkpoint tensor goes."""
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    meta_names = set(meta)
+    modules = experts_modules(model)
+    expert_params = {}
+    sources: list[dict[str, _ExpertSource]] = []
+    for name, module in modules:
+        per_module = {}
+        for pname, _ in expert_parameters(module):
+            expert_params[f"{name}.{pname}"] = per_module.setdefault(pname, _ExpertSource())
+        sources.append(per_module)
+
+    resident: dict[str, str | _Group] = {}
+    unused = []
+    for key in ckpt.keys():
+        target, converter, pattern = _rename(key, renamings, converters, meta_names, model.base_model_prefix)
+        if target in expert_params:
+            src = expert_params[target]
+            if converter is None:
+                src.fused_key = key
+            else:
+                group = src.per_expert.setdefault(_expert_index(key), _Group(converter))
+                group.keys[pattern].append(key)
+        elif target in meta_names:
+            if converter is None:
+                resident[target] = key
+            else:
+                group = resident.setdefault(target, _Group(converter))
+                group.keys[pattern].append(key)
+        else:
+            unused.append(key)
+
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = [n for n in meta_names if n not in resident and n not in expert_params and n not in tied]
+    # Persistent buffers that a checkpoint may omit are rebuilt by the runtime like non-persistent ones.
+    buffers = {n for n, _ in model.named_buffers()}
+    missing = [n for n in missing if n not in buffers]
+    if missing:
+        raise SourceError(
+            f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {sorted(missing)[:5]}; "
+            "is it complete, and is its config.json the one it was saved with?"
+        )
+    experts = []
+    for (name, module), per_module in zip(modules, sources):
+        for pname, src in per_module.items():
+            n = module.num_experts
+            if src.fused_key is None and sorted(src.per_expert) != list(range(n)):
+                have = sorted(src.per_expert)
+                raise SourceError(
+                    f"{name}.{pname}: the checkpoint has {len(have)} of {n} experts' weights "
+                    f"(missing e.g. {sorted(set(range(n)) - set(have))[:5]})"
+                )
+        experts.append((name, module, per_module))
+    return ConversionPlan(resident, experts, unused)
+
+
+def _run_converter(group: _Group, ckpt: DecodedCheckpoint, model, target: str) -> torch.Tensor:
+    """Apply transformers' own conversion operations (merge, concatenate, ...) to the group's tensors."""
+    tensors = {
+        pattern: [ckpt.read(k) for k in sorted(keys, key=_natural_key)] for pattern, keys in group.keys.items()
+    }
+    conv = group.converter
+    for op in conv.operations:
+        tensors = op.convert(
+            tensors,
+            source_patterns=conv.source_patterns,
+            target_patterns=conv.target_patterns,
+            full_layer_name=target,
+            model=model,
+            config=model.config,
+        )
+    if len(tensors) != 1:
+        raise SourceError(f"transformers' conversion for {target} produced {len(tensors)} tensors, expected one")
+    return next(iter(tensors.values()))
+
+
+def _natural_key(key: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+
+
+def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> torch.Tensor:
+    if src.fused_key is not None:
+        t = ckpt.read(src.fused_key, index=e)
+    else:
+        t = _run_converter(src.per_expert[e], ckpt, model, target)
+        t = t[0] if t.dim() == len(shape) + 1 and t.shape[0] == 1 else t  # the "stack of one" made by the merge
+    if tuple(t.shape) != tuple(shape):
+        raise SourceError(f"{target}[{e}] has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(shape)}")
+    return t
+
+
+def _tensor_bytes(t: torch.Tensor):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _cleanup_stale(dst: Path) -> None:
+    """Remove temporary directories left by conversions to the same DST that were killed."""
+    for stale in dst.parent.glob(f".{dst.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    experts_dtype: str | None = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> Path:
+    """Convert the Hugging Face checkpoint directory `src` into a moestream store at `dst`.
+
+    experts_dtype: "bf16", "fp16" or "fp32"; default: the checkpoint's own float dtype (bf16 for FP8/MXFP4).
+    """
+    src, dst = Path(src), Path(dst)
+    if experts_dtype is not None and experts_dtype not in EXPERT_DTYPES:
+        raise UsageError(f"unknown experts dtype {experts_dtype!r}; choose one of {', '.join(EXPERT_DTYPES)}")
+    if dst.exists() and not overwrite:
+        raise UsageError(f"{dst} already exists; choose another path, delete it, or pass --overwrite")
+    config = load_source_config(src, trust_remote_code)
+    quantized_source = getattr(config, "quantization_config", None) is not None
+    if quantized_source:
+        # The store holds decoded floats; the quantization settings of the source no longer apply.
+        del config.quantization_config
+    dtype = model_dtype(config)
+    model = build_skeleton(config, dtype)
+    ckpt = DecodedCheckpoint(src)
+    try:
+        plan = plan_conversion(model, ckpt)
+        experts_torch_dtype = EXPERT_DTYPES[experts_dtype] if experts_dtype else None
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _cleanup_stale(dst)
+        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            manifest = _write_store(tmp, src, model, ckpt, plan, dtype, experts_torch_dtype, progress)
+            manifest.write(tmp)
+            if dst.exists():
+                shutil.rmtree(dst)
+            os.rename(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        ckpt.close()
+    return dst
+
+
+def _estimate_bytes(model, ckpt, plan, dtype, experts_dtype) -> tuple[int, int]:
+    meta = model.state_dict()
+    resident = sum(meta[t].numel() * meta[t].element_size() for t in plan.resident)
+    experts = 0
+    for _, module, _ in plan.experts:
+        specs = [(p, experts_dtype or param.dtype, tuple(param.shape[1:])) for p, param in expert_parameters(module)]
+        experts += RecordLayout.pack(specs).stride * module.num_experts
+    return resident, experts
+
+
+def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, dtype, experts_dtype, progress) -> Manifest:
+    resident_total, experts_total = _estimate_bytes(model, ckpt, plan, dtype, experts_dtype)
+    free = shutil.disk_usage(tmp).free
+    need = resident_total + experts_total + 64 * 1024**2
+    if free < need:
+        raise SourceError(
+            f"not enough disk space at {tmp.parent}: the store needs about {format_bytes(need)}, "
+            f"{format_bytes(free)} is free. Free space or choose another destination."
+        )
+    bar = tqdm(total=resident_total + experts_total, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    layers = []
+    for index, (name, module, sources) in enumerate(plan.experts):
+        params = dict(expert_parameters(module))
+        layer_dtype = experts_dtype or ckpt.dtype(_first_source_key(sources))
+        layout = RecordLayout.pack([(p, layer_dtype, tuple(params[p].shape[1:])) for p in sources])
+        rel = f"experts/layer-{index:03d}.bin"
+        (tmp / "experts").mkdir(exist_ok=True)
+        offsets, sums = [], []
+        record = np.zeros(layout.stride, dtype=np.uint8)
+        with open(tmp / rel, "wb") as f:
+            for e in range(module.num_experts):
+                record[:] = 0
+                for entry in layout.tensors:
+                    t = _expert_tensor(sources[entry.name], e, ckpt, model, f"{name}.{entry.name}", params[entry.name].shape[1:])
+                    record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(t.to(layer_dtype))
+                offsets.append(f.tell())
+                sums.append(checksum(record[: layout.nbytes]))
+                f.write(record.data)
+                bar.update(layout.stride)
+            f.flush()
+            os.fsync(f.fileno())
+        layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums)))
+
+    meta = model.state_dict()
+    files, shard, shard_bytes = [], {}, 0
+
+    def flush_shard():
+        nonlocal shard, shard_bytes
+        if shard:
+            rel = f"resident-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(tmp / rel), metadata={"format": "pt"})
+            files.append(FileEntry(rel, (tmp / rel).stat().st_size, _file_checksum(tmp / rel)))
+            shard, shard_bytes = {}, 0
+
+    for target in sorted(plan.resident, key=_natural_key):
+        source = plan.resident[target]
+        t = ckpt.read(source) if isinstance(source, str) else _run_converter(source, ckpt, model, target)
+        want = meta[target]
+        if tuple(t.shape) != tuple(want.shape):
+            raise SourceError(f"{target} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(want.shape)}")
+        if t.is_floating_point() and want.is_floating_point():
+            t = t.to(want.dtype)
+        shard[target] = t.contiguous()
+        shard_bytes += t.numel() * t.element_size()
+        bar.update(want.numel() * want.element_size())
+        if shard_bytes >= RESIDENT_SHARD_BYTES:
+            flush_shard()
+    flush_shard()
+    bar.close()
+
+    extra = []
+    for name in EXTRA_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, tmp / name)
+            extra.append(name)
+    if plan.unused:
+        print(f"note: {len(plan.unused)} checkpoint tensors are not used by the model and were skipped, e.g. {plan.unused[:3]}")
+    config = model.config.to_dict()
+    config.pop("_experts_implementation", None)
+    return Manifest(
+        model_config=config,
+        experts_dtype=layers[0].layout.tensors[0].dtype,
+        resident_files=files,
+        resident_bytes=sum(f.size for f in files),
+        layers=layers,
+        extra_files=extra,
+        source={"path_name": src.name, "model_type": model.config.model_type},
+    )
+
+
+def _first_source_key(sources: dict[str, _ExpertSource]) -> str:
+    src = next(iter(sources.values()))
+    if src.fused_key is not None:
+        return src.fused_key
+    return next(iter(src.per_expert[0].keys.values()))[0]
+
+
+def _file_checksum(path: Path, chunk: int = 16 * 1024**2) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

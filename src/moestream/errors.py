@@ -1,0 +1,21 @@
+"""The errors moestream raises on purpose. Each message names the problem and what to do about it."""
+
+
+class MoestreamError(Exception):
+    """Base class: the CLI prints these as one clear line instead of a traceback."""
+
+
+class UsageError(MoestreamError, ValueError):
+    """A bad argument: a size that does not parse, a budget too small, an unknown dtype."""
+
+
+class SourceError(MoestreamError):
+    """The Hugging Face checkpoint being converted is missing something or is malformed."""
+
+
+class StoreError(MoestreamError):
+    """A store directory is missing, damaged, truncated, foreign or of an unsupported version."""
+
+
+class ExpertReadError(MoestreamError, OSError):
+    """Reading an expert record from disk failed (after retries) or returned the wrong bytes."""

@@ -1,0 +1,299 @@
+"""Assemble a transformers model from a store and serve its experts from disk through the cache.
+
+One decode step, as a reader follows it:
+1. transformers runs embeddings, attention, norms and the router (upstream code, unchanged);
+2. the router's top-k goes to the experts module, whose forward transformers dispatches through its
+   ExpertsInterface to `streaming_experts_forward` below (registered as "moestream");
+3. `ExpertEngine.run` splits the needed experts into cache hits and misses, queues reads for the misses
+   into free (or evicted) cache slots, computes the hits while the reads are in flight, then computes
+   each miss as soon as its own read lands;
+4. per-(token, k) outputs are summed in a fixed order, so the numbers never depend on what was cached.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers.integrations.moe import ExpertsInterface
+
+from .cache import Entry, ExpertCache
+from .errors import ExpertReadError, StoreError, UsageError
+from .reader import RecordReader
+from .skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
+from .store import DTYPES, Store
+from .units import format_bytes, parse_bytes
+
+IMPLEMENTATION = "moestream"
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # summed over I/O threads
+    wait_seconds: float = 0.0  # time the model thread spent blocked on this layer's reads
+
+
+class ExpertEngine:
+    """The streaming side of a loaded model: store, reader, cache and statistics."""
+
+    def __init__(self, store: Store, budget_bytes: int, io_threads: int = 4, direct_io: bool = True):
+        self.store = store
+        self.layers = store.manifest.layers
+        slot = store.manifest.max_record_stride
+        config = store.manifest.model_config
+        top_k = int(config.get("num_experts_per_tok") or config.get("moe_topk") or 1)
+        minimum = top_k * slot
+        if budget_bytes < minimum:
+            raise UsageError(
+                f"a memory budget of {format_bytes(budget_bytes)} cannot hold the {top_k} experts one token needs "
+                f"in one layer ({format_bytes(slot)} each); the minimum is {format_bytes(minimum)} "
+                f"({minimum} bytes). Pass --memory {format_bytes(minimum).replace(' ', '')} or more."
+            )
+        self.cache = ExpertCache(budget_bytes, slot)
+        self.reader = RecordReader([store.path(layer.file) for layer in self.layers], io_threads, direct_io)
+        self.layer_stats = [LayerStats() for _ in self.layers]
+
+    # -- one experts call -------------------------------------------------------------------------------
+
+    def run(self, module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        rows, start = {}, 0
+        for e, c in zip(ids.tolist(), counts.tolist()):
+            rows[e] = order[start : start + c]  # positions t*k + j routed to expert e
+            start += c
+        out = hidden.new_zeros(tokens * k, hidden.shape[-1])
+        weights = top_k_weights.reshape(-1)
+        stats = self.layer_stats[layer]
+
+        ready: list[Entry] = []
+        waiting: list[int] = []
+        in_flight: dict = {}
+        for e in rows:
+            entry = self.cache.lookup((layer, e))
+            if entry is not None:
+                stats.hits += 1
+                entry.pins += 1
+                ready.append(entry)
+            else:
+                stats.misses += 1
+                waiting.append(e)
+        try:
+            self._issue_reads(layer, waiting, in_flight)
+            while ready:  # hits compute while the misses are read
+                self._compute(module, ready[-1], hidden, rows, weights, k, out)
+                ready.pop().pins -= 1
+            while in_flight or waiting:
+                if not in_flight:
+                    raise UsageError(
+                        f"the expert cache ({self.cache.capacity} slots) has no free slot for layer {layer}; "
+                        "raise --memory"
+                    )
+                t0 = time.perf_counter()
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                stats.wait_seconds += time.perf_counter() - t0
+                for future in done:
+                    entry = in_flight.pop(future)
+                    self._finish_read(layer, entry, future)
+                    self._compute(module, entry, hidden, rows, weights, k, out)
+                    entry.pins -= 1
+                # Slots freed by the experts just computed take the reads that did not fit before.
+                self._issue_reads(layer, waiting, in_flight)
+        finally:
+            # Only reached with work left after an error: never leave a half-read slot in the cache.
+            for future, entry in in_flight.items():
+                future.cancel()
+                try:
+                    future.result()
+                except BaseException:
+                    pass
+                self.cache.discard(entry.key)
+            for entry in ready:
+                entry.pins -= 1
+        return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+    def _issue_reads(self, layer: int, waiting: list[int], in_flight: dict) -> None:
+        spec = self.layers[layer]
+        while waiting:
+            entry = self.cache.allocate((layer, waiting[0]))
+            if entry is None:
+                return  # every slot is pinned by this call: wait for a computation to release one
+            e = waiting.pop(0)
+            entry.pins = 1
+            entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, self.cache.slot_memory(entry.slot))
+            in_flight[entry.loading] = entry
+
+    def _finish_read(self, layer: int, entry: Entry, future) -> None:
+        try:
+            seconds = future.result()
+        except BaseException:
+            self.cache.discard(entry.key)
+            raise
+        spec = self.layers[layer]
+        stats = self.layer_stats[layer]
+        stats.bytes_read += spec.layout.stride
+        stats.read_seconds += seconds
+        raw = self.cache.slot_tensor(entry.slot)
+        entry.tensors = {
+            t.name: raw[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in spec.layout.tensors
+        }
+        entry.loading = None
+
+    @staticmethod
+    def _compute(module, entry: Entry, hidden, rows, weights, k: int, out: torch.Tensor) -> None:
+        """One expert on the tokens routed to it, with the module's own gate/activation semantics."""
+        idx = rows[entry.key[1]]
+        w = entry.tensors
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        weight = w[first]
+        x = hidden[idx // k].to(weight.dtype)
+        h = x @ weight if module.is_transposed else F.linear(x, weight)
+        if module.has_bias:
+            h = h + w[first + "_bias"]
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        y = h @ w["down_proj"] if module.is_transposed else F.linear(h, w["down_proj"])
+        if module.has_bias:
+            y = y + w["down_proj_bias"]
+        if module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        out[idx] = (y * weights[idx, None]).to(out.dtype)
+
+    # -- reporting --------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        layers = [asdict(s) for s in self.layer_stats]
+        hits = sum(s["hits"] for s in layers)
+        misses = sum(s["misses"] for s in layers)
+        return {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "bytes_read": sum(s["bytes_read"] for s in layers),
+            "read_seconds": sum(s["read_seconds"] for s in layers),
+            "wait_seconds": sum(s["wait_seconds"] for s in layers),
+            "evictions": self.cache.evictions,
+            "cache_slots": self.cache.capacity,
+            "cache_budget_bytes": self.cache.budget_bytes,
+            "cached_experts": len(self.cache),
+            "direct_io": self.reader.direct,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "layers": layers,
+        }
+
+    def reset_stats(self) -> None:
+        self.layer_stats = [LayerStats() for _ in self.layers]
+        self.cache.evictions = 0
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def streaming_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The ExpertsInterface entry point: transformers calls this instead of its own experts math."""
+    return self._moestream_engine.run(self, self._moestream_layer, hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register(IMPLEMENTATION, streaming_experts_forward)
+
+
+def _rebuild_buffers(model) -> None:
+    """Buffers left on the meta device (rotary inv_freq, ...) are recomputed the way transformers does
+    after from_pretrained: real storage, then the model's own _init_weights for their modules only.
+    Loaded tensors are flagged as initialized, which makes transformers' init functions skip them."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta:
+            t._is_hf_initialized = True
+    for module in model.modules():
+        meta = [name for name, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        if not meta:
+            continue
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        model._init_weights(module)
+
+
+def load(
+    store: str | os.PathLike,
+    memory: str | int = "4GiB",
+    device: str = "cpu",
+    *,
+    io_threads: int = 4,
+    direct_io: bool = True,
+):
+    """Load a store as a transformers model whose experts stream from disk under a byte budget.
+
+    memory: the expert cache budget ("4GiB", "512MB", or bytes); resident weights come on top of it.
+    Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
+    """
+    if device != "cpu":
+        raise UsageError(f"device {device!r} is not supported yet; this version runs on the CPU (device='cpu')")
+    opened = Store(store)
+    manifest = opened.manifest
+    config = config_from_dict(manifest.model_config)
+    model = build_skeleton(config, model_dtype(config), experts_implementation=IMPLEMENTATION)
+    modules = experts_modules(model)
+    if [name for name, _ in modules] != [layer.module for layer in manifest.layers]:
+        raise StoreError(
+            f"the store's experts layers do not match the model that transformers builds from its config "
+            f"({len(manifest.layers)} vs {len(modules)} experts modules); convert it again with this version"
+        )
+    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io)
+    for index, (name, module) in enumerate(modules):
+        for pname, _ in expert_parameters(module):
+            del module._parameters[pname]  # served from the store, never materialized
+        module._moestream_engine = engine
+        module._moestream_layer = index
+
+    state = {}
+    for f in manifest.resident_files:
+        state.update(load_file(opened.path(f.path)))
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    model.tie_weights()
+    _rebuild_buffers(model)
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise StoreError(
+            f"the store lacks {len(still_meta)} resident tensors, e.g. {still_meta[:5]} "
+            f"(missing at load: {result.missing_keys[:5]}); convert the model again"
+        )
+    model._moestream_engine = engine
+    model.eval()
+    tokenizer = _load_tokenizer(opened.directory)
+    return model, tokenizer
+
+
+def _load_tokenizer(directory: Path):
+    if not any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def engine_of(model) -> ExpertEngine:
+    engine = getattr(model, "_moestream_engine", None)
+    if engine is None:
+        raise UsageError("this model was not loaded with moestream.load()")
+    return engine
+
+
+def stats(model) -> dict:
+    """Cache hits, misses, hit rate, bytes read, read/wait seconds, overall and per layer."""
+    return engine_of(model).stats()
