@@ -13,7 +13,6 @@ One decode step, as a reader follows it:
 from __future__ import annotations
 
 import os
-import resource
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from .cache import Entry, ExpertCache
 from .errors import ExpertReadError, StoreError, UsageError
+from .memory import peak_rss_bytes
 from .reader import RecordReader
 from .skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
 from .store import DTYPES, Store
@@ -198,10 +198,6 @@ class ExpertEngine:
 
     def close(self) -> None:
         self.reader.close()
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def streaming_experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -1,0 +1,176 @@
+"""The `moestream` command: convert, generate, inspect, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .errors import MoestreamError
+from .units import format_bytes, parse_bytes
+
+EPILOG = """examples:
+  moestream demo
+  moestream convert ./Qwen3-30B-A3B ./qwen3-30b.moe
+  moestream inspect ./qwen3-30b.moe --memory 4GiB
+  moestream generate ./qwen3-30b.moe --memory 4GiB --prompt "def fibonacci(n):" --max-new-tokens 64
+
+--memory is the byte budget of the expert cache; the resident weights (embeddings, attention, routers,
+norms, shared experts, LM head) come on top of it. `moestream inspect` prints both.
+"""
+
+
+def _add_memory(p: argparse.ArgumentParser, default: str = "4GiB") -> None:
+    p.add_argument(
+        "--memory",
+        default=default,
+        help=f"expert cache budget, e.g. 512MiB, 4GiB (default {default}); resident weights come on top",
+    )
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    dst = convert(args.src, args.dst, args.experts_dtype, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
+    return _print_inspect(dst, None)
+
+
+def cmd_generate(args) -> int:
+    from .generate import generate
+    from .runtime import load
+
+    model, tokenizer = load(args.store, args.memory, io_threads=args.io_threads, direct_io=not args.buffered_io)
+    if tokenizer is None:
+        raise MoestreamError(f"{args.store} has no tokenizer files; convert from a checkpoint that includes them")
+    result = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        echo=not args.json,
+    )
+    if args.json:
+        out = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_tokens": result.prompt_tokens,
+            "seconds": result.seconds,
+            "time_to_first_token": result.time_to_first_token,
+            "decode_tokens_per_second": result.decode_tokens_per_second,
+            "stats": result.stats,
+        }
+        print(json.dumps(out))
+    else:
+        print(result.summary(), file=sys.stderr)
+    return 0
+
+
+def _print_inspect(store, budget: int | None) -> int:
+    from .sizes import StoreSizes
+    from .store import Store
+
+    s = Store(store)
+    sizes = StoreSizes.of(s.manifest)
+    cfg = s.manifest.model_config
+    rows = [
+        ("model type", cfg.get("model_type")),
+        ("experts dtype", s.manifest.experts_dtype),
+        ("resident bytes", format_bytes(sizes.resident_bytes)),
+        ("expert bytes", f"{format_bytes(sizes.expert_bytes)} in {sizes.experts} records ({sizes.moe_layers} layers x {sizes.experts_per_layer})"),
+        ("bytes per expert", f"{format_bytes(sizes.record_bytes)} (as stored, 4 KiB aligned)"),
+        ("experts per token", f"{sizes.experts_per_token} ({sizes.top_k} per layer)"),
+        ("worst-case read per token", format_bytes(sizes.worst_case_bytes_per_token)),
+        ("minimum --memory", format_bytes(sizes.minimum_budget)),
+    ]
+    budgets = [budget] if budget else [b for b in (2**28, 2**30, 2**32, 2**34) if b >= sizes.minimum_budget]
+    for b in budgets:
+        rows.append(
+            (
+                f"--memory {format_bytes(b)}",
+                f"caches {sizes.cache_slots(b)} experts ({sizes.cached_fraction(b):.1%}); "
+                f"process holds ~{format_bytes(sizes.resident_bytes + min(b, sizes.experts * sizes.record_bytes))} of weights",
+            )
+        )
+    width = max(len(r[0]) for r in rows)
+    print(f"{s.directory}")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    return _print_inspect(args.store, parse_bytes(args.memory) if args.memory else None)
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(workdir=args.workdir, tokens=args.tokens, quick=args.quick)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moestream",
+        description="Run Mixture-of-Experts models larger than memory: dense weights stay resident, "
+        "experts stream from SSD through a byte-budgeted cache.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"moestream {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint directory into a store")
+    p.add_argument("src", help="checkpoint directory: config.json, *.safetensors, tokenizer files")
+    p.add_argument("dst", help="store directory to create")
+    p.add_argument("--experts-dtype", choices=["bf16", "fp16", "fp32"], default=None, help="expert weight dtype (default: the checkpoint's; bf16 for FP8/MXFP4 sources)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow a config that names custom modeling code")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("generate", help="generate text, streaming experts under a memory budget")
+    p.add_argument("store", help="store directory made by `moestream convert`")
+    _add_memory(p)
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (deterministic)")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming")
+    p.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
+    p.add_argument("--buffered-io", action="store_true", help="read through the page cache instead of O_DIRECT")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("inspect", help="sizes of a store and what a memory budget buys")
+    p.add_argument("store")
+    p.add_argument("--memory", default=None, help="show what this expert cache budget holds")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("demo", help="build a synthetic MoE, convert it and stream it under a sweep of budgets")
+    p.add_argument("--workdir", default=None, help="where to build the demo model (default: a temporary directory)")
+    p.add_argument("--tokens", type=int, default=24, help="tokens generated per budget (default 24)")
+    p.add_argument("--quick", action="store_true", help="a smaller model, for a fast check")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MoestreamError as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nmoestream: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
