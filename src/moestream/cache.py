@@ -52,8 +52,9 @@ class Entry:
 
 
 class ExpertCache:
-    def __init__(self, budget_bytes: int, slot_bytes: int, policy=None):
+    def __init__(self, budget_bytes: int, slot_bytes: int, policy=None, on_evict: Callable[[Key], None] | None = None):
         self.slot_bytes = slot_bytes
+        self.on_evict = on_evict
         self.capacity = budget_bytes // slot_bytes
         self.budget_bytes = budget_bytes
         self.policy = policy or LRUPolicy()
@@ -63,7 +64,6 @@ class ExpertCache:
         # are first filled, so resident memory grows with use up to the budget, never beyond.
         self._arena = mmap.mmap(-1, max(self.capacity, 1) * slot_bytes)
         self._arena_tensor = torch.frombuffer(self._arena, dtype=torch.uint8)
-        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -87,7 +87,8 @@ class ExpertCache:
                 return None
             slot = self._entries.pop(victim).slot
             self.policy.on_remove(victim)
-            self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
         entry = Entry(key, slot)
         self._entries[key] = entry
         self.policy.on_insert(key)

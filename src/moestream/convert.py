@@ -307,6 +307,8 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, dtype,
                 bar.update(layout.stride)
             f.flush()
             os.fsync(f.fileno())
+            # Written once, read by O_DIRECT later: do not leave hundreds of GB of it in the page cache.
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums)))
 
     meta = model.state_dict()

@@ -41,6 +41,7 @@ class LayerStats:
     bytes_read: int = 0
     read_seconds: float = 0.0  # summed over I/O threads
     wait_seconds: float = 0.0  # time the model thread spent blocked on this layer's reads
+    evictions: int = 0  # this layer's experts pushed out of the cache
 
 
 class ExpertEngine:
@@ -59,9 +60,12 @@ class ExpertEngine:
                 f"in one layer ({format_bytes(slot)} each); the minimum is {format_bytes(minimum)} "
                 f"({minimum} bytes). Pass --memory {format_bytes(minimum).replace(' ', '')} or more."
             )
-        self.cache = ExpertCache(budget_bytes, slot)
+        self.cache = ExpertCache(budget_bytes, slot, on_evict=self._count_eviction)
         self.reader = RecordReader([store.path(layer.file) for layer in self.layers], io_threads, direct_io)
         self.layer_stats = [LayerStats() for _ in self.layers]
+
+    def _count_eviction(self, key) -> None:
+        self.layer_stats[key[0]].evictions += 1
 
     # -- one experts call -------------------------------------------------------------------------------
 
@@ -183,7 +187,7 @@ class ExpertEngine:
             "bytes_read": sum(s["bytes_read"] for s in layers),
             "read_seconds": sum(s["read_seconds"] for s in layers),
             "wait_seconds": sum(s["wait_seconds"] for s in layers),
-            "evictions": self.cache.evictions,
+            "evictions": sum(s["evictions"] for s in layers),
             "cache_slots": self.cache.capacity,
             "cache_budget_bytes": self.cache.budget_bytes,
             "cached_experts": len(self.cache),
@@ -194,7 +198,6 @@ class ExpertEngine:
 
     def reset_stats(self) -> None:
         self.layer_stats = [LayerStats() for _ in self.layers]
-        self.cache.evictions = 0
 
     def close(self) -> None:
         self.reader.close()
