@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from .errors import SourceError, UsageError
 from .skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
@@ -83,31 +83,27 @@ def _expert_index(key: str) -> int:
     return int(match.group(1))
 
 
-def _rename(key: str, renamings, converters, meta_names: set[str], prefix: str) -> tuple[str, WeightConverter | None, str | None]:
-    for renaming in renamings:
-        key, _ = renaming.rename_source_key(key)
-    matched, pattern = None, None
-    for converter in converters:
-        renamed, pattern = converter.rename_source_key(key)
-        if pattern is not None:
-            key, matched = renamed, converter
-            break
-    # A checkpoint saved from the base model lacks the task model's prefix, or the other way round.
-    if key not in meta_names:
-        if f"{prefix}.{key}" in meta_names:
-            key = f"{prefix}.{key}"
-        elif key.startswith(prefix + ".") and key[len(prefix) + 1 :] in meta_names:
-            key = key[len(prefix) + 1 :]
-    return key, matched, pattern
+def _renamer(model):
+    """Checkpoint key -> (model key, converter or None, matched source pattern), as from_pretrained renames."""
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    meta = model.state_dict()
+
+    def rename(key: str):
+        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if renamed not in meta and key in meta:
+            renamed, pattern = key, None  # already the model's name: a renaming must not have applied
+        return renamed, by_pattern.get(pattern), pattern
+
+    return rename
 
 
 def plan_conversion(model: torch.nn.Module, ckpt: DecodedCheckpoint) -> ConversionPlan:
     """Decide, from names and shapes alone, where every checkpoint tensor goes."""
-    mapping = get_model_conversion_mapping(model)
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    meta = model.state_dict()
-    meta_names = set(meta)
+    rename = _renamer(model)
+    meta_names = set(model.state_dict())
     modules = experts_modules(model)
     expert_params = {}
     sources: list[dict[str, _ExpertSource]] = []
@@ -120,7 +116,7 @@ def plan_conversion(model: torch.nn.Module, ckpt: DecodedCheckpoint) -> Conversi
     resident: dict[str, str | _Group] = {}
     unused = []
     for key in ckpt.keys():
-        target, converter, pattern = _rename(key, renamings, converters, meta_names, model.base_model_prefix)
+        target, converter, pattern = rename(key)
         if target in expert_params:
             src = expert_params[target]
             if converter is None:
