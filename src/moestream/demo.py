@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .convert import convert
-from .memory import peak_rss_bytes, reset_peak_rss
+from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from .runtime import load, stats
 from .store import Store
 from .synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
@@ -61,6 +61,7 @@ def _build_stores(workdir: Path, quick: bool) -> tuple[Path, Path]:
 def _run(store: Path, budget: int, tokens: int) -> dict:
     gc.collect()
     reset_peak_rss()
+    baseline = current_rss_bytes()  # the Python/torch/transformers runtime, before the model exists
     model, tokenizer = load(store, budget)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     start = time.perf_counter()
@@ -82,16 +83,17 @@ def _run(store: Path, budget: int, tokens: int) -> dict:
         "hit_rate": s["hit_rate"],
         "mb_read": s["bytes_read"] / 1e6,
         "peak_rss": peak_rss_bytes(),
+        "rss_growth": peak_rss_bytes() - baseline,
         "tokens_per_s": (out.shape[1] - ids.shape[1]) / seconds,
     }
 
 
 def _table(rows: list[dict], label) -> None:
-    print(f"  {'budget':>10} {'of experts':>10} {'hit rate':>9} {'MB read':>9} {'peak RSS':>10} {'tok/s':>7}")
+    print(f"  {'budget':>10} {'of experts':>10} {'hit rate':>9} {'MB read':>9} {'peak RSS':>10} {'of which model':>14} {'tok/s':>7}")
     for r in rows:
         print(
             f"  {format_bytes(r['budget']):>10} {label(r):>10} {r['hit_rate']:>9.1%} {r['mb_read']:>9.1f} "
-            f"{format_bytes(r['peak_rss']):>10} {r['tokens_per_s']:>7.1f}"
+            f"{format_bytes(r['peak_rss']):>10} {format_bytes(r['rss_growth']):>14} {r['tokens_per_s']:>7.1f}"
         )
 
 
@@ -123,7 +125,8 @@ def run_demo(workdir: str | None = None, tokens: int = 24, quick: bool = False) 
         disk = sum(p.stat().st_size for p in uniform.rglob("*") if p.is_file())
         largest = max(r["peak_rss"] for r in rows + pair)
         print(
-            f"\nmodel on disk {format_bytes(disk)}; largest peak RSS {format_bytes(largest)} "
-            f"(resident weights + budget + Python/torch runtime). Done in {time.perf_counter() - t0:.0f}s."
+            f"\nmodel on disk {format_bytes(disk)}; largest peak RSS {format_bytes(largest)}, of which the model "
+            f"(resident weights + expert cache + activations) {format_bytes(max(r['rss_growth'] for r in rows + pair))}; "
+            f"the rest is the Python/torch runtime. Done in {time.perf_counter() - t0:.0f}s."
         )
         return rows + pair
