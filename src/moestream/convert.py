@@ -237,8 +237,7 @@ def convert(
     if quantized_source:
         # The store holds decoded floats; the quantization settings of the source no longer apply.
         del config.quantization_config
-    dtype = model_dtype(config)
-    model = build_skeleton(config, dtype)
+    model = build_skeleton(config, model_dtype(config))
     ckpt = DecodedCheckpoint(src)
     try:
         plan = plan_conversion(model, ckpt)
@@ -249,7 +248,7 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            manifest = _write_store(tmp, src, model, ckpt, plan, dtype, experts_torch_dtype, progress)
+            manifest = _write_store(tmp, src, model, ckpt, plan, experts_torch_dtype, progress)
             manifest.write(tmp)
             if dst.exists():
                 shutil.rmtree(dst)
@@ -262,7 +261,7 @@ def convert(
     return dst
 
 
-def _estimate_bytes(model, ckpt, plan, dtype, experts_dtype) -> tuple[int, int]:
+def _estimate_bytes(model, plan: ConversionPlan, experts_dtype) -> tuple[int, int]:
     meta = model.state_dict()
     resident = sum(meta[t].numel() * meta[t].element_size() for t in plan.resident)
     experts = 0
@@ -272,8 +271,8 @@ def _estimate_bytes(model, ckpt, plan, dtype, experts_dtype) -> tuple[int, int]:
     return resident, experts
 
 
-def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, dtype, experts_dtype, progress) -> Manifest:
-    resident_total, experts_total = _estimate_bytes(model, ckpt, plan, dtype, experts_dtype)
+def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, experts_dtype, progress) -> Manifest:
+    resident_total, experts_total = _estimate_bytes(model, plan, experts_dtype)
     free = shutil.disk_usage(tmp).free
     need = resident_total + experts_total + 64 * 1024**2
     if free < need:

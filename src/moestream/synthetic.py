@@ -57,12 +57,12 @@ def skew_router(model, zipf: float, noise: float = 1.0, seed: int = 0) -> None:
     std = model.config.initializer_range
     feature = 1.0 / ((1.0 + (hidden - 1) * std**2) / hidden) ** 0.5
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if type(module).__name__.endswith("TopKRouter") or type(module).__name__.endswith("Router"):
+        if type(module).__name__.endswith("Router"):  # Qwen3MoeTopKRouter and its kin
+            weight = module.weight
             experts = weight.shape[0]
             ranks = torch.randperm(experts, generator=g).float() + 1
             bias = -zipf * torch.log(ranks)
-            weight.normal_(0, noise / (hidden - 1) ** 0.5 / (std * feature / 1.0), generator=g)
+            weight.normal_(0, noise / ((hidden - 1) ** 0.5 * std * feature), generator=g)
             weight[:, 0] = bias / feature
 
 
