@@ -68,9 +68,6 @@ class ExpertCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: Key) -> bool:
-        return key in self._entries
-
     def lookup(self, key: Key) -> Entry | None:
         entry = self._entries.get(key)
         if entry is not None:
@@ -108,6 +105,3 @@ class ExpertCache:
     def slot_tensor(self, slot: int) -> torch.Tensor:
         start = slot * self.slot_bytes
         return self._arena_tensor[start : start + self.slot_bytes]
-
-    def keys(self) -> list[Key]:
-        return list(self._entries)

@@ -29,7 +29,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from .errors import SourceError, UsageError
 from .skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
 from .source import DecodedCheckpoint
-from .store import ExpertLayer, FileEntry, Manifest, RecordLayout, checksum
+from .store import ExpertLayer, FileEntry, Manifest, RecordLayout, checksum, file_checksum
 from .units import format_bytes
 
 EXPERT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -314,7 +314,7 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, expert
         if shard:
             rel = f"resident-{len(files) + 1:05d}.safetensors"
             save_file(shard, str(tmp / rel), metadata={"format": "pt"})
-            files.append(FileEntry(rel, (tmp / rel).stat().st_size, _file_checksum(tmp / rel)))
+            files.append(FileEntry(rel, (tmp / rel).stat().st_size, file_checksum(tmp / rel)))
             shard, shard_bytes = {}, 0
 
     for target in sorted(plan.resident, key=_natural_key):
@@ -358,13 +358,3 @@ def _first_source_key(sources: dict[str, _ExpertSource]) -> str:
     if src.fused_key is not None:
         return src.fused_key
     return next(iter(src.per_expert[0].keys.values()))[0]
-
-
-def _file_checksum(path: Path, chunk: int = 16 * 1024**2) -> str:
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

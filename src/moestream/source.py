@@ -207,27 +207,10 @@ class DecodedCheckpoint:
     def keys(self) -> list[str]:
         return list(self.kinds)
 
-    def is_quantized(self, key: str) -> bool:
-        return self.kinds[key][0] != "plain"
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        kind = self.kinds[key]
-        if kind[0] == "mxfp4":
-            *lead, rows, groups, _ = self.reader.tensors[kind[1]].shape
-            shape = (*lead, rows, groups * 32)
-            return (*lead, shape[-1], rows) if self.mxfp4_transpose else shape
-        return self.reader.tensors[kind[1]].shape
-
     def dtype(self, key: str) -> torch.dtype:
         """The dtype to store this tensor in by default (quantized formats: bfloat16, the models' own dtype)."""
         kind = self.kinds[key]
         return torch.bfloat16 if kind[0] != "plain" else self.reader.tensors[kind[1]].dtype
-
-    def nbytes(self, key: str) -> int:
-        n = self.dtype(key).itemsize
-        for d in self.shape(key):
-            n *= d
-        return n
 
     def read(self, key: str, index: int | None = None) -> torch.Tensor:
         kind = self.kinds[key]

@@ -48,6 +48,15 @@ def checksum(data) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def file_checksum(path: Path, chunk: int = 16 * 1024**2) -> str:
+    """xxh3-64 of a whole file, read in chunks."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of an expert record: where it sits inside the record and how to view it."""
