@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from .errors import SourceError, UsageError
 from .skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
@@ -160,7 +160,7 @@ def plan_conversion(model: torch.nn.Module, ckpt: DecodedCheckpoint) -> Conversi
 def _run_converter(group: _Group, ckpt: DecodedCheckpoint, model, target: str) -> torch.Tensor:
     """Apply transformers' own conversion operations (merge, concatenate, ...) to the group's tensors."""
     tensors = {
-        pattern: [ckpt.read(k) for k in sorted(keys, key=_natural_key)] for pattern, keys in group.keys.items()
+        pattern: [ckpt.read(k) for k in sorted(keys, key=dot_natural_key)] for pattern, keys in group.keys.items()
     }
     conv = group.converter
     for op in conv.operations:
@@ -175,10 +175,6 @@ def _run_converter(group: _Group, ckpt: DecodedCheckpoint, model, target: str) -
     if len(tensors) != 1:
         raise SourceError(f"transformers' conversion for {target} produced {len(tensors)} tensors, expected one")
     return next(iter(tensors.values()))
-
-
-def _natural_key(key: str):
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
 def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> torch.Tensor:
@@ -317,7 +313,7 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, expert
             files.append(FileEntry(rel, (tmp / rel).stat().st_size, file_checksum(tmp / rel)))
             shard, shard_bytes = {}, 0
 
-    for target in sorted(plan.resident, key=_natural_key):
+    for target in sorted(plan.resident, key=dot_natural_key):
         source = plan.resident[target]
         t = ckpt.read(source) if isinstance(source, str) else _run_converter(source, ckpt, model, target)
         want = meta[target]

@@ -183,7 +183,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 class DecodedCheckpoint:
     """The checkpoint as logical float tensors: quantized pairs appear under the name the model expects."""
 
-    def __init__(self, directory: Path, mxfp4_transpose: bool = True):
+    def __init__(self, directory: Path):
         self.reader = CheckpointReader(directory)
         raw = self.reader.tensors
         self.kinds: dict[str, tuple[str, ...]] = {}
@@ -202,7 +202,6 @@ class DecodedCheckpoint:
                 self.kinds[key] = ("fp8", key, scale)
             else:
                 self.kinds[key] = ("plain", key)
-        self.mxfp4_transpose = mxfp4_transpose
 
     def keys(self) -> list[str]:
         return list(self.kinds)
@@ -221,8 +220,7 @@ class DecodedCheckpoint:
         else:
             w = dequantize_mxfp4(self.reader.read(kind[1], index), self.reader.read(kind[2], index))
             # gpt-oss stores blocks as [experts, out, in/32, 16]; its modules hold [experts, in, out].
-            if self.mxfp4_transpose:
-                w = w.transpose(-1, -2).contiguous()
+            w = w.transpose(-1, -2).contiguous()
         return w  # float32; the converter casts to the store's dtype
 
     def close(self) -> None:
