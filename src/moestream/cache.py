@@ -91,12 +91,22 @@ class ExpertCache:
         self.policy.on_insert(key)
         return entry
 
-    def discard(self, key: Key) -> None:
-        """Forget an entry whose read failed: its slot holds no valid bytes."""
+    def discard(self, key: Key, reuse_slot: bool = True) -> int | None:
+        """Forget an entry whose read failed: its slot holds no valid bytes.
+
+        reuse_slot=False keeps the slot out of the free list and returns it: a read that has not finished
+        may still write into it, so the caller hands it back with `release_slot` once that read is over.
+        """
         entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.policy.on_remove(key)
+        if entry is None:
+            return None
+        self.policy.on_remove(key)
+        if reuse_slot:
             self._free.append(entry.slot)
+        return entry.slot
+
+    def release_slot(self, slot: int) -> None:
+        self._free.append(slot)
 
     def slot_memory(self, slot: int) -> memoryview:
         start = slot * self.slot_bytes

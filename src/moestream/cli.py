@@ -1,4 +1,4 @@
-"""The `moestream` command: convert, generate, inspect, demo."""
+"""The `moestream` command: convert, generate, inspect, verify, demo."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ EPILOG = """examples:
   moestream demo
   moestream convert ./Qwen3-30B-A3B ./qwen3-30b.moe
   moestream inspect ./qwen3-30b.moe --memory 4GiB
+  moestream verify ./qwen3-30b.moe
   moestream generate ./qwen3-30b.moe --memory 4GiB --prompt "def fibonacci(n):" --max-new-tokens 64
 
 --memory is the byte budget of the expert cache; the resident weights (embeddings, attention, routers,
@@ -40,7 +41,9 @@ def cmd_generate(args) -> int:
     from .generate import generate
     from .runtime import load
 
-    model, tokenizer = load(args.store, args.memory, io_threads=args.io_threads, direct_io=not args.buffered_io)
+    model, tokenizer = load(
+        args.store, args.memory, io_threads=args.io_threads, direct_io=not args.buffered_io, verify=args.verify
+    )
     if tokenizer is None:
         raise MoestreamError(f"{args.store} has no tokenizer files; convert from a checkpoint that includes them")
     result = generate(
@@ -107,6 +110,14 @@ def cmd_inspect(args) -> int:
     return _print_inspect(args.store, parse_bytes(args.memory) if args.memory else None)
 
 
+def cmd_verify(args) -> int:
+    from .verify import verify_store
+
+    report = verify_store(args.store, quick=args.quick, progress=not args.json)
+    print(json.dumps(report.to_json()) if args.json else report.summary())
+    return 0 if report.ok else 1
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -145,12 +156,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming")
     p.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
     p.add_argument("--buffered-io", action="store_true", help="read through the page cache instead of O_DIRECT")
+    p.add_argument(
+        "--verify",
+        choices=["first", "always", "off"],
+        default="first",
+        help="check expert records against their checksums on the first read of each (default), on every "
+        "read, or never; resident files are checked at load unless off",
+    )
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("inspect", help="sizes of a store and what a memory budget buys")
     p.add_argument("store")
     p.add_argument("--memory", default=None, help="show what this expert cache budget holds")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "verify",
+        help="check a store's files and every record's checksum; exit 1 listing what is damaged",
+        description="Check the manifest against the files (sizes, offsets, alignment), every expert record's "
+        "checksum and the resident safetensors files. Exits 0 when the store is intact, 1 with a list of "
+        "problems (file, layer, expert, offset) when it is not.",
+    )
+    p.add_argument("store")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="check a sample of records per layer (first, last and random ones) and resident headers only",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("demo", help="build a synthetic MoE, convert it and stream it under a sweep of budgets")
     p.add_argument("--workdir", default=None, help="where to build the demo model (default: a temporary directory)")

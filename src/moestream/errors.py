@@ -19,3 +19,7 @@ class StoreError(MoestreamError):
 
 class ExpertReadError(MoestreamError, OSError):
     """Reading an expert record from disk failed (after retries) or returned the wrong bytes."""
+
+
+class RecordChecksumError(ExpertReadError):
+    """An expert record read from disk does not match the checksum in the manifest: the store is damaged."""

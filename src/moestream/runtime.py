@@ -28,10 +28,18 @@ from .errors import ExpertReadError, StoreError, UsageError
 from .memory import peak_rss_bytes
 from .reader import RecordReader
 from .skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
-from .store import DTYPES, Store
+from .store import DTYPES, Store, file_checksum
 from .units import format_bytes, parse_bytes
 
 IMPLEMENTATION = "moestream"
+# When expert records are checked against their manifest checksums (docs/FORMAT.md, "Verification"):
+# "first": the first time each record is read by this process (the default: damage on disk is caught
+# before the bytes are used, and re-reads of an evicted expert cost no hashing); "always": every read;
+# "off": never.
+VERIFY_MODES = ("first", "always", "off")
+# A read that has not finished after this long means a stalled disk or network filesystem: the step
+# fails with an error instead of hanging the program.
+READ_TIMEOUT_SECONDS = 60.0
 
 
 @dataclass
@@ -41,14 +49,29 @@ class LayerStats:
     bytes_read: int = 0
     read_seconds: float = 0.0  # summed over I/O threads
     wait_seconds: float = 0.0  # time the model thread spent blocked on this layer's reads
+    verify_seconds: float = 0.0  # checksum time on the I/O threads (not on the model thread)
     evictions: int = 0  # this layer's experts pushed out of the cache
 
 
 class ExpertEngine:
     """The streaming side of a loaded model: store, reader, cache and statistics."""
 
-    def __init__(self, store: Store, budget_bytes: int, io_threads: int = 4, direct_io: bool = True):
+    def __init__(
+        self,
+        store: Store,
+        budget_bytes: int,
+        io_threads: int = 4,
+        direct_io: bool = True,
+        verify: str = "first",
+        read_timeout: float = READ_TIMEOUT_SECONDS,
+    ):
+        if verify not in VERIFY_MODES:
+            raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.store = store
+        self.verify = verify
+        self.read_timeout = read_timeout
+        self._verified: set[tuple[int, int]] = set()  # records whose checksum matched since load
+        self._stalled: list[tuple] = []  # (future, slot) of reads abandoned while still running
         self.layers = store.manifest.layers
         slot = store.manifest.max_record_stride
         config = store.manifest.model_config
@@ -81,6 +104,7 @@ class ExpertEngine:
         out = hidden.new_zeros(tokens * k, hidden.shape[-1])
         weights = top_k_weights.reshape(-1)
         stats = self.layer_stats[layer]
+        self._reclaim_stalled_slots()
 
         ready: list[Entry] = []
         waiting: list[int] = []
@@ -106,8 +130,14 @@ class ExpertEngine:
                         "raise --memory"
                     )
                 t0 = time.perf_counter()
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                done, _ = wait(in_flight, timeout=self.read_timeout, return_when=FIRST_COMPLETED)
                 stats.wait_seconds += time.perf_counter() - t0
+                if not done:
+                    stalled = sorted(entry.key[1] for entry in in_flight.values())
+                    raise ExpertReadError(
+                        f"no read of layer {layer}'s experts {stalled} finished within {self.read_timeout:g} s "
+                        f"from {self.store.path(self.layers[layer].file)}: the disk is stalled or failing"
+                    )
                 for future in done:
                     entry = in_flight.pop(future)
                     self._finish_read(layer, entry, future)
@@ -116,14 +146,14 @@ class ExpertEngine:
                 # Slots freed by the experts just computed take the reads that did not fit before.
                 self._issue_reads(layer, waiting, in_flight)
         finally:
-            # Only reached with work left after an error: never leave a half-read slot in the cache.
+            # Only reached with work left after an error: never leave a half-read slot in the cache, and
+            # never hand out a slot that a still-running read may yet write into.
             for future, entry in in_flight.items():
                 future.cancel()
-                try:
-                    future.result()
-                except BaseException:
-                    pass
-                self.cache.discard(entry.key)
+                if future.done():
+                    self.cache.discard(entry.key)
+                else:
+                    self._stalled.append((future, self.cache.discard(entry.key, reuse_slot=False)))
             for entry in ready:
                 entry.pins -= 1
         return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
@@ -136,19 +166,38 @@ class ExpertEngine:
                 return  # every slot is pinned by this call: wait for a computation to release one
             e = waiting.pop(0)
             entry.pins = 1
-            entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, self.cache.slot_memory(entry.slot))
+            check = self.verify == "always" or (self.verify == "first" and (layer, e) not in self._verified)
+            expected = (spec.layout.nbytes, spec.checksums[e]) if check else None
+            memory = self.cache.slot_memory(entry.slot)
+            entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected)
             in_flight[entry.loading] = entry
 
+    def _reclaim_stalled_slots(self) -> None:
+        if self._stalled:
+            still = []
+            for future, slot in self._stalled:
+                if future.done():
+                    self.cache.release_slot(slot)
+                else:
+                    still.append((future, slot))
+            self._stalled = still
+
     def _finish_read(self, layer: int, entry: Entry, future) -> None:
-        try:
-            seconds = future.result()
-        except BaseException:
-            self.cache.discard(entry.key)
-            raise
         spec = self.layers[layer]
+        try:
+            result = future.result()
+        except BaseException as error:
+            self.cache.discard(entry.key)  # its bytes are partial or damaged: they must never be computed with
+            if isinstance(error, ExpertReadError):
+                where = f"layer {layer} ({spec.module}), expert {entry.key[1]}"
+                raise type(error)(f"{where}: {error}") from error
+            raise
+        if self.verify != "off":
+            self._verified.add(entry.key)
         stats = self.layer_stats[layer]
         stats.bytes_read += spec.layout.stride
-        stats.read_seconds += seconds
+        stats.read_seconds += result.seconds
+        stats.verify_seconds += result.verify_seconds
         raw = self.cache.slot_tensor(entry.slot)
         entry.tensors = {
             t.name: raw[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in spec.layout.tensors
@@ -187,6 +236,8 @@ class ExpertEngine:
             "bytes_read": sum(s["bytes_read"] for s in layers),
             "read_seconds": sum(s["read_seconds"] for s in layers),
             "wait_seconds": sum(s["wait_seconds"] for s in layers),
+            "verify_seconds": sum(s["verify_seconds"] for s in layers),
+            "verify": self.verify,
             "evictions": sum(s["evictions"] for s in layers),
             "cache_slots": self.cache.capacity,
             "cache_budget_bytes": self.cache.budget_bytes,
@@ -234,10 +285,13 @@ def load(
     *,
     io_threads: int = 4,
     direct_io: bool = True,
+    verify: str = "first",
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
     memory: the expert cache budget ("4GiB", "512MB", or bytes); resident weights come on top of it.
+    verify: when expert records are checked against their checksums: "first" read of each (default),
+        "always", or "off".
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     if device != "cpu":
@@ -252,7 +306,7 @@ def load(
             f"the store's experts layers do not match the model that transformers builds from its config "
             f"({len(manifest.layers)} vs {len(modules)} experts modules); convert it again with this version"
         )
-    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io)
+    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify)
     for index, (name, module) in enumerate(modules):
         for pname, _ in expert_parameters(module):
             del module._parameters[pname]  # served from the store, never materialized
@@ -261,7 +315,14 @@ def load(
 
     state = {}
     for f in manifest.resident_files:
-        state.update(load_file(opened.path(f.path)))
+        path = opened.path(f.path)
+        # Resident weights are read in full once, so hashing them costs one pass over memory at ~9 GB/s.
+        if verify != "off" and file_checksum(path) != f.checksum:
+            raise StoreError(
+                f"resident file {f.path} does not match its checksum in the manifest: the store is damaged. "
+                "Run `moestream verify` on it, then convert the model again."
+            )
+        state.update(load_file(path))
     result = model.load_state_dict(state, strict=False, assign=True)
     del state
     model.tie_weights()

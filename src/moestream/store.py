@@ -295,7 +295,7 @@ def parse_manifest(directory: Path, raw) -> Manifest:
 class Store:
     """An opened, validated store directory. Cheap to open: reads the manifest and stats the files."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, check_files: bool = True):
         self.directory = Path(directory)
         manifest_path = self.directory / MANIFEST
         if not self.directory.is_dir():
@@ -310,24 +310,26 @@ class Store:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise StoreError(f"{manifest_path} is not valid JSON ({e}); the store is damaged, convert it again.") from None
         self.manifest = parse_manifest(self.directory, raw)
-        self._check_file_sizes()
+        problems = self.file_problems() if check_files else []
+        if problems:
+            raise StoreError(problems[0][1])
 
     def path(self, rel: str) -> Path:
         return _confined_path(self.directory, rel, "path")
 
-    def _check_file_sizes(self) -> None:
-        for f in self.manifest.resident_files:
-            self._check_size(f.path, f.size, exact=True)
-        for layer in self.manifest.layers:
-            self._check_size(layer.file, max(layer.offsets) + layer.layout.stride, exact=False)
-
-    def _check_size(self, rel: str, expected: int, exact: bool) -> None:
-        p = self.path(rel)
-        if not p.is_file():
-            raise StoreError(f"store file {rel} is missing from {self.directory}; the store is incomplete, convert it again.")
-        size = p.stat().st_size
-        if size < expected or (exact and size != expected):
-            raise StoreError(
-                f"store file {rel} is {size} bytes, the manifest says {expected}: it is truncated or was "
-                "replaced; convert the model again."
-            )
+    def file_problems(self) -> list[tuple[str, str]]:
+        """(file, message) for every store file that is missing or shorter than the manifest says (resident
+        files: not exactly as long)."""
+        expected = [(f.path, f.size, True) for f in self.manifest.resident_files]
+        expected += [(layer.file, max(layer.offsets) + layer.layout.stride, False) for layer in self.manifest.layers]
+        problems = []
+        for rel, size, exact in expected:
+            p = self.path(rel)
+            if not p.is_file():
+                problems.append((rel, f"store file {rel} is missing from {self.directory}; the store is incomplete, convert it again."))
+                continue
+            actual = p.stat().st_size
+            if actual < size or (exact and actual != size):
+                problems.append((rel, f"store file {rel} is {actual} bytes, the manifest says {size}: it is truncated "
+                                 "or was replaced; convert the model again."))
+        return problems
