@@ -344,7 +344,15 @@ def _load_tokenizer(directory: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    try:
+        # trust_remote_code=False explicitly: left unset, transformers would ask on a terminal whether to
+        # run code that a store's tokenizer_config.json names.
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError) as e:
+        raise StoreError(
+            f"the tokenizer files of {directory} cannot be loaded ({e}). moestream never runs code from a "
+            "store; convert from a checkpoint whose tokenizer transformers supports natively."
+        ) from None
 
 
 def engine_of(model) -> ExpertEngine:

@@ -22,7 +22,12 @@ def load_source_config(src: Path, trust_remote_code: bool = False) -> Pretrained
     path = Path(src) / "config.json"
     if not path.is_file():
         raise SourceError(f"{src} has no config.json; pass a Hugging Face checkpoint directory")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{path} is not valid JSON ({e}); the checkpoint is damaged, download it again") from None
+    if not isinstance(raw, dict):
+        raise SourceError(f"{path} is not a JSON object; the checkpoint is damaged, download it again")
     if "auto_map" in raw and not trust_remote_code:
         raise SourceError(
             f"{path} names custom modeling code (auto_map); moestream runs only transformers' own model "
@@ -33,14 +38,20 @@ def load_source_config(src: Path, trust_remote_code: bool = False) -> Pretrained
             f"{path}: model_type {raw.get('model_type')!r} is not known to this transformers version; "
             "upgrade transformers or check the checkpoint."
         )
-    return AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(src, trust_remote_code=trust_remote_code, local_files_only=True)
+    except Exception as e:  # config classes validate with their own error types (huggingface_hub's strict dataclasses)
+        raise SourceError(f"{path} is not a valid {raw.get('model_type')} config ({e}); check the checkpoint") from None
 
 
 def config_from_dict(raw: dict) -> PretrainedConfig:
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise StoreError(f"the store's model_type {model_type!r} is unknown to this transformers version; upgrade it")
-    return CONFIG_MAPPING[model_type].from_dict(dict(raw))
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(raw))
+    except Exception as e:  # config classes validate with their own error types (huggingface_hub's strict dataclasses)
+        raise StoreError(f"the store's model_config is not a valid {model_type} config ({e}); convert the model again") from None
 
 
 def model_dtype(config: PretrainedConfig) -> torch.dtype:
