@@ -29,10 +29,12 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, dot
 from .errors import SourceError, UsageError
 from .skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
 from .source import DecodedCheckpoint
-from .store import ExpertLayer, FileEntry, Manifest, RecordLayout, checksum, file_checksum
+from .quant import DEFAULT_GROUP_SIZE, QUANT_FORMATS, QuantFormat, expert_record_specs, pack, parse_layer_rules, quantize
+from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum, file_checksum
 from .units import format_bytes
 
 EXPERT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPERT_FORMATS = tuple(EXPERT_DTYPES) + QUANT_FORMATS
 # Files copied verbatim so that the store can build the tokenizer and generation defaults by itself.
 EXTRA_FILES = (
     "tokenizer.json",
@@ -215,17 +217,24 @@ def convert(
     dst: str | os.PathLike,
     experts_dtype: str | None = None,
     *,
+    layer_dtypes: list[str] = (),
+    group_size: int = DEFAULT_GROUP_SIZE,
     overwrite: bool = False,
     progress: bool = True,
     trust_remote_code: bool = False,
 ) -> Path:
     """Convert the Hugging Face checkpoint directory `src` into a moestream store at `dst`.
 
-    experts_dtype: "bf16", "fp16" or "fp32"; default: the checkpoint's own float dtype (bf16 for FP8/MXFP4).
+    experts_dtype: "bf16", "fp16", "fp32" (floats) or "int8", "int4", "int3", "int2" (quant.py); default:
+        the checkpoint's own float dtype (bf16 for FP8/MXFP4 sources).
+    layer_dtypes: per-layer overrides such as ["0-3=int3", "-1=int4"], counted over the MoE layers.
+    group_size: inputs per scale of the int4/int3/int2 formats (32, 64 or 128).
     """
     src, dst = Path(src), Path(dst)
-    if experts_dtype is not None and experts_dtype not in EXPERT_DTYPES:
-        raise UsageError(f"unknown experts dtype {experts_dtype!r}; choose one of {', '.join(EXPERT_DTYPES)}")
+    # Checked before any work; the rules' syntax and layer numbers are checked once the model is known.
+    for choice in [experts_dtype] + [rule.rpartition("=")[2] for rule in layer_dtypes if "=" in rule]:
+        if choice is not None and choice not in EXPERT_FORMATS:
+            raise UsageError(f"unknown experts dtype {choice!r}; choose one of {', '.join(EXPERT_FORMATS)}")
     if dst.exists() and not overwrite:
         raise UsageError(f"{dst} already exists; choose another path, delete it, or pass --overwrite")
     config = load_source_config(src, trust_remote_code)
@@ -237,14 +246,15 @@ def convert(
     ckpt = DecodedCheckpoint(src)
     try:
         plan = plan_conversion(model, ckpt)
-        experts_torch_dtype = EXPERT_DTYPES[experts_dtype] if experts_dtype else None
+        rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
+        formats = [_layer_format(rules.get(i, experts_dtype), group_size) for i in range(len(plan.experts))]
         dst.parent.mkdir(parents=True, exist_ok=True)
         _cleanup_stale(dst)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            manifest = _write_store(tmp, src, model, ckpt, plan, experts_torch_dtype, progress)
+            manifest = _write_store(tmp, src, model, ckpt, plan, formats, progress)
             manifest.write(tmp)
             if dst.exists():
                 shutil.rmtree(dst)
@@ -257,18 +267,33 @@ def convert(
     return dst
 
 
-def _estimate_bytes(model, plan: ConversionPlan, experts_dtype) -> tuple[int, int]:
+def _layer_format(choice: str | None, group_size: int) -> torch.dtype | QuantFormat | None:
+    """A layer's storage: a float dtype, a quantized format, or None (the checkpoint's own dtype)."""
+    if choice is None:
+        return None
+    return EXPERT_DTYPES[choice] if choice in EXPERT_DTYPES else QuantFormat.make(choice, group_size)
+
+
+def _layer_layout(name: str, module, sources, ckpt, storage) -> tuple[RecordLayout, QuantFormat | None]:
+    """The record layout of one experts module stored as `storage` (see _layer_format)."""
+    params = dict(expert_parameters(module))
+    shapes = {p: tuple(params[p].shape[1:]) for p in sources}
+    fmt = storage if isinstance(storage, QuantFormat) else None
+    # Float parts (all parameters, or a quantized layer's biases): the chosen float dtype, else the source's.
+    float_dtype = storage if isinstance(storage, torch.dtype) else ckpt.dtype(_first_source_key(sources))
+    return RecordLayout.pack(expert_record_specs(shapes, float_dtype, fmt, module.is_transposed, name)), fmt
+
+
+def _estimate_bytes(model, plan: ConversionPlan, layouts: list[RecordLayout]) -> tuple[int, int]:
     meta = model.state_dict()
     resident = sum(meta[t].numel() * meta[t].element_size() for t in plan.resident)
-    experts = 0
-    for _, module, _ in plan.experts:
-        specs = [(p, experts_dtype or param.dtype, tuple(param.shape[1:])) for p, param in expert_parameters(module)]
-        experts += RecordLayout.pack(specs).stride * module.num_experts
+    experts = sum(layout.stride * module.num_experts for layout, (_, module, _) in zip(layouts, plan.experts))
     return resident, experts
 
 
-def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, experts_dtype, progress) -> Manifest:
-    resident_total, experts_total = _estimate_bytes(model, plan, experts_dtype)
+def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, formats, progress) -> Manifest:
+    layouts = [_layer_layout(name, module, sources, ckpt, storage) for (name, module, sources), storage in zip(plan.experts, formats)]
+    resident_total, experts_total = _estimate_bytes(model, plan, [layout for layout, _ in layouts])
     free = shutil.disk_usage(tmp).free
     need = resident_total + experts_total + 64 * 1024**2
     if free < need:
@@ -278,10 +303,9 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, expert
         )
     bar = tqdm(total=resident_total + experts_total, unit="B", unit_scale=True, desc="convert", disable=not progress)
     layers = []
-    for index, (name, module, sources) in enumerate(plan.experts):
+    for index, ((name, module, sources), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
         params = dict(expert_parameters(module))
-        layer_dtype = experts_dtype or ckpt.dtype(_first_source_key(sources))
-        layout = RecordLayout.pack([(p, layer_dtype, tuple(params[p].shape[1:])) for p in sources])
+        entries = {t.name: t for t in layout.tensors}
         rel = f"experts/layer-{index:03d}.bin"
         (tmp / "experts").mkdir(exist_ok=True)
         offsets, sums = [], []
@@ -289,9 +313,16 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, expert
         with open(tmp / rel, "wb") as f:
             for e in range(module.num_experts):
                 record[:] = 0
-                for entry in layout.tensors:
-                    t = _expert_tensor(sources[entry.name], e, ckpt, model, f"{name}.{entry.name}", params[entry.name].shape[1:])
-                    record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(t.to(layer_dtype))
+                for p in sources:
+                    t = _expert_tensor(sources[p], e, ckpt, model, f"{name}.{p}", params[p].shape[1:])
+                    if fmt is not None and t.dim() == 2:
+                        # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
+                        parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
+                    else:
+                        parts = {p: t}
+                    for part, value in parts.items():
+                        entry = entries[part]
+                        record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(value.to(DTYPES[entry.dtype]))
                 offsets.append(f.tell())
                 sums.append(checksum(record[: layout.nbytes]))
                 f.write(record.data)
@@ -300,7 +331,7 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, expert
             os.fsync(f.fileno())
             # Written once, read by O_DIRECT later: do not leave hundreds of GB of it in the page cache.
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums)))
+        layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
 
     meta = model.state_dict()
     files, shard, shard_bytes = [], {}, 0
@@ -340,13 +371,26 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, expert
     config.pop("_experts_implementation", None)
     return Manifest(
         model_config=config,
-        experts_dtype=layers[0].layout.tensors[0].dtype,
+        experts_dtype=_describe_formats(layers),
         resident_files=files,
         resident_bytes=sum(f.size for f in files),
         layers=layers,
         extra_files=extra,
         source={"path_name": src.name, "model_type": model.config.model_type},
     )
+
+
+def _describe_formats(layers: list[ExpertLayer]) -> str:
+    """What `inspect` shows as the experts dtype: one name, or "mixed: ..." with the layers of each."""
+    names = [
+        f"{layer.quantization.name}" + (f"-g{layer.quantization.group_size}" if layer.quantization.group_size else "")
+        if layer.quantization
+        else layer.layout.tensors[0].dtype
+        for layer in layers
+    ]
+    if len(set(names)) == 1:
+        return names[0]
+    return "mixed: " + ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names))
 
 
 def _first_source_key(sources: dict[str, _ExpertSource]) -> str:

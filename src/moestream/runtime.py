@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers.integrations.moe import ExpertsInterface
 
 from .cache import Entry, ExpertCache
 from .errors import ExpertReadError, StoreError, UsageError
+from .kernels import expert_linear
+from .quant import expert_record_specs, int4_packing
 from .memory import peak_rss_bytes
 from .reader import RecordReader
 from .skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
@@ -204,19 +205,19 @@ class ExpertEngine:
         }
         entry.loading = None
 
-    @staticmethod
-    def _compute(module, entry: Entry, hidden, rows, weights, k: int, out: torch.Tensor) -> None:
+    def _compute(self, module, entry: Entry, hidden, rows, weights, k: int, out: torch.Tensor) -> None:
         """One expert on the tokens routed to it, with the module's own gate/activation semantics."""
         idx = rows[entry.key[1]]
         w = entry.tensors
+        fmt = self.layers[entry.key[0]].quantization
         first = "gate_up_proj" if module.has_gate else "up_proj"
-        weight = w[first]
-        x = hidden[idx // k].to(weight.dtype)
-        h = x @ weight if module.is_transposed else F.linear(x, weight)
+        # Float records compute in their own dtype; quantized ones in the model's activation dtype.
+        x = hidden[idx // k].to(hidden.dtype if fmt else w[first].dtype)
+        h = expert_linear(x, w, first, fmt, module.is_transposed)
         if module.has_bias:
             h = h + w[first + "_bias"]
         h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-        y = h @ w["down_proj"] if module.is_transposed else F.linear(h, w["down_proj"])
+        y = expert_linear(h, w, "down_proj", fmt, module.is_transposed)
         if module.has_bias:
             y = y + w["down_proj_bias"]
         if module.has_post_expert_norm:
@@ -306,6 +307,8 @@ def load(
             f"the store's experts layers do not match the model that transformers builds from its config "
             f"({len(manifest.layers)} vs {len(modules)} experts modules); convert it again with this version"
         )
+    for layer, (_, module) in zip(manifest.layers, modules):
+        _check_record_layout(layer, module)
     engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify)
     for index, (name, module) in enumerate(modules):
         for pname, _ in expert_parameters(module):
@@ -337,6 +340,32 @@ def load(
     model.eval()
     tokenizer = _load_tokenizer(opened.directory)
     return model, tokenizer
+
+
+def _check_record_layout(layer, module) -> None:
+    """The records must hold exactly the tensors this module's experts need, in the kernels' layout: a
+    store from another version or another machine is refused here rather than computed with."""
+    fmt = layer.quantization
+    if fmt is not None and fmt.packing is not None and fmt.packing != int4_packing():
+        raise StoreError(
+            f"the int4 records of {layer.module} are packed for torch's {fmt.packing} kernels, this machine runs "
+            f"{int4_packing()}: convert the model again on this machine"
+        )
+    shapes = {name: tuple(p.shape[1:]) for name, p in expert_parameters(module)}
+    expected = expert_record_specs(shapes, torch.float32, fmt, module.is_transposed, layer.module)
+    found = {t.name: (DTYPES[t.dtype], t.shape) for t in layer.layout.tensors}
+    for name, dtype, shape in expected:
+        have = found.pop(name, None)
+        # Parameters kept as they are may be stored in any float dtype (--experts-dtype); the parts of a
+        # quantized matrix ("down_proj.qweight", ...) have the exact dtypes their kernel reads.
+        ok = have is not None and have[1] == shape and (have[0] == dtype if "." in name else have[0].is_floating_point)
+        if not ok:
+            raise StoreError(
+                f"{layer.module}: the store's record tensor {name} is {have}, the model needs {dtype} {shape}; "
+                "convert the model again with this version"
+            )
+    if found:
+        raise StoreError(f"{layer.module}: the store's records hold tensors the model does not use: {sorted(found)}")
 
 
 def _load_tokenizer(directory: Path):

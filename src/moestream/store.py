@@ -16,9 +16,11 @@ import xxhash
 
 from . import __version__
 from .errors import StoreError
+from .quant import GROUP_SIZES, QUANT_FORMATS, QuantFormat
 
 FORMAT_NAME = "moestream-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added per-layer `quantization`; a version 1 store (all float) reads as before
+READABLE_FORMAT_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 # Every record starts on a 4 KiB boundary and its stored length is a multiple of 4 KiB, so one O_DIRECT
 # read (offset, length and buffer all block-aligned) fetches exactly one expert.
@@ -116,6 +118,7 @@ class ExpertLayer:
     layout: RecordLayout
     offsets: tuple[int, ...]  # one per expert
     checksums: tuple[str, ...]  # xxh3-64 of each record's payload (layout.nbytes bytes)
+    quantization: QuantFormat | None = None  # None: the matrices are stored as floats
 
     @property
     def num_experts(self) -> int:
@@ -131,6 +134,7 @@ class ExpertLayer:
             "tensors": self.layout.to_json(),
             "offsets": list(self.offsets),
             "checksums": list(self.checksums),
+            "quantization": self.quantization.to_json() if self.quantization else None,
         }
 
 
@@ -208,7 +212,15 @@ def _confined_path(directory: Path, rel: str, where: str) -> Path:
     """Resolve a manifest path, refusing anything that would escape the store directory."""
     _require(bool(rel) and not os.path.isabs(rel), where, f"path {rel!r} must be relative")
     root = directory.resolve()
-    full = (root / rel).resolve()
+    try:
+        full = (root / rel).resolve()
+    except (OSError, ValueError, RuntimeError) as e:
+        # A NUL byte or a character the filesystem cannot encode (ValueError), a symlink loop (RuntimeError
+        # before Python 3.13): no converter writes such a path.
+        raise StoreError(
+            f"manifest.json is invalid: {where}: path {rel!r} cannot be looked up ({e}). "
+            "The store is damaged; convert it again."
+        ) from None
     _require(full.is_relative_to(root) and full != root, where, f"path {rel!r} escapes the store directory")
     return full
 
@@ -243,6 +255,7 @@ def _parse_layer(directory: Path, raw: dict, i: int) -> ExpertLayer:
     file = _get(raw, "file", str, where)
     _confined_path(directory, file, where)
     return ExpertLayer(
+        quantization=_parse_quantization(raw.get("quantization"), where),
         index=_get(raw, "index", int, where),
         module=_get(raw, "module", str, where),
         file=file,
@@ -252,6 +265,22 @@ def _parse_layer(directory: Path, raw: dict, i: int) -> ExpertLayer:
     )
 
 
+def _parse_quantization(raw, where: str) -> QuantFormat | None:
+    if raw is None:
+        return None
+    where = f"{where}.quantization"
+    name = _get(raw, "format", str, where)
+    _require(name in QUANT_FORMATS, where, f"unknown format {name!r}")
+    group = raw.get("group_size")
+    packing = raw.get("packing")
+    if name == "int8":
+        _require(group is None and packing is None, where, "int8 has no group size or packing")
+    else:
+        _require(group in GROUP_SIZES and not isinstance(group, bool), where, f"group_size must be one of {GROUP_SIZES}")
+        _require((packing is None) == (name != "int4") and (packing is None or isinstance(packing, str)), where, "bad packing")
+    return QuantFormat(name, group, packing)
+
+
 def parse_manifest(directory: Path, raw) -> Manifest:
     """Validate a decoded manifest field by field; StoreError on the first problem."""
     _require(isinstance(raw, dict), "top level", "expected a JSON object")
@@ -259,11 +288,11 @@ def parse_manifest(directory: Path, raw) -> Manifest:
     if fmt != FORMAT_NAME:
         raise StoreError(f"{directory} is not a moestream store (format {fmt!r}); create one with `moestream convert`.")
     version = _get(raw, "format_version", int, "top level")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         newer = version > FORMAT_VERSION
         raise StoreError(
-            f"{directory} uses store format version {version}, this moestream ({__version__}) reads version "
-            f"{FORMAT_VERSION}. " + ("Upgrade moestream to read it." if newer else "Convert the model again.")
+            f"{directory} uses store format version {version}, this moestream ({__version__}) reads versions "
+            f"{' and '.join(map(str, READABLE_FORMAT_VERSIONS))}. " + ("Upgrade moestream to read it." if newer else "Convert the model again.")
         )
     config = _get(raw, "model_config", dict, "top level")
     _require(isinstance(config.get("model_type"), str), "model_config", "missing model_type")
@@ -306,8 +335,14 @@ class Store:
                 "finish. Run `moestream convert SRC DST` (again)."
             )
         try:
-            raw = json.loads(manifest_path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            data = manifest_path.read_bytes()
+        except OSError as e:
+            raise StoreError(f"{manifest_path} cannot be read ({e}); the store is damaged, convert it again.") from None
+        try:
+            raw = json.loads(data.decode("utf-8"))
+        except RecursionError:
+            raise StoreError(f"{manifest_path} is not valid JSON (nested too deeply); the store is damaged, convert it again.") from None
+        except ValueError as e:  # also bytes that are not UTF-8, and an integer longer than Python's int digits limit
             raise StoreError(f"{manifest_path} is not valid JSON ({e}); the store is damaged, convert it again.") from None
         self.manifest = parse_manifest(self.directory, raw)
         problems = self.file_problems() if check_files else []
@@ -325,10 +360,14 @@ class Store:
         problems = []
         for rel, size, exact in expected:
             p = self.path(rel)
-            if not p.is_file():
+            try:
+                actual = p.stat().st_size if p.is_file() else None
+            except OSError as e:  # e.g. a name longer than the filesystem allows
+                problems.append((rel, f"store file {rel!r} cannot be read ({e.strerror}); the store is damaged, convert it again."))
+                continue
+            if actual is None:
                 problems.append((rel, f"store file {rel} is missing from {self.directory}; the store is incomplete, convert it again."))
                 continue
-            actual = p.stat().st_size
             if actual < size or (exact and actual != size):
                 problems.append((rel, f"store file {rel} is {actual} bytes, the manifest says {size}: it is truncated "
                                  "or was replaced; convert the model again."))

@@ -1,0 +1,174 @@
+"""Low-bit expert formats: each format against its float64 definition, each kernel against that
+definition, and whole quantized models against transformers' forward on the dequantized weights."""
+
+import json
+
+import pytest
+import torch
+from tiny import TINY
+from transformers import AutoModelForCausalLM
+
+import moestream
+from moestream.errors import StoreError, UsageError
+from moestream.kernels import expert_linear
+from moestream.quant import QuantFormat, pack, pack_bits, quantize, reference_dequantize, unpack_bits
+from moestream.skeleton import expert_parameters, experts_modules
+from moestream.store import Store
+from moestream.synthetic import make_model, save_checkpoint
+
+FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("int3", 32), ("int2", 32), ("int2", 64)]
+
+
+def _weights(n, k, seed):
+    """Fresh random weights with the outliers real checkpoints have: a few large values per row."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[torch.rand(n, k, generator=g) < 0.01] *= 8
+    return w
+
+
+@pytest.mark.parametrize("name,group", FORMATS)
+def test_quantization_error_is_within_half_a_step(name, group):
+    fmt = QuantFormat.make(name, group or 32)
+    for seed, (n, k) in enumerate([(64, 128), (48, 256), (16, 384)]):
+        w = _weights(n, k, seed)
+        q = quantize(w, fmt)
+        error = (reference_dequantize(q, fmt) - w.double()).abs()
+        step = q.scales.double()
+        step = step[:, None] if name == "int8" else step.repeat_interleave(fmt.group_size, dim=1)
+        # Half a quantization step, plus the rounding of the stored offset (bf16 for int4, fp16 otherwise).
+        offset_rounding = 0 if q.offsets is None else q.offsets.double().abs().repeat_interleave(fmt.group_size, dim=1) * 2**-7
+        assert (error <= 0.5 * step + offset_rounding + 1e-7).all()
+        assert int(q.codes.min()) >= (-127 if name == "int8" else 0) and int(q.codes.max()) <= (127 if name == "int8" else 2**fmt.bits - 1)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_dense_bit_packing_round_trips(bits):
+    codes = torch.randint(0, 2**bits, (24, 256), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (24, 256 * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_bits(packed, bits, 256), codes)
+
+
+@pytest.mark.parametrize("name,group", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_match_the_float64_definition(name, group, dtype):
+    fmt = QuantFormat.make(name, group or 32)
+    w = _weights(96, 256, 7)
+    q = quantize(w, fmt)
+    reference_w = reference_dequantize(q, fmt)
+    record = pack(q, fmt, "down_proj")
+    for batch in (1, 32):
+        x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(batch))
+        expected = x.double() @ reference_w.T
+        got = expert_linear(x.to(dtype), record, "down_proj", fmt, transposed=False)
+        assert got.dtype == dtype and got.shape == (batch, 96)
+        relative = ((got.double() - expected).norm() / expected.norm()).item()
+        assert relative <= 1e-2, f"{name} g{group} {dtype} batch {batch}: relative error {relative}"
+
+
+# -- whole models ----------------------------------------------------------------------------------------
+
+# Dimensions that every format accepts (inputs a multiple of 128, outputs of 16).
+QUANT_TINY = {
+    "qwen3_moe": dict(TINY["qwen3_moe"], hidden_size=128, moe_intermediate_size=128, head_dim=32, num_experts=8),
+    "gpt_oss": dict(TINY["gpt_oss"], hidden_size=128, intermediate_size=128, head_dim=32),  # [K, N] experts, biases
+}
+
+
+@pytest.fixture(scope="module", params=sorted(QUANT_TINY))
+def checkpoint(request, tmp_path_factory):
+    family = request.param
+    model = make_model(family, seed=3, **QUANT_TINY[family])
+    return family, save_checkpoint(model, tmp_path_factory.mktemp(family) / "hf")
+
+
+def _dequantized_reference(ckpt, fmt):
+    """transformers' own model and forward, with every expert matrix replaced by its float64 definition."""
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        for _, module in experts_modules(model):
+            for name, param in expert_parameters(module):
+                if param.dim() != 3:
+                    continue
+                for e in range(param.shape[0]):
+                    w = param[e].t() if module.is_transposed else param[e]
+                    deq = reference_dequantize(quantize(w, fmt), fmt).to(param.dtype)
+                    param[e] = deq.t() if module.is_transposed else deq
+    return model
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_quantized_model_equals_transformers_on_dequantized_weights(checkpoint, tmp_path, name):
+    family, ckpt = checkpoint
+    fmt = QuantFormat.make(name)
+    store = moestream.convert(ckpt, tmp_path / "store", name, progress=False)
+    streamed, _ = moestream.load(store, Store(store).manifest.max_record_stride * 2)  # two experts: evicts all the time
+    reference = _dequantized_reference(ckpt, fmt)
+    ids = torch.randint(0, 250, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, streamed(ids).logits
+    relative = ((got - expected).norm() / expected.norm()).item()
+    # int4 runs its kernel in bf16 (activations rounded to 8 bits of mantissa); int8/int2 compute in fp32.
+    assert relative <= (2e-2 if name == "int4" else 1e-4), relative
+    assert moestream.stats(streamed)["evictions"] > 0
+
+
+def test_streaming_never_changes_an_int4_models_tokens(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    store = moestream.convert(ckpt, tmp_path / "store", "int4", progress=False)
+    manifest = Store(store).manifest
+    prompt = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(8))
+    outputs = []
+    for budget in (manifest.max_record_stride * 2, manifest.expert_bytes + 2**20):
+        model, _ = moestream.load(store, budget)
+        with torch.no_grad():
+            outputs.append(model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_int4_record_size_is_near_four_and_a_half_bits(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    for group, bits in ((32, 5.0), (64, 4.5)):
+        store = moestream.convert(ckpt, tmp_path / f"g{group}", "int4", group_size=group, progress=False)
+        layer = Store(store).manifest.layers[0]
+        matrices = [t for t in layer.layout.tensors if t.name.endswith(".qweight")]
+        weights = sum(t.shape[0] * t.shape[1] * 2 for t in matrices)  # two int4 codes per byte
+        per_weight = 8 * sum(t.nbytes for t in layer.layout.tensors if "_bias" not in t.name) / weights
+        assert per_weight == pytest.approx(bits) and abs(per_weight - 4.5) / 4.5 <= 0.15
+
+
+def test_mixed_recipe_is_recorded_per_layer(tmp_path):
+    config = dict(QUANT_TINY["qwen3_moe"], num_hidden_layers=4)
+    ckpt = save_checkpoint(make_model("qwen3_moe", seed=1, **config), tmp_path / "hf")
+    store = moestream.convert(ckpt, tmp_path / "store", "int4", layer_dtypes=["0-1=int2", "-1=int8"], progress=False)
+    manifest = Store(store).manifest
+    assert [layer.quantization.name for layer in manifest.layers] == ["int2", "int2", "int4", "int8"]
+    assert manifest.experts_dtype == "mixed: int2-g32 x2, int4-g32 x1, int8 x1"
+    model, _ = moestream.load(store, "1MiB")
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 250, (1, 5))).logits).all()
+
+
+def test_a_store_packed_for_other_cpu_kernels_is_refused(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    store = moestream.convert(ckpt, tmp_path / "store", "int4", progress=False)
+    raw = json.loads((store / "manifest.json").read_text())
+    for layer in raw["experts"]["layers"]:
+        layer["quantization"]["packing"] = "torch-cpu-some-other-isa"
+    (store / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(StoreError, match="packed for torch's torch-cpu-some-other-isa kernels.*convert the model again on this machine"):
+        moestream.load(store, "1MiB")
+
+
+def test_bad_recipes_are_clear_errors(checkpoint, tmp_path):
+    _, ckpt = checkpoint
+    with pytest.raises(UsageError, match="unknown experts dtype 'int5'"):
+        moestream.convert(ckpt, tmp_path / "a", "int4", layer_dtypes=["0=int5"], progress=False)
+    with pytest.raises(UsageError, match="MoE layers 0..1"):
+        moestream.convert(ckpt, tmp_path / "b", "int4", layer_dtypes=["7=int2"], progress=False)
+    with pytest.raises(UsageError, match="expected LAYER=DTYPE"):
+        moestream.convert(ckpt, tmp_path / "c", "int4", layer_dtypes=["zero:int2"], progress=False)
+    with pytest.raises(UsageError, match="group size 48"):
+        moestream.convert(ckpt, tmp_path / "d", "int4", group_size=48, progress=False)
+    assert not list(tmp_path.iterdir())
