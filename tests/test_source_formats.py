@@ -10,6 +10,7 @@ from tiny import TINY
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import moestream
+from moestream.quant import QuantFormat, pack, quantize
 from moestream.store import DTYPES, Store
 from moestream.synthetic import make_model, save_checkpoint
 
@@ -49,7 +50,8 @@ def _quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def test_fp8_block_scaled_source(tmp_path):
+def _fp8_checkpoint(tmp_path):
+    """A Qwen3-MoE checkpoint whose experts and one attention projection are FP8 block-scaled."""
     # Shapes that are not multiples of 128, so partial edge blocks are exercised.
     model = make_model("qwen3_moe", seed=21, **dict(TINY["qwen3_moe"], hidden_size=160, moe_intermediate_size=136,
                                                     head_dim=40, num_experts=4))
@@ -66,7 +68,11 @@ def test_fp8_block_scaled_source(tmp_path):
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]}
     (ckpt / "config.json").write_text(json.dumps(config))
+    return model, ckpt, quantized
 
+
+def test_fp8_block_scaled_source(tmp_path):
+    model, ckpt, quantized = _fp8_checkpoint(tmp_path)
     store = moestream.convert(ckpt, tmp_path / "store", experts_dtype="fp32", progress=False)
     assert "quantization_config" not in Store(store).manifest.model_config
     records = _records(store)
@@ -93,7 +99,8 @@ def test_fp8_block_scaled_source(tmp_path):
         assert (reference(ids).logits - streamed(ids).logits).abs().max() <= 1e-5
 
 
-def test_mxfp4_source_matches_transformers_dequantization(tmp_path):
+def _mxfp4_checkpoint(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 ([E, out, in/32, 16] blocks + E8M0 scales)."""
     config = dict(TINY["gpt_oss"], hidden_size=64, intermediate_size=32, head_dim=16)
     model = make_model("gpt_oss", seed=8, **config)
     ckpt = save_checkpoint(model, tmp_path / "hf")
@@ -111,7 +118,11 @@ def test_mxfp4_source_matches_transformers_dequantization(tmp_path):
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                   "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (ckpt / "config.json").write_text(json.dumps(cfg))
+    return model, ckpt, packed
 
+
+def test_mxfp4_source_matches_transformers_dequantization(tmp_path):
+    model, ckpt, packed = _mxfp4_checkpoint(tmp_path)
     store = moestream.convert(ckpt, tmp_path / "store", experts_dtype="fp32", progress=False)
     records = _records(store)
     for key, (blocks, scales) in packed.items():
@@ -126,3 +137,27 @@ def test_mxfp4_source_matches_transformers_dequantization(tmp_path):
         for (module, e, name), value in records.items():
             model.get_parameter(f"{module}.{name}")[e].copy_(value)
         assert (model(ids).logits - streamed(ids).logits).abs().max() <= 1e-5
+
+
+def test_quantized_sources_requantize_from_their_decoded_values(tmp_path):
+    """FP8 -> int8 and MXFP4 -> int4: each record is exactly the low-bit format of the decoded source
+    (float64 definition for FP8, transformers' own dequantization for MXFP4), one expert at a time."""
+    _, fp8, quantized = _fp8_checkpoint(tmp_path / "fp8")
+    records = _records(moestream.convert(fp8, tmp_path / "fp8.moe", experts_dtype="int8", progress=False))
+    fmt = QuantFormat.make("int8")
+    for (module, e, name), value in records.items():
+        if not name.startswith("down_proj."):
+            continue
+        q, scale = quantized[f"{module.rsplit('.experts', 1)[0]}.experts.{e}.down_proj.weight"]
+        assert torch.equal(value, pack(quantize(_fp8_reference(q, scale).float(), fmt), fmt, "down_proj")[name])
+
+    _, mxfp4, packed = _mxfp4_checkpoint(tmp_path / "mxfp4")
+    records = _records(moestream.convert(mxfp4, tmp_path / "mxfp4.moe", experts_dtype="int4", progress=False))
+    fmt = QuantFormat.make("int4")
+    for key, (blocks, scales) in packed.items():
+        module, name = key.rsplit(".", 1)
+        decoded = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out], gpt-oss's layout
+        for e in range(blocks.shape[0]):
+            expected = pack(quantize(decoded[e].t(), fmt), fmt, name)  # quantized as [out, in]
+            for part, tensor in expected.items():
+                assert torch.equal(records[(module, e, part)], tensor), (key, e, part)
