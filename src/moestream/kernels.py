@@ -8,7 +8,7 @@ CPU kernels:
 - int4: `torch._weight_int4pack_mm_for_cpu`, bf16 activations (fp32 activations would make the AVX2
   kernel ~10x slower, so we cast in and out).
 - int8: `torch._weight_int8pack_mm`, in the activation dtype.
-- int3, int2: unpack the codes, dequantize to the activation dtype, one `F.linear`.
+- int3, int2: expand the dense bytes to the int4 kernel's (byte-wide shifts and masks), then int4.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import QuantFormat, unpack_bits
+from .quant import QuantFormat, expand_kernel_bytes
 
 
 def _int8(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat) -> torch.Tensor:
@@ -24,25 +24,14 @@ def _int8(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat) -> torch.Tensor
 
 
 def _int4(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat) -> torch.Tensor:
-    y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w[f"{name}.qweight"], fmt.group_size, w[f"{name}.scales_zeros"])
+    qweight = w[f"{name}.qweight"]
+    if fmt.bits < 4:
+        qweight = expand_kernel_bytes(qweight, fmt.bits)  # int3/int2 are int4 with fewer bits stored
+    y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qweight, fmt.group_size, w[f"{name}.scales_zeros"])
     return y.to(x.dtype)
 
 
-def _dequantized(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat) -> torch.Tensor:
-    return F.linear(x, dequantize(w, name, fmt, x.dtype))
-
-
-def dequantize(w: dict, name: str, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
-    """int3/int2 record tensors -> W [N, K] in `dtype`."""
-    scales, mins = w[f"{name}.scales"], w[f"{name}.mins"]
-    n, groups = scales.shape
-    codes = unpack_bits(w[f"{name}.qweight"], fmt.bits, groups * fmt.group_size).view(n, groups, fmt.group_size)
-    # In float32, rounded once at the end: bf16 products and sums would each lose another 8 bits.
-    w = codes.to(torch.float32) * scales.to(torch.float32)[:, :, None] + mins.to(torch.float32)[:, :, None]
-    return w.view(n, -1).to(dtype)
-
-
-_KERNELS = {"int8": _int8, "int4": _int4, "int3": _dequantized, "int2": _dequantized}
+_KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4}
 
 
 def expert_linear(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat | None, transposed: bool) -> torch.Tensor:

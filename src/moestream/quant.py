@@ -9,9 +9,11 @@ tensors a kernel consumes directly (kernels.py), so a record goes from disk to t
   bfloat16 [K/G, N, 2]; W = (q - 8) * s + z with q in 0..15. That packed layout depends on the CPU
   kernels torch runs (AVX512 and AVX2 interleave differently), so the store records it as `packing`
   and a machine with other kernels refuses the store instead of computing garbage.
-- int3, int2: affine per group, codes packed densely (int2: 4 a byte; int3: bit-sliced planes),
-  `scales` and `mins` float16 [N, K/G]; W = q * s + m with q in 0..2^b-1. Computed by dequantizing
-  to the activation dtype and one matmul.
+- int3, int2: the int4 format restricted to codes 0..2^b-1 (so W = (q - 8) * s + z = q * s + m with
+  z = m + 8 s), with the int4 kernel's bytes compressed densely: int2 keeps the 2 used bits of every
+  nibble (two kernel bytes in one), int3 the 3 used bits (four kernel bytes in three). Expanding back
+  is a handful of byte-wide shifts and masks per weight byte, then the int4 kernel runs: no unpacking
+  to floats, which was 100x slower than the matmul itself on AVX2.
 
 `reference_dequantize` is the format's definition in float64, used by the tests as the ground truth
 that kernels and packing are compared against.
@@ -42,7 +44,7 @@ class QuantFormat:
 
     name: str  # one of QUANT_FORMATS
     group_size: int | None = None  # inputs per scale (None: int8, per output channel)
-    packing: str | None = None  # int4 only: the kernel layout of `qweight`
+    packing: str | None = None  # int4/int3/int2: the int4 kernel layout `qweight` derives from
 
     @property
     def bits(self) -> int:
@@ -56,7 +58,7 @@ class QuantFormat:
             return QuantFormat("int8")
         if group_size not in GROUP_SIZES:
             raise UsageError(f"group size {group_size} is not supported; choose one of {GROUP_SIZES}")
-        return QuantFormat(name, group_size, int4_packing() if name == "int4" else None)
+        return QuantFormat(name, group_size, int4_packing())
 
     def to_json(self) -> dict:
         return {"format": self.name, "group_size": self.group_size, "packing": self.packing}
@@ -67,7 +69,7 @@ class QuantFormat:
             ok = [g for g in GROUP_SIZES if k % g == 0]
             hint = f"use --group-size {ok[0]}" if ok else "use int8 or a float dtype for it"
             raise UsageError(f"{what} has {k} inputs, not a multiple of the group size {self.group_size}; {hint}")
-        if self.name == "int4" and n % 16:
+        if self.group_size and n % 16:
             raise UsageError(f"{what} has {n} outputs; the int4 kernel needs a multiple of 16: use int8 for it")
 
     def record_specs(self, name: str, n: int, k: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -75,12 +77,9 @@ class QuantFormat:
         if self.name == "int8":
             return [(f"{name}.qweight", torch.int8, (n, k)), (f"{name}.scales", torch.float32, (n,))]
         groups = k // self.group_size
-        if self.name == "int4":
-            return [(f"{name}.qweight", torch.uint8, (n, k // 2)), (f"{name}.scales_zeros", torch.bfloat16, (groups, n, 2))]
         return [
             (f"{name}.qweight", torch.uint8, (n, k * self.bits // 8)),
-            (f"{name}.scales", torch.float16, (n, groups)),
-            (f"{name}.mins", torch.float16, (n, groups)),
+            (f"{name}.scales_zeros", torch.bfloat16, (groups, n, 2)),
         ]
 
 
@@ -89,8 +88,8 @@ class Quantized:
     """A quantized matrix in a portable form: one code per weight, plus the per-group parameters."""
 
     codes: torch.Tensor  # [N, K]: int8 for int8, uint8 0..2^b-1 otherwise
-    scales: torch.Tensor  # int8: [N] float32; int4: [N, K/G] bfloat16; int3/int2: [N, K/G] float16
-    offsets: torch.Tensor | None  # int4: zeros z; int3/int2: mins m; int8: None
+    scales: torch.Tensor  # int8: [N] float32; others: s, [N, K/G] bfloat16
+    offsets: torch.Tensor | None  # int8: None; others: the zero z, [N, K/G] bfloat16
 
 
 def quantize(w: torch.Tensor, fmt: QuantFormat) -> Quantized:
@@ -103,18 +102,11 @@ def quantize(w: torch.Tensor, fmt: QuantFormat) -> Quantized:
     g = w.view(n, k // fmt.group_size, fmt.group_size)
     lo, hi = g.amin(dim=2), g.amax(dim=2)
     levels = 2**fmt.bits - 1
-    # The codes are rounded against the parameters as stored (bf16/fp16), so that rounding is absorbed.
-    store_dtype = torch.bfloat16 if fmt.name == "int4" else torch.float16
-    scales = ((hi - lo) / levels).clamp_min(1e-8).to(store_dtype)
-    s = scales.float()[:, :, None]
-    if fmt.name == "int4":
-        offsets = (lo + 8 * scales.float()).to(store_dtype)  # the kernel's zero: W = (q - 8) * s + z
-        codes = torch.round((g - offsets.float()[:, :, None]) / s) + 8
-    else:
-        offsets = lo.to(store_dtype)
-        codes = torch.round((g - offsets.float()[:, :, None]) / s)
-    codes = codes.clamp(0, levels).to(torch.uint8).view(n, k)
-    return Quantized(codes, scales, offsets)
+    scales = ((hi - lo) / levels).clamp_min(1e-8).to(torch.bfloat16)
+    zeros = (lo + 8 * scales.float()).to(torch.bfloat16)  # the kernel's zero: W = (q - 8) * s + z, q = 0 at lo
+    # Codes are rounded against the parameters as stored (bf16), so that rounding is absorbed.
+    codes = torch.round((g - zeros.float()[:, :, None]) / scales.float()[:, :, None]) + 8
+    return Quantized(codes.clamp(0, levels).to(torch.uint8).view(n, k), scales, zeros)
 
 
 def reference_dequantize(q: Quantized, fmt: QuantFormat) -> torch.Tensor:
@@ -122,55 +114,54 @@ def reference_dequantize(q: Quantized, fmt: QuantFormat) -> torch.Tensor:
     codes = q.codes.to(torch.float64)
     if fmt.name == "int8":
         return codes * q.scales.to(torch.float64)[:, None]
-    n, k = codes.shape
     s = q.scales.to(torch.float64).repeat_interleave(fmt.group_size, dim=1)
-    o = q.offsets.to(torch.float64).repeat_interleave(fmt.group_size, dim=1)
-    if fmt.name == "int4":
-        return (codes - 8) * s + o
-    return codes * s + o
+    z = q.offsets.to(torch.float64).repeat_interleave(fmt.group_size, dim=1)
+    return (codes - 8) * s + z
 
 
 def pack(q: Quantized, fmt: QuantFormat, name: str) -> dict[str, torch.Tensor]:
     """The record tensors of `record_specs`, in the kernels' layout."""
     if fmt.name == "int8":
         return {f"{name}.qweight": q.codes, f"{name}.scales": q.scales.to(torch.float32)}
-    if fmt.name == "int4":
-        packed = torch._convert_weight_to_int4pack_for_cpu(q.codes.to(torch.int32), 1)
-        scales_zeros = torch.stack([q.scales.t(), q.offsets.t()], dim=-1).contiguous()  # [K/G, N, 2]
-        return {f"{name}.qweight": packed, f"{name}.scales_zeros": scales_zeros}
-    return {f"{name}.qweight": pack_bits(q.codes, fmt.bits), f"{name}.scales": q.scales, f"{name}.mins": q.offsets}
+    kernel_bytes = torch._convert_weight_to_int4pack_for_cpu(q.codes.to(torch.int32), 1)  # [N, K/2]
+    scales_zeros = torch.stack([q.scales.t(), q.offsets.t()], dim=-1).contiguous()  # [K/G, N, 2]
+    qweight = kernel_bytes if fmt.bits == 4 else compress_kernel_bytes(kernel_bytes, fmt.bits)
+    return {f"{name}.qweight": qweight, f"{name}.scales_zeros": scales_zeros}
 
 
-def _pack_plane(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """[N, K] codes < 2^width -> uint8 [N, K*width/8], 8/width codes a byte, the first in the lowest bits."""
-    n, k = codes.shape
-    per_byte = 8 // width
-    c = codes.to(torch.uint8).view(n, k // per_byte, per_byte)
-    out = c[:, :, 0].clone()
-    for i in range(1, per_byte):
-        out |= c[:, :, i] << (i * width)
-    return out
+# Each byte of the int4 kernel's layout holds two nibbles. With codes below 4 only bits 0,1,4,5 are
+# used (mask 0x33); below 8, bits 0,1,2,4,5,6: the 0x33 part plus the 0x44 part. The kernel's byte
+# stream is cut into equal contiguous parts (halves for int2, quarters for int3) whose bits share bytes,
+# so that expanding is a few whole-tensor byte operations with contiguous reads and writes.
 
 
-def _unpack_plane(packed: torch.Tensor, width: int, k: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8)
-    return ((packed[:, :, None] >> shifts) & (2**width - 1)).view(packed.shape[0], k)
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[N, K] codes -> uint8 [N, K*bits/8]. int2: 4 codes a byte. int3: bit-sliced, the low 2 bits of
-    every code (K/4 bytes) then their high bits (K/8 bytes): still 3 bits a weight, and both planes
-    unpack with byte-wide shifts, which is what makes the dequantizing kernel fast enough."""
+def compress_kernel_bytes(kernel_bytes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int4 kernel bytes whose codes fit in `bits` bits -> the dense int2/int3 `qweight`."""
+    n = kernel_bytes.shape[0]
     if bits == 2:
-        return _pack_plane(codes, 2)
-    return torch.cat([_pack_plane(codes & 3, 2), _pack_plane(codes >> 2, 1)], dim=1)
+        a, b = kernel_bytes.reshape(2, -1)
+        return (a | (b << 2)).view(n, -1)  # two kernel bytes in one
+    x0, x1, x2, x3 = kernel_bytes.reshape(4, -1)
+    low01 = (x0 & 0x33) | ((x1 & 0x33) << 2)
+    low23 = (x2 & 0x33) | ((x3 & 0x33) << 2)
+    high = ((x0 & 0x44) >> 2) | ((x1 & 0x44) >> 1) | (x2 & 0x44) | ((x3 & 0x44) << 1)
+    return torch.cat([low01, low23, high]).view(n, -1)  # four kernel bytes in three
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Inverse of pack_bits: uint8 [N, K*bits/8] -> uint8 codes [N, K]."""
+def expand_kernel_bytes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of compress_kernel_bytes: the bytes the int4 kernel reads, [N, K/2]."""
+    n = qweight.shape[0]
     if bits == 2:
-        return _unpack_plane(packed, 2, k)
-    return _unpack_plane(packed[:, : k // 4], 2, k) | (_unpack_plane(packed[:, k // 4 :], 1, k) << 2)
+        b = qweight.reshape(-1)
+        return torch.cat([b & 0x33, (b >> 2) & 0x33]).view(n, -1)
+    low01, low23, high = qweight.reshape(3, -1)
+    parts = [
+        (low01 & 0x33) | ((high << 2) & 0x44),
+        ((low01 >> 2) & 0x33) | ((high << 1) & 0x44),
+        (low23 & 0x33) | (high & 0x44),
+        ((low23 >> 2) & 0x33) | ((high >> 1) & 0x44),
+    ]
+    return torch.cat(parts).view(n, -1)
 
 
 _LAYER_RULE = re.compile(r"^(-?\d+)(?:-(-?\d+))?=(\w+)$")

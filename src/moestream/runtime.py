@@ -348,7 +348,7 @@ def _check_record_layout(layer, module) -> None:
     fmt = layer.quantization
     if fmt is not None and fmt.packing is not None and fmt.packing != int4_packing():
         raise StoreError(
-            f"the int4 records of {layer.module} are packed for torch's {fmt.packing} kernels, this machine runs "
+            f"the {fmt.name} records of {layer.module} are packed for torch's {fmt.packing} kernels, this machine runs "
             f"{int4_packing()}: convert the model again on this machine"
         )
     shapes = {name: tuple(p.shape[1:]) for name, p in expert_parameters(module)}

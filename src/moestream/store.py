@@ -277,7 +277,7 @@ def _parse_quantization(raw, where: str) -> QuantFormat | None:
         _require(group is None and packing is None, where, "int8 has no group size or packing")
     else:
         _require(group in GROUP_SIZES and not isinstance(group, bool), where, f"group_size must be one of {GROUP_SIZES}")
-        _require((packing is None) == (name != "int4") and (packing is None or isinstance(packing, str)), where, "bad packing")
+        _require(isinstance(packing, str), where, "packing must name the int4 kernel layout")
     return QuantFormat(name, group, packing)
 
 
