@@ -20,7 +20,7 @@ def store(tmp_path_factory):
 
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "moestream.cli", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("convert", "generate", "inspect", "demo"):
+    for command in ("convert", "generate", "inspect", "verify", "eval", "demo"):
         assert command in out
 
 

@@ -1,4 +1,4 @@
-"""The `moestream` command: convert, generate, inspect, verify, demo."""
+"""The `moestream` command: convert, generate, inspect, verify, eval, demo."""
 
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ import json
 import sys
 
 from . import __version__
+from .convert import EXPERT_FORMATS
 from .errors import MoestreamError
 from .units import format_bytes, parse_bytes
 
 EPILOG = """examples:
   moestream demo
   moestream convert ./Qwen3-30B-A3B ./qwen3-30b.moe
+  moestream convert ./Qwen3-30B-A3B ./qwen3-30b-int4.moe --experts-dtype int4
   moestream inspect ./qwen3-30b.moe --memory 4GiB
   moestream verify ./qwen3-30b.moe
   moestream generate ./qwen3-30b.moe --memory 4GiB --prompt "def fibonacci(n):" --max-new-tokens 64
+  moestream eval ./qwen3-30b.moe --reference ./Qwen3-30B-A3B --text heldout.txt
 
 --memory is the byte budget of the expert cache; the resident weights (embeddings, attention, routers,
 norms, shared experts, LM head) come on top of it. `moestream inspect` prints both.
@@ -33,7 +36,15 @@ def _add_memory(p: argparse.ArgumentParser, default: str = "4GiB") -> None:
 def cmd_convert(args) -> int:
     from .convert import convert
 
-    dst = convert(args.src, args.dst, args.experts_dtype, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
+    dst = convert(
+        args.src,
+        args.dst,
+        args.experts_dtype,
+        layer_dtypes=args.layer_dtype,
+        group_size=args.group_size,
+        overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code,
+    )
     return _print_inspect(dst, None)
 
 
@@ -118,6 +129,22 @@ def cmd_verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_eval(args) -> int:
+    from .quality import compare, read_text
+
+    report = compare(
+        args.store,
+        args.reference,
+        read_text(args.text),
+        max_tokens=args.max_tokens,
+        context=args.context,
+        memory=args.memory,
+        progress=not args.json,
+    )
+    print(json.dumps(report.to_json()) if args.json else report.table())
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -139,7 +166,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="convert a Hugging Face MoE checkpoint directory into a store")
     p.add_argument("src", help="checkpoint directory: config.json, *.safetensors, tokenizer files")
     p.add_argument("dst", help="store directory to create")
-    p.add_argument("--experts-dtype", choices=["bf16", "fp16", "fp32"], default=None, help="expert weight dtype (default: the checkpoint's; bf16 for FP8/MXFP4 sources)")
+    p.add_argument(
+        "--experts-dtype",
+        choices=EXPERT_FORMATS,
+        default=None,
+        help="how expert weights are stored: bf16/fp16/fp32, or int8 (per channel), int4, int3, int2 (per "
+        "group, affine); default: the checkpoint's float dtype (bf16 for FP8/MXFP4 sources). Fewer bits "
+        "read less from disk and cache more experts; `moestream eval` shows what they cost in quality",
+    )
+    p.add_argument(
+        "--layer-dtype",
+        action="append",
+        default=[],
+        metavar="LAYERS=DTYPE",
+        help="override --experts-dtype for some MoE layers (counted from 0 over the MoE layers, negative from "
+        "the end), e.g. --layer-dtype 0-3=int3 --layer-dtype -1=int4; repeatable, later rules win",
+    )
+    p.add_argument(
+        "--group-size", type=int, default=32, choices=[32, 64, 128], help="weights per scale for int4/int3/int2 (default 32)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a config that names custom modeling code")
     p.set_defaults(func=cmd_convert)
@@ -185,6 +230,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "eval",
+        help="how far a store's next-token predictions are from a reference's: perplexity, KL, top-1 agreement",
+        description="Run a store and a reference model on the same text and compare their next-token "
+        "distributions: perplexity of each, the store's perplexity change in %, KL(reference || store) mean "
+        "and 99th percentile over positions, and top-1 agreement. The text is tokenized by the store's "
+        "tokenizer and cut into non-overlapping windows of --context tokens; each window is one "
+        "teacher-forced forward of each model. Use it to measure what a conversion or an expert format costs.",
+    )
+    p.add_argument("store", help="store directory made by `moestream convert`")
+    p.add_argument(
+        "--reference",
+        required=True,
+        metavar="REF",
+        help="the Hugging Face checkpoint directory the store was converted from (loaded by transformers in "
+        "its own dtype, safetensors only, no custom code), or another store",
+    )
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to evaluate on, ideally text the model was not trained on")
+    p.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="evaluate the first N tokens of the text (default 1024)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=256,
+        metavar="C",
+        help="tokens per window (default 256); the first token of each window is context only, so a window "
+        "of C tokens scores C-1 predictions",
+    )
+    p.add_argument(
+        "--memory",
+        default="1GiB",
+        metavar="M",
+        help="expert cache budget of the store, and of REF if it is a store (default 1GiB); a smaller budget "
+        "makes the evaluation slower but never changes its numbers",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("demo", help="build a synthetic MoE, convert it and stream it under a sweep of budgets")
     p.add_argument("--workdir", default=None, help="where to build the demo model (default: a temporary directory)")
