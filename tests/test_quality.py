@@ -174,18 +174,3 @@ def test_clear_errors(models, tmp_path, capsys):
 
     with pytest.raises(UsageError, match="at least 2"):
         compare(store, models["ckpt"], "abc", context=1)
-
-
-def test_experts_format_names_quantized_and_mixed_layers():
-    from types import SimpleNamespace as NS
-
-    from moestream.quality import experts_format
-
-    def manifest(*quants):
-        return NS(experts_dtype="bfloat16", layers=[NS(quantization=q) for q in quants])
-
-    int4 = NS(name="int4", group_size=32)
-    int8 = NS(name="int8", group_size=None)
-    assert experts_format(manifest(None, None)) == "bfloat16"
-    assert experts_format(manifest(int4, int4)) == "int4/g32"
-    assert experts_format(manifest(int8, int4, int4)) == "mixed: int8 x1, int4/g32 x2"

@@ -49,7 +49,7 @@ class QualityReport:
     store: str
     reference: str
     reference_kind: str  # "checkpoint" (a Hugging Face directory) or "store"
-    experts_dtype: str  # the store's expert format (experts_format), so reports of different formats can be told apart
+    experts_dtype: str  # the store's expert format (manifest experts_dtype: "int4-g32", "mixed: ..."), so reports can be told apart
     reference_dtype: str  # the reference's: a store's expert format, or the dtype a checkpoint was loaded in
     tokens: int  # predicted positions, over all windows
     windows: int
@@ -198,23 +198,6 @@ def compare_models(
 # -- loading both sides ----------------------------------------------------------------------------------
 
 
-def experts_format(manifest) -> str:
-    """The store's expert format in words: "bfloat16", "int4/g32", or "mixed: int3/g32 x4, int4/g32 x2"."""
-    labels = []
-    for layer in manifest.layers:
-        # Stores of format version 1 have no per-layer quantization: their experts are all experts_dtype.
-        quant = getattr(layer, "quantization", None)
-        if quant is None:
-            labels.append(manifest.experts_dtype)
-        else:
-            labels.append(quant.name + (f"/g{quant.group_size}" if quant.group_size else ""))
-    distinct = list(dict.fromkeys(labels))
-    if len(distinct) == 1:
-        return distinct[0]
-    return "mixed: " + ", ".join(f"{label} x{labels.count(label)}" for label in distinct)
-
-
-
 def reference_kind(path: Path) -> str:
     """'store' (has manifest.json) or 'checkpoint' (config.json and *.safetensors); anything else is an error."""
     if not path.is_dir():
@@ -331,7 +314,7 @@ def compare(
     start = time.perf_counter()
     if kind == "store":
         reference_model, ref_tokenizer = load(reference, memory)
-        reference_dtype = experts_format(engine_of(reference_model).store.manifest)
+        reference_dtype = engine_of(reference_model).store.manifest.experts_dtype
     else:
         reference_model, reference_dtype = _load_checkpoint(reference, progress)
         ref_tokenizer = _checkpoint_tokenizer(reference)
@@ -350,7 +333,7 @@ def compare(
         store=str(store),
         reference=str(reference),
         reference_kind=kind,
-        experts_dtype=experts_format(engine.store.manifest),
+        experts_dtype=engine.store.manifest.experts_dtype,
         reference_dtype=reference_dtype,
         store_load_seconds=store_load,
         reference_load_seconds=reference_load,
