@@ -174,3 +174,15 @@ def test_clear_errors(models, tmp_path, capsys):
 
     with pytest.raises(UsageError, match="at least 2"):
         compare(store, models["ckpt"], "abc", context=1)
+
+
+def test_reference_dtype_loads_the_checkpoint_in_that_dtype(models):
+    text = _random_text(200, seed=3)
+    exact = compare(models["store"], models["ckpt"], text, max_tokens=100, context=50)
+    rounded = compare(models["store"], models["ckpt"], text, max_tokens=100, context=50, reference_dtype="bfloat16")
+    assert exact.reference_dtype == "float32" and rounded.reference_dtype == "bfloat16"
+    assert exact.kl_mean < 1e-9 < rounded.kl_mean  # the fp32 store against a bf16-rounded reference
+    with pytest.raises(UsageError, match="--reference-dtype float64 needs a checkpoint reference"):
+        compare(models["store"], models["ckpt"], text, reference_dtype="float64")
+    with pytest.raises(UsageError, match="needs a checkpoint reference"):
+        compare(models["store"], models["store"], text, reference_dtype="float32")

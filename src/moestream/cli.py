@@ -139,6 +139,7 @@ def cmd_eval(args) -> int:
         max_tokens=args.max_tokens,
         context=args.context,
         memory=args.memory,
+        reference_dtype=args.reference_dtype,
         progress=not args.json,
     )
     print(json.dumps(report.to_json()) if args.json else report.table())
@@ -264,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="M",
         help="expert cache budget of the store, and of REF if it is a store (default 1GiB); a smaller budget "
         "makes the evaluation slower but never changes its numbers",
+    )
+    p.add_argument(
+        "--reference-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="load a checkpoint REF in this dtype instead of its own: float32 compares against full "
+        "precision (a bf16 store then shows what bf16 arithmetic alone costs)",
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=cmd_eval)

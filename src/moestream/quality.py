@@ -212,15 +212,19 @@ def reference_kind(path: Path) -> str:
     )
 
 
-def _load_checkpoint(path: Path, progress: bool):
-    """The reference as transformers loads it: its own dtype, safetensors only, never custom code."""
+REFERENCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _load_checkpoint(path: Path, progress: bool, dtype_name: str | None = None):
+    """The reference as transformers loads it: its own dtype (or `dtype_name`), safetensors only, never
+    custom code. float32 measures a store against full precision, bf16 rounding included."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from .skeleton import load_source_config, model_dtype
 
     config = load_source_config(path)  # refuses auto_map (custom code) and unknown model types, clearly
-    dtype = model_dtype(config)
+    dtype = REFERENCE_DTYPES[dtype_name] if dtype_name else model_dtype(config)
     bar_was_on = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
@@ -276,11 +280,14 @@ def compare(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     context: int = DEFAULT_CONTEXT,
     memory: str | int = DEFAULT_MEMORY,
+    reference_dtype: str | None = None,
     progress: bool = False,
 ) -> QualityReport:
     """Compare a store with a reference (a Hugging Face checkpoint directory or another store) on `text`.
 
     memory: the expert cache budget of the store (and of the reference, when it is a store too).
+    reference_dtype: load a checkpoint reference in this dtype ("float32", "bfloat16", "float16")
+        instead of its own; stores always compute in their own dtype.
     """
     from .runtime import engine_of, load
 
@@ -290,6 +297,10 @@ def compare(
         raise UsageError(f"--context must be at least 2 tokens (one to condition on, one to predict), not {context}")
     store, reference = Path(store), Path(reference)
     kind = reference_kind(reference)
+    if reference_dtype is not None and (reference_dtype not in REFERENCE_DTYPES or kind != "checkpoint"):
+        raise UsageError(
+            f"--reference-dtype {reference_dtype} needs a checkpoint reference and one of {', '.join(REFERENCE_DTYPES)}"
+        )
 
     start = time.perf_counter()
     store_model, tokenizer = load(store, memory)
@@ -316,7 +327,7 @@ def compare(
         reference_model, ref_tokenizer = load(reference, memory)
         reference_dtype = engine_of(reference_model).store.manifest.experts_dtype
     else:
-        reference_model, reference_dtype = _load_checkpoint(reference, progress)
+        reference_model, reference_dtype = _load_checkpoint(reference, progress, reference_dtype)
         ref_tokenizer = _checkpoint_tokenizer(reference)
     reference_load = time.perf_counter() - start
     if ref_tokenizer is not None and not torch.equal(_encode(ref_tokenizer, text)[:max_tokens], ids):
