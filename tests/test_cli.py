@@ -46,3 +46,13 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("moestream: error:") and "manifest.json" in err
     assert main(["inspect", str(tmp_path), "--memory", "lots"]) == 2
+
+
+def test_layer_dtype_counts_from_the_end_as_written(tmp_path):
+    from moestream.store import Store
+
+    _, ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", seed=4)
+    # "-1=int8" as its own argument: argparse alone would take it for an unknown option.
+    assert main(["convert", str(ckpt), str(tmp_path / "store"), "--experts-dtype", "fp32", "--layer-dtype", "-1=int8"]) == 0
+    layers = Store(tmp_path / "store").manifest.layers
+    assert [layer.quantization.name if layer.quantization else None for layer in layers] == [None, "int8"]

@@ -284,8 +284,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _attach_negative_layer_rules(argv: list[str]) -> list[str]:
+    """`--layer-dtype -1=int4` -> `--layer-dtype=-1=int4`: argparse takes a value that starts with "-"
+    and is not a plain number for an option of its own, and counting from the last layer is the point."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--layer-dtype" and arg.startswith("-"):
+            out[-1] = f"--layer-dtype={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_attach_negative_layer_rules(sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except MoestreamError as e:
