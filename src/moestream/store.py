@@ -276,7 +276,8 @@ def _parse_quantization(raw, where: str) -> QuantFormat | None:
     if name == "int8":
         _require(group is None and packing is None, where, "int8 has no group size or packing")
     else:
-        _require(group in GROUP_SIZES and not isinstance(group, bool), where, f"group_size must be one of {GROUP_SIZES}")
+        # type(): 32.0 == 32 and True == 1, but the int4 kernel takes only an int.
+        _require(type(group) is int and group in GROUP_SIZES, where, f"group_size must be one of {GROUP_SIZES}")
         _require(isinstance(packing, str), where, "packing must name the int4 kernel layout")
     return QuantFormat(name, group, packing)
 
