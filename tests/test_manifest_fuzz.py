@@ -26,8 +26,9 @@ from moestream.errors import StoreError
 from moestream.store import MANIFEST, Store, parse_manifest
 from moestream.synthetic import make_model, save_checkpoint
 
-# Explicit so that CI runs this many examples whatever the hypothesis profile says; no database, so the
-# test leaves no .hypothesis directory in the checkout (a failure still prints the falsifying input).
+# Explicit so that CI runs this many examples whatever the hypothesis profile says. No example database:
+# runs do not depend on earlier ones, and a failure prints the falsifying input anyway. (Hypothesis still
+# keeps caches in .hypothesis/, which it git-ignores itself.)
 FUZZ = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # Strings that exercise paths and encodings: traversal, absolute paths, NUL, lone surrogates (which json
