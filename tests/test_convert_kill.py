@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import moestream
-from moestream.errors import SourceError, StoreError
+from moestream.errors import StoreError, UsageError
 from moestream.store import MANIFEST, Store
 from moestream.synthetic import make_model, save_checkpoint
 from moestream.units import format_bytes
@@ -241,7 +241,7 @@ def test_full_disk_is_a_clear_error_naming_the_space_needed(tmp_path, monkeypatc
     converter_module = sys.modules["moestream.convert"]  # the package's `convert` attribute is the function
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(converter_module.shutil, "disk_usage", lambda path: usage(2**40, 2**40 - 5 * 2**20, 5 * 2**20))
-    with pytest.raises(SourceError) as info:
+    with pytest.raises(UsageError) as info:
         moestream.convert(src, tmp_path / "out", progress=False)
     message = str(info.value)
     assert f"the store needs about {format_bytes(need)}, {format_bytes(5 * 2**20)} is free" in message, message

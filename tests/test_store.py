@@ -106,3 +106,14 @@ def test_interrupted_conversion_leaves_nothing_loadable(tmp_path, monkeypatch):
     monkeypatch.undo()
     moestream.convert(ckpt, tmp_path / "out", progress=False)
     assert Store(tmp_path / "out").manifest.layers
+
+
+def test_overwrite_replaces_the_store_and_leaves_nothing_beside_it(pristine, tmp_path):
+    dst = tmp_path / "store"
+    shutil.copytree(pristine, dst)
+    (dst / "stale-file").write_text("from the old store")
+    src = tmp_path / "hf"
+    _, ckpt = tiny_checkpoint("mixtral", src, seed=6)
+    moestream.convert(ckpt, dst, overwrite=True, progress=False)
+    assert not (dst / "stale-file").exists() and Store(dst).manifest.layers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "store"]

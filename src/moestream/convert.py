@@ -256,9 +256,7 @@ def convert(
         try:
             manifest = _write_store(tmp, src, model, ckpt, plan, formats, progress)
             manifest.write(tmp)
-            if dst.exists():
-                shutil.rmtree(dst)
-            os.rename(tmp, dst)
+            _move_into_place(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -284,6 +282,23 @@ def _layer_layout(name: str, module, sources, ckpt, storage) -> tuple[RecordLayo
     return RecordLayout.pack(expert_record_specs(shapes, float_dtype, fmt, module.is_transposed, name)), fmt
 
 
+def _move_into_place(tmp: Path, dst: Path) -> None:
+    """Rename the finished store to DST and make the rename durable. With --overwrite the old store is
+    first renamed aside, so a crash at any moment leaves a complete store at DST or beside it."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    directory = os.open(dst.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the directory entry, not only the files, must survive a power cut
+    finally:
+        os.close(directory)
+    if old is not None:
+        shutil.rmtree(old)
+
+
 def _estimate_bytes(model, plan: ConversionPlan, layouts: list[RecordLayout]) -> tuple[int, int]:
     meta = model.state_dict()
     resident = sum(meta[t].numel() * meta[t].element_size() for t in plan.resident)
@@ -297,7 +312,7 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
     free = shutil.disk_usage(tmp).free
     need = resident_total + experts_total + 64 * 1024**2
     if free < need:
-        raise SourceError(
+        raise UsageError(
             f"not enough disk space at {tmp.parent}: the store needs about {format_bytes(need)}, "
             f"{format_bytes(free)} is free. Free space or choose another destination."
         )
