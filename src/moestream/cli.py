@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from . import __version__
 from .convert import EXPERT_FORMATS
@@ -146,6 +147,27 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import bench
+    from .quality import read_text
+
+    report = bench(
+        args.store,
+        args.memory,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        squeeze=args.squeeze,
+        compare=args.compare,
+        text=read_text(args.text) if args.text else None,
+        io_threads=args.io_threads,
+    )
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -275,6 +297,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "bench",
+        help="decode speed against the disk's limit, measured in one run (optionally against peers)",
+        description="Measure decode tokens/s, time to first token, hit rate and expert bytes read per token, "
+        "the disk bandwidth of this store's own records (O_DIRECT, same reader as the engine), the I/O floor "
+        "(bytes missed per token / bandwidth + all-hits compute) and efficiency = floor / measured time.",
+    )
+    p.add_argument("store")
+    _add_memory(p)
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens (default 32)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens to decode (default 32)")
+    p.add_argument("--text", default=None, metavar="FILE", help="take the prompt from this text (default: random token ids)")
+    p.add_argument(
+        "--squeeze",
+        default="0",
+        metavar="SIZE",
+        help="hold this much anonymous memory in a helper process during the run, so the machine behaves like "
+        "a smaller one (there is no swap: it stays resident)",
+    )
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="CHECKPOINT",
+        help="also run the peers on this Hugging Face checkpoint (the store's source): transformers fully "
+        "loaded (if it fits) and transformers + accelerate disk offload at the same --memory",
+    )
+    p.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="build a synthetic MoE, convert it and stream it under a sweep of budgets")
     p.add_argument("--workdir", default=None, help="where to build the demo model (default: a temporary directory)")

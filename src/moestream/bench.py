@@ -1,0 +1,340 @@
+"""`moestream bench`: how close decoding runs to the disk's speed limit, measured in one run.
+
+When most of a model lives on disk, a token costs the expert bytes that miss the cache divided by the
+disk's bandwidth, plus the compute that is not hidden behind those reads. This module measures both
+sides in the same run and on the same files, and reports their ratio:
+
+- disk bandwidth: aligned O_DIRECT reads of the store's own expert records, through the same reader
+  and thread count the engine uses (so the floor is what this engine could reach, not a datasheet);
+- the I/O floor per token: decode bytes missed per token / that bandwidth + all-hits compute per
+  token (measured with a budget that holds every expert when the experts fit in memory, otherwise
+  estimated as decode time minus the time the model thread waited for reads);
+- efficiency = floor / measured time per token (1.0 = at the limit).
+
+`--squeeze` makes the machine behave like a smaller one: a helper process allocates and touches that
+much anonymous memory for the duration (there is no swap, so the pages stay resident). `--compare`
+runs the peers a user would otherwise use on the same checkpoint, prompt and memory, each in its own
+process: transformers fully loaded (the all-hits ceiling, when it fits) and transformers + accelerate
+disk offload (`device_map="auto"`, `max_memory`, `offload_folder`).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from .errors import UsageError
+from .memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
+from .reader import RecordReader
+from .store import Store
+from .units import format_bytes, parse_bytes
+
+BANDWIDTH_PROBE_BYTES = 512 * 2**20  # enough records to see the disk's sustained rate, not its cache
+
+
+@dataclass
+class RunResult:
+    """One generation: what a user sees (tokens/s, TTFT) and what explains it (bytes, waits)."""
+
+    name: str
+    prompt_tokens: int
+    new_tokens: int
+    ttft_seconds: float
+    decode_tokens_per_second: float
+    peak_rss_bytes: int
+    hit_rate: float | None = None
+    decode_bytes_read: int | None = None
+    decode_wait_seconds: float | None = None
+    note: str = ""
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 1.0 / self.decode_tokens_per_second if self.decode_tokens_per_second else float("inf")
+
+
+@dataclass
+class BenchReport:
+    store: str
+    memory_bytes: int
+    squeeze_bytes: int
+    disk_bandwidth_bytes_per_second: float
+    moestream: RunResult
+    all_hits_seconds_per_token: float
+    all_hits_measured: bool  # False: estimated as decode time minus read waits
+    bytes_missed_per_token: float
+    floor_seconds_per_token: float
+    efficiency: float
+    store_page_cache_bytes: int
+    peers: list[RunResult] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        r = self.moestream
+        lines = [
+            f"store {self.store}, --memory {format_bytes(self.memory_bytes)}"
+            + (f", squeeze {format_bytes(self.squeeze_bytes)}" if self.squeeze_bytes else ""),
+            f"disk bandwidth (O_DIRECT reads of this store's records): {self.disk_bandwidth_bytes_per_second / 1e9:.2f} GB/s",
+            f"expert bytes missed per decoded token: {self.bytes_missed_per_token / 1e6:.2f} MB; hit rate {r.hit_rate:.1%}",
+            f"all-hits compute per token: {self.all_hits_seconds_per_token * 1e3:.1f} ms "
+            f"({'measured, every expert cached' if self.all_hits_measured else 'estimated: decode time minus read waits'})",
+            f"I/O floor per token: {self.floor_seconds_per_token * 1e3:.1f} ms; measured {r.seconds_per_token * 1e3:.1f} ms; "
+            f"efficiency {self.efficiency:.2f}",
+            f"page cache held by the store after the run: {format_bytes(self.store_page_cache_bytes)}",
+            "",
+            f"{'engine':<34} {'decode tok/s':>12} {'TTFT s':>8} {'peak RSS':>10}  note",
+        ]
+        for run in [r] + self.peers:
+            lines.append(
+                f"{run.name:<34} {run.decode_tokens_per_second:>12.2f} {run.ttft_seconds:>8.2f} "
+                f"{format_bytes(run.peak_rss_bytes):>10}  {run.note}"
+            )
+        for peer in self.peers:
+            if peer.decode_tokens_per_second:
+                lines.append(f"moestream / {peer.name}: {r.decode_tokens_per_second / peer.decode_tokens_per_second:.2f}x decode tokens/s")
+        return "\n".join(lines)
+
+
+class _Clock(BaseStreamer):
+    """Notes when the prompt is done and the first new token exists, and calls `at_first` right then."""
+
+    def __init__(self, at_first=None):
+        self.calls = 0
+        self.first_at: float | None = None
+        self.at_first = at_first
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:  # the first put is the prompt, the second the first new token
+            self.first_at = time.perf_counter()
+            if self.at_first:
+                self.at_first()
+
+    def end(self):
+        pass
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, at_first=None) -> tuple[float, float]:
+    """Greedy generation of exactly `new_tokens`; returns (TTFT seconds, decode tokens/s)."""
+    clock = _Clock(at_first)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock,
+                       pad_token_id=0)
+    end = time.perf_counter()
+    first = clock.first_at or end
+    return first - start, (new_tokens - 1) / (end - first) if new_tokens > 1 and end > first else 0.0
+
+
+def measure_disk_bandwidth(store: Store, threads: int = 4, budget_bytes: int = BANDWIDTH_PROBE_BYTES) -> float:
+    """Bytes/s of random aligned O_DIRECT record reads from this store's expert files (the engine's reader)."""
+    records = [(i, off, layer.layout.stride) for i, layer in enumerate(store.manifest.layers) for off in layer.offsets]
+    random.Random(0).shuffle(records)
+    stride = store.manifest.max_record_stride
+    count = max(threads * 2, min(len(records), budget_bytes // stride))
+    buffers = [mmap.mmap(-1, stride) for _ in range(threads * 2)]  # page-aligned, as O_DIRECT needs
+    reader = RecordReader([store.path(layer.file) for layer in store.manifest.layers], threads, direct=True)
+    try:
+        start = time.perf_counter()
+        total, futures = 0, []
+        for n, (i, off, length) in enumerate(records[:count]):
+            if len(futures) == len(buffers):
+                futures.pop(0).result()
+            futures.append(reader.submit(i, off, length, memoryview(buffers[n % len(buffers)])[:length]))
+            total += length
+        for f in futures:
+            f.result()
+        return total / (time.perf_counter() - start)
+    finally:
+        reader.close()
+
+
+class Squeeze:
+    """A helper process holding `nbytes` of touched anonymous memory, so the machine acts smaller."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.process = None
+
+    def __enter__(self):
+        if self.nbytes:
+            code = (
+                "import mmap,sys\n"
+                f"m = mmap.mmap(-1, {self.nbytes})\n"
+                "step = 1 << 20\n"
+                f"for i in range(0, {self.nbytes}, step): m[i:i + step] = b'\\x01' * min(step, {self.nbytes} - i)\n"
+                "print('ready', flush=True)\n"
+                "sys.stdin.read()\n"
+            )
+            self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if self.process.stdout.readline().strip() != "ready":
+                raise UsageError(f"--squeeze {format_bytes(self.nbytes)}: the helper could not hold that much memory")
+        return self
+
+    def __exit__(self, *exc):
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, text: str | None) -> torch.Tensor:
+    if text:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens]
+        if len(ids) < prompt_tokens:
+            raise UsageError(f"--text has only {len(ids)} tokens; pass a longer text or fewer --prompt-tokens")
+        return torch.tensor([ids])
+    return torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+
+
+def _run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, **load_kwargs) -> RunResult:
+    from .runtime import engine_of, load
+
+    reset_peak_rss()
+    model, _ = load(store_dir, memory, **load_kwargs)
+    engine = engine_of(model)
+    at_first: dict = {}
+    ttft, rate = timed_generate(model, ids, new_tokens, at_first=lambda: at_first.update(engine.stats()))
+    stats = engine.stats()
+    engine.close()
+    decode_hits = stats["hits"] - at_first.get("hits", 0)
+    decode_misses = stats["misses"] - at_first.get("misses", 0)
+    run = RunResult(
+        name=name,
+        prompt_tokens=int(ids.shape[1]),
+        new_tokens=new_tokens,
+        ttft_seconds=ttft,
+        decode_tokens_per_second=rate,
+        peak_rss_bytes=peak_rss_bytes(),
+        hit_rate=decode_hits / max(1, decode_hits + decode_misses),
+        decode_bytes_read=stats["bytes_read"] - at_first.get("bytes_read", 0),
+        decode_wait_seconds=stats["wait_seconds"] - at_first.get("wait_seconds", 0.0),
+    )
+    return run
+
+
+def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, queue) -> None:
+    """A peer in its own process (its own peak RSS, no memory shared with the others)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(torch.get_num_threads())
+        reset_peak_rss()
+        if kind == "transformers":
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
+        else:
+            offload = tempfile.mkdtemp(prefix="moestream-offload-")
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, local_files_only=True, device_map="auto", max_memory={"cpu": memory}, offload_folder=offload
+            ).eval()
+        ttft, rate = timed_generate(model, torch.tensor(ids), new_tokens)
+        queue.put({"ttft": ttft, "rate": rate, "rss": peak_rss_bytes()})
+    except Exception as e:  # a peer that cannot run is reported, not fatal
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def _run_peer(kind: str, checkpoint: str, memory: int, ids: torch.Tensor, new_tokens: int) -> RunResult:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_peer, args=(kind, checkpoint, memory, ids.tolist(), new_tokens, queue))
+    process.start()
+    result = queue.get()
+    process.join()
+    name = "transformers (fully loaded)" if kind == "transformers" else "transformers + accelerate offload"
+    if "error" in result:
+        return RunResult(name, int(ids.shape[1]), new_tokens, 0.0, 0.0, 0, note=f"did not run: {result['error'][:120]}")
+    return RunResult(name, int(ids.shape[1]), new_tokens, result["ttft"], result["rate"], result["rss"])
+
+
+def _memory_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def bench(
+    store_dir: str | os.PathLike,
+    memory: str | int = "4GiB",
+    *,
+    prompt_tokens: int = 32,
+    new_tokens: int = 32,
+    squeeze: str | int = 0,
+    compare: str | None = None,
+    text: str | None = None,
+    **load_kwargs,
+) -> BenchReport:
+    from .runtime import _load_tokenizer
+
+    budget, squeeze_bytes = parse_bytes(memory), parse_bytes(squeeze)
+    store = Store(store_dir)
+    if new_tokens < 2:
+        raise UsageError("--new-tokens must be at least 2: decode speed is measured after the first token")
+    with Squeeze(squeeze_bytes):
+        bandwidth = measure_disk_bandwidth(store)
+        tokenizer = _load_tokenizer(store.directory) if text else None
+        ids = _prompt_ids(tokenizer, int(store.manifest.model_config["vocab_size"]), prompt_tokens, text)
+        run = _run_moestream(store_dir, budget, ids, new_tokens, "moestream", **load_kwargs)
+        missed_per_token = run.decode_bytes_read / max(1, new_tokens - 1)
+        # All-hits compute: measured with every expert cached when that fits comfortably, else estimated.
+        expert_bytes = sum(layer.layout.stride * layer.num_experts for layer in store.manifest.layers)
+        if expert_bytes < 0.5 * _memory_available():
+            all_hits_budget = expert_bytes + store.manifest.max_record_stride
+            warm = _run_all_hits(store_dir, all_hits_budget, ids, new_tokens)
+            all_hits, measured = warm.seconds_per_token, True
+        else:
+            all_hits = max(0.0, run.seconds_per_token - run.decode_wait_seconds / max(1, new_tokens - 1))
+            measured = False
+        floor = missed_per_token / bandwidth + all_hits
+        cached = sum(page_cache_bytes(store.path(layer.file)) for layer in store.manifest.layers)
+        peers = []
+        if compare:
+            ckpt_bytes = sum(p.stat().st_size for p in Path(compare).glob("*.safetensors"))
+            if ckpt_bytes < 0.8 * _memory_available():
+                peers.append(_run_peer("transformers", compare, budget, ids, new_tokens))
+            else:
+                peers.append(RunResult("transformers (fully loaded)", prompt_tokens, new_tokens, 0, 0, 0,
+                                       note=f"skipped: {format_bytes(ckpt_bytes)} does not fit in available memory"))
+            peers.append(_run_peer("accelerate", compare, budget, ids, new_tokens))
+    return BenchReport(
+        store=str(store_dir),
+        memory_bytes=budget,
+        squeeze_bytes=squeeze_bytes,
+        disk_bandwidth_bytes_per_second=bandwidth,
+        moestream=run,
+        all_hits_seconds_per_token=all_hits,
+        all_hits_measured=measured,
+        bytes_missed_per_token=missed_per_token,
+        floor_seconds_per_token=floor,
+        efficiency=floor / run.seconds_per_token if run.seconds_per_token else 0.0,
+        store_page_cache_bytes=cached,
+        peers=peers,
+    )
+
+
+def _run_all_hits(store_dir, budget: int, ids, new_tokens: int) -> RunResult:
+    """All-hits decode: one load, a pass that fills the cache, then the timed pass on the same prompt."""
+    from .runtime import engine_of, load
+
+    model, _ = load(store_dir, budget)
+    timed_generate(model, ids, new_tokens)  # fills the cache with every expert this prompt and decode need
+    ttft, rate = timed_generate(model, ids, new_tokens)
+    engine_of(model).close()
+    return RunResult("all hits", int(ids.shape[1]), new_tokens, ttft, rate, peak_rss_bytes())
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    Path(path).write_text(json.dumps(report.to_json(), indent=1))
