@@ -1,45 +1,23 @@
 """A byte-budgeted cache of expert records: fixed-size slots in one arena, pins, a pluggable policy.
 
-The cache owns memory and decides what to evict. It does not know files or models: the runtime asks
-for a slot, has the reader fill it, and pins what it computes with. All bookkeeping happens on the
-thread that runs the model; I/O threads only write bytes into slots they were handed.
+The cache owns memory and decides what to evict (with a policy from policies.py). It does not know files
+or models: the runtime asks for a slot, has the reader fill it, and pins what it computes with. All
+bookkeeping happens on the thread that runs the model; I/O threads only write bytes into slots they were
+handed. The offline simulator (simulate.py) drives the same class without an arena.
 """
 
 from __future__ import annotations
 
 import mmap
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from .policies import LRUPolicy
+
 Key = Hashable  # (layer, expert) in the runtime
-
-
-class LRUPolicy:
-    """Evict the least recently used unpinned entry."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[Key, None] = OrderedDict()
-
-    def on_hit(self, key: Key) -> None:
-        self._order.move_to_end(key)
-
-    def on_insert(self, key: Key) -> None:
-        self._order[key] = None
-
-    def on_remove(self, key: Key) -> None:
-        self._order.pop(key, None)
-
-    def victim(self, evictable: Callable[[Key], bool]) -> Key | None:
-        for key in self._order:
-            if evictable(key):
-                return key
-        return None
 
 
 @dataclass
@@ -52,18 +30,29 @@ class Entry:
 
 
 class ExpertCache:
-    def __init__(self, budget_bytes: int, slot_bytes: int, policy=None, on_evict: Callable[[Key], None] | None = None):
+    def __init__(
+        self,
+        budget_bytes: int,
+        slot_bytes: int,
+        policy=None,
+        on_evict: Callable[[Key], None] | None = None,
+        arena: bool = True,
+    ):
+        """arena=False: bookkeeping only, no slot memory (the simulator replays routing with it)."""
         self.slot_bytes = slot_bytes
         self.on_evict = on_evict
         self.capacity = budget_bytes // slot_bytes
         self.budget_bytes = budget_bytes
         self.policy = policy or LRUPolicy()
+        self.policy.attach(self.capacity)
         self._entries: dict[Key, Entry] = {}
         self._free: list[int] = list(range(self.capacity - 1, -1, -1))
-        # One anonymous mapping: page-aligned (O_DIRECT needs it) and committed by the OS only as slots
-        # are first filled, so resident memory grows with use up to the budget, never beyond.
-        self._arena = mmap.mmap(-1, max(self.capacity, 1) * slot_bytes)
-        self._arena_tensor = torch.frombuffer(self._arena, dtype=torch.uint8)
+        self._arena = self._arena_tensor = None
+        if arena:
+            # One anonymous mapping: page-aligned (O_DIRECT needs it) and committed by the OS only as slots
+            # are first filled, so resident memory grows with use up to the budget, never beyond.
+            self._arena = mmap.mmap(-1, max(self.capacity, 1) * slot_bytes)
+            self._arena_tensor = torch.frombuffer(self._arena, dtype=torch.uint8)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -79,7 +68,7 @@ class ExpertCache:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self.policy.victim(lambda k: self._entries[k].pins == 0)
+            victim = self.policy.victim(lambda k: self._entries[k].pins == 0, key)
             if victim is None:
                 return None
             slot = self._entries.pop(victim).slot

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from transformers.integrations.moe import ExpertsInterface
 
 from .cache import Entry, ExpertCache
+from .policies import make_policy
 from .errors import ExpertReadError, StoreError, UsageError
 from .kernels import expert_linear
 from .quant import expert_record_specs, int4_packing
@@ -65,6 +66,7 @@ class ExpertEngine:
         direct_io: bool = True,
         verify: str = "first",
         read_timeout: float = READ_TIMEOUT_SECONDS,
+        policy: str = "lru",
     ):
         if verify not in VERIFY_MODES:
             raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
@@ -84,9 +86,10 @@ class ExpertEngine:
                 f"in one layer ({format_bytes(slot)} each); the minimum is {format_bytes(minimum)} "
                 f"({minimum} bytes). Pass --memory {format_bytes(minimum).replace(' ', '')} or more."
             )
-        self.cache = ExpertCache(budget_bytes, slot, on_evict=self._count_eviction)
+        self.cache = ExpertCache(budget_bytes, slot, make_policy(policy), on_evict=self._count_eviction)
         self.reader = RecordReader([store.path(layer.file) for layer in self.layers], io_threads, direct_io)
         self.layer_stats = [LayerStats() for _ in self.layers]
+        self.trace = None  # a trace.TraceRecorder while routing is being recorded
 
     def _count_eviction(self, key) -> None:
         self.layer_stats[key[0]].evictions += 1
@@ -94,6 +97,8 @@ class ExpertEngine:
     # -- one experts call -------------------------------------------------------------------------------
 
     def run(self, module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.trace is not None:
+            self.trace.record(layer, top_k_index, top_k_weights)
         tokens, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -119,11 +124,15 @@ class ExpertEngine:
             else:
                 stats.misses += 1
                 waiting.append(e)
+        # The order of lookups, allocations and unpinning below decides what the policy sees and what is
+        # evicted; simulate.replay repeats it step for step, so that the offline simulator's hit counts
+        # equal these exactly. Change both together (tests/test_simulate.py checks they agree).
         try:
             self._issue_reads(layer, waiting, in_flight)
             while ready:  # hits compute while the misses are read
                 self._compute(module, ready[-1], hidden, rows, weights, k, out)
                 ready.pop().pins -= 1
+            self._issue_reads(layer, waiting, in_flight)  # the hits' slots are evictable now
             while in_flight or waiting:
                 if not in_flight:
                     raise UsageError(
@@ -131,7 +140,13 @@ class ExpertEngine:
                         "raise --memory"
                     )
                 t0 = time.perf_counter()
-                done, _ = wait(in_flight, timeout=self.read_timeout, return_when=FIRST_COMPLETED)
+                if waiting:
+                    # Reads still wait for slots: the slots they get depend on which experts are computed
+                    # (unpinned) by then, so take completions in issue order to make evictions independent of
+                    # I/O timing (reads of equal size finish nearly in order anyway).
+                    done, _ = wait([next(iter(in_flight))], timeout=self.read_timeout)
+                else:
+                    done, _ = wait(in_flight, timeout=self.read_timeout, return_when=FIRST_COMPLETED)
                 stats.wait_seconds += time.perf_counter() - t0
                 if not done:
                     stalled = sorted(entry.key[1] for entry in in_flight.values())
@@ -241,6 +256,7 @@ class ExpertEngine:
             "verify": self.verify,
             "evictions": sum(s["evictions"] for s in layers),
             "cache_slots": self.cache.capacity,
+            "cache_policy": self.cache.policy.name,
             "cache_budget_bytes": self.cache.budget_bytes,
             "cached_experts": len(self.cache),
             "direct_io": self.reader.direct,
@@ -287,12 +303,15 @@ def load(
     io_threads: int = 4,
     direct_io: bool = True,
     verify: str = "first",
+    policy: str = "lru",
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
     memory: the expert cache budget ("4GiB", "512MB", or bytes); resident weights come on top of it.
     verify: when expert records are checked against their checksums: "first" read of each (default),
         "always", or "off".
+    policy: the cache's eviction policy, one of policies.POLICIES: "lru" (default), "lfu" (decayed use
+        counts), "arc" (adaptive); `moestream simulate` compares them on a recorded trace.
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     if device != "cpu":
@@ -309,7 +328,7 @@ def load(
         )
     for layer, (_, module) in zip(manifest.layers, modules):
         _check_record_layout(layer, module)
-    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify)
+    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy)
     for index, (name, module) in enumerate(modules):
         for pname, _ in expert_parameters(module):
             del module._parameters[pname]  # served from the store, never materialized

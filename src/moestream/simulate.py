@@ -1,0 +1,220 @@
+"""Replay a routing trace through the expert cache offline: hit rate and bytes read per token, per policy
+and budget, next to Belady's optimum.
+
+The replay drives the runtime's own ExpertCache (without slot memory) and its own policy objects, and
+makes, per experts call, the same cache operations in the same order as ExpertEngine.run:
+  1. look up every distinct expert of the call in ascending id order; pin the hits;
+  2. allocate slots for the misses in that order, while a slot can be had (pinned entries are never
+     evicted); the hits are then computed and unpinned, and allocation resumes;
+  3. if misses are still waiting (the call needs more experts than the cache has slots), the reads in
+     flight complete in issue order, each unpinning its expert and letting the next miss allocate.
+So for the same trace, budget and policy, the replay's hits equal the runtime's exactly
+(tests/test_simulate.py).
+
+Belady's MIN (evict the entry whose next use is farthest away) needs the future, so it exists only here.
+It runs under the same rules (demand reads, the call's experts pinned), which makes it the optimum for
+those rules: no online policy can have more hits on the same trace and capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cache import ExpertCache
+from .errors import UsageError
+from .policies import POLICIES, make_policy
+from .trace import Trace
+
+BELADY = "belady"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    slots: int
+    slot_bytes: int
+    hits: int
+    misses: int
+    bytes_read: int
+    tokens: int
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_read / self.tokens if self.tokens else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "policy": self.policy,
+            "budget_bytes": self.budget_bytes,
+            "slots": self.slots,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "bytes_read": self.bytes_read,
+            "bytes_per_token": self.bytes_per_token,
+        }
+
+
+class BeladyPolicy:
+    """MIN: evict the unpinned entry whose next use (an experts call index) is farthest in the future."""
+
+    name = BELADY
+
+    def __init__(self, next_use: list[dict[int, float]]):
+        self.next_use = next_use  # per call: expert -> index of the next call of that layer that uses it
+        self.now = 0  # the call being replayed, set by the replay loop
+        self._current: dict = {}  # cached key -> its next use
+        self._heap: list = []  # (-next use, seq, key); stale rows are skipped
+        self._seq = 0
+
+    def attach(self, capacity: int) -> None:
+        pass
+
+    def _touch(self, key) -> None:
+        nxt = self.next_use[self.now][key[1]]
+        self._current[key] = nxt
+        self._seq += 1
+        heapq.heappush(self._heap, (-nxt, self._seq, key))
+        if len(self._heap) > 4 * len(self._current) + 64:
+            self._heap = [(-n, i, k) for i, (k, n) in enumerate(self._current.items(), start=self._seq + 1)]
+            self._seq += len(self._heap)
+            heapq.heapify(self._heap)
+
+    on_hit = on_insert = _touch
+
+    def on_remove(self, key) -> None:
+        self._current.pop(key, None)
+
+    def victim(self, evictable, incoming=None):
+        skipped, chosen = [], None
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            key = item[2]
+            if self._current.get(key) != -item[0]:
+                continue  # stale row
+            skipped.append(item)
+            if evictable(key):
+                chosen = key
+                break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return chosen
+
+
+def next_uses(calls: list[tuple[int, tuple[int, ...]]]) -> list[dict[int, float]]:
+    """For each call and each of its experts, the index of the next call that uses the same (layer, expert)."""
+    out: list[dict[int, float]] = [{} for _ in calls]
+    last: dict[tuple[int, int], float] = {}
+    for c in range(len(calls) - 1, -1, -1):
+        layer, experts = calls[c]
+        row = out[c]
+        for e in experts:
+            row[e] = last.get((layer, e), math.inf)
+            last[(layer, e)] = c
+    return out
+
+
+def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarray | None = None) -> SimResult:
+    """Replay `trace` through a cache of `slots` records under `policy` (a POLICIES name or "belady").
+
+    record_bytes: bytes read per miss of each layer (default: the trace's store); the slot size is their
+    maximum, as in the runtime."""
+    strides = trace.record_bytes if record_bytes is None else np.asarray(record_bytes)
+    slot_bytes = int(strides.max())
+    if slots < 1:
+        raise UsageError("the cache needs at least one slot")
+    calls = trace.call_experts
+    belady = None
+    if policy == BELADY:
+        belady = BeladyPolicy(next_uses(calls))
+        pol = belady
+    else:
+        pol = make_policy(policy)
+    cache = ExpertCache(slots * slot_bytes, slot_bytes, pol, arena=False)
+    hits = 0
+    misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
+
+    def issue(layer: int, waiting: deque, in_flight: deque) -> None:
+        while waiting:
+            entry = cache.allocate((layer, waiting[0]))
+            if entry is None:
+                return
+            waiting.popleft()
+            entry.pins = 1
+            in_flight.append(entry)
+
+    for c, (layer, experts) in enumerate(calls):
+        if belady is not None:
+            belady.now = c
+        ready, waiting = [], deque()
+        for e in experts:
+            entry = cache.lookup((layer, e))
+            if entry is not None:
+                entry.pins += 1
+                ready.append(entry)
+            else:
+                waiting.append(e)
+        hits += len(ready)
+        if waiting:
+            misses_per_layer[layer] += len(waiting)
+            in_flight: deque = deque()
+            issue(layer, waiting, in_flight)
+            for entry in ready:  # the hits are computed while the first reads are in flight
+                entry.pins -= 1
+            issue(layer, waiting, in_flight)
+            while in_flight or waiting:
+                if not in_flight:
+                    raise UsageError(f"a cache of {slots} slots cannot run a call of layer {layer}; use a larger budget")
+                in_flight.popleft().pins -= 1  # the oldest read lands and its expert is computed
+                issue(layer, waiting, in_flight)
+        else:
+            for entry in ready:
+                entry.pins -= 1
+    misses = int(misses_per_layer.sum())
+    return SimResult(
+        policy=policy,
+        slots=slots,
+        slot_bytes=slot_bytes,
+        hits=hits,
+        misses=misses,
+        bytes_read=int((misses_per_layer * strides.astype(np.int64)).sum()),
+        tokens=trace.tokens,
+    )
+
+
+def minimum_slots(trace: Trace) -> int:
+    """What the runtime accepts: one token's experts in one layer (ExpertEngine refuses less)."""
+    return trace.top_k
+
+
+def sweep(trace: Trace, budgets: list[int], policies: list[str], record_bytes: np.ndarray | None = None) -> list[list[SimResult]]:
+    """One row per budget: the given policies, then Belady, at budget // slot slots."""
+    for name in policies:
+        if name not in POLICIES:
+            raise UsageError(f"unknown cache policy {name!r}; choose from {', '.join(POLICIES)}")
+    strides = trace.record_bytes if record_bytes is None else np.asarray(record_bytes)
+    slot = int(strides.max())
+    rows = []
+    for budget in budgets:
+        slots = budget // slot
+        if slots < minimum_slots(trace):
+            raise UsageError(
+                f"a budget of {budget} bytes holds {slots} experts of {slot} bytes; the runtime needs at least "
+                f"{minimum_slots(trace)} (one token's experts in one layer): the minimum is {minimum_slots(trace) * slot} bytes"
+            )
+        rows.append([replay(trace, slots, p, strides) for p in [*policies, BELADY]])
+    return rows

@@ -1,0 +1,143 @@
+"""The offline simulator against the runtime (exact hit counts), and Belady's MIN as the optimum."""
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+from tiny import tiny_checkpoint
+
+import moestream
+from moestream.errors import UsageError
+from moestream.policies import POLICIES
+from moestream.simulate import BELADY, replay, sweep
+from moestream.store import Store
+from moestream.trace import Trace, recording, store_identity
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("simulate")
+    _, ckpt = tiny_checkpoint("qwen3_moe", root / "hf", seed=11)
+    return moestream.convert(ckpt, root / "store", experts_dtype="fp32", progress=False)
+
+
+def _run(store, slots: int, policy: str):
+    """A prefill of 12 tokens and 16 sampled decode steps, recorded; returns (runtime stats, trace)."""
+    slot = Store(store).manifest.max_record_stride
+    model, _ = moestream.load(store, slots * slot, policy=policy)
+    prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(slots))
+    torch.manual_seed(slots)
+    with torch.no_grad(), recording(model) as recorder:
+        model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=True, top_k=0, top_p=1.0)
+    return moestream.stats(model), recorder.trace()
+
+
+# 2 and 3 slots: the prefill needs more distinct experts per layer than the cache holds (it runs in waves);
+# 6: a layer's working set fits but not both layers'; 16: everything fits.
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc"])
+@pytest.mark.parametrize("slots", [2, 3, 6, 16])
+def test_simulator_hits_equal_runtime_hits(store, policy, slots):
+    stats, trace = _run(store, slots, policy)
+    assert stats["cache_slots"] == slots and stats["cache_policy"] == policy
+    result = replay(trace, slots, policy)
+    assert (result.hits, result.misses) == (stats["hits"], stats["misses"])
+    assert result.bytes_read == stats["bytes_read"]
+    assert trace.tokens == 12 + 15  # generate runs the last sampled token through no layer
+    assert trace.meta["store_id"] == store_identity(Store(store).manifest)
+    assert replay(trace, slots, BELADY).hits >= result.hits
+
+
+def _synthetic_trace(seed: int, skew: float, layers=3, experts=16, top_k=2, tokens=60, prefill=8) -> Trace:
+    """Prefill of `prefill` tokens then single-token decode calls, cycling over the layers; expert
+    popularity Zipf(skew) per layer (0: uniform), each layer with its own ranking."""
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, experts + 1, dtype=np.float64)
+    weights = ranks**-skew / (ranks**-skew).sum()
+    order = [rng.permutation(experts) for _ in range(layers)]
+    rows, call_layer, call_rows = [], [], []
+    steps = [prefill] + [1] * (tokens - prefill)
+    for t in steps:
+        for layer in range(layers):
+            for _ in range(t):
+                rows.append(order[layer][rng.choice(experts, size=top_k, replace=False, p=weights)])
+            call_layer.append(layer)
+            call_rows.append(t)
+    ids = np.array(rows, dtype=np.int32)
+    return Trace(
+        experts=ids,
+        weights=np.full(ids.shape, 1.0 / top_k, np.float32),
+        call_layer=np.array(call_layer, np.int32),
+        call_rows=np.array(call_rows, np.int32),
+        record_bytes=np.full(layers, 4096, np.int64),
+        layer_experts=np.full(layers, experts, np.int32),
+        meta={"model_type": "synthetic"},
+    )
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.2])
+def test_belady_is_at_least_every_online_policy(skew):
+    for seed in range(6):
+        trace = _synthetic_trace(seed, skew)
+        for slots in (2, 3, 5, 8, 12, 20, 32, 48):
+            best = replay(trace, slots, BELADY).hits
+            for policy in POLICIES:
+                assert replay(trace, slots, policy).hits <= best, (seed, slots, policy)
+
+
+def _exhaustive_optimum(trace: Trace, slots: int) -> int:
+    """The most hits any eviction choice can get under the runtime's rules (no waves: every call fits)."""
+    calls = trace.call_experts
+
+    @lru_cache(maxsize=None)
+    def best(c: int, cached: frozenset) -> int:
+        if c == len(calls):
+            return 0
+        layer, experts = calls[c]
+        need = {(layer, e) for e in experts}
+        hits = len(need & cached)
+        missing = need - cached
+        evictable = sorted(cached - need)
+        drop = max(0, len(cached) + len(missing) - slots)
+        # Any `drop` unpinned entries may go; the order of evictions inside a call does not matter.
+        options = [frozenset(evictable[i] for i in choice) for choice in _combinations(len(evictable), drop)]
+        return hits + max(best(c + 1, (cached - out) | missing) for out in options)
+
+    return best(0, frozenset())
+
+
+def _combinations(n: int, r: int):
+    from itertools import combinations
+
+    return combinations(range(n), r)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_belady_equals_the_exhaustive_optimum(seed):
+    trace = _synthetic_trace(seed, skew=0.8, layers=2, experts=5, top_k=2, tokens=14, prefill=1)
+    for slots in (2, 3, 4, 6):
+        assert replay(trace, slots, BELADY).hits == _exhaustive_optimum(trace, slots), slots
+
+
+def test_trace_file_round_trip_and_damage(tmp_path):
+    trace = _synthetic_trace(0, 1.0)
+    path = trace.save(tmp_path / "t.npz")
+    again = Trace.load(path)
+    assert np.array_equal(again.experts, trace.experts) and again.call_experts == trace.call_experts
+    assert again.tokens == 60 and again.meta["model_type"] == "synthetic"
+    damaged = _synthetic_trace(0, 1.0)
+    damaged.experts[5, 0] = 99  # beyond the layer's 16 experts
+    damaged.save(tmp_path / "bad.npz")
+    with pytest.raises(UsageError, match="inconsistent"):
+        Trace.load(tmp_path / "bad.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(UsageError, match="not a moestream trace"):
+        Trace.load(tmp_path / "junk.npz")
+
+
+def test_sweep_refuses_budgets_below_one_tokens_experts():
+    trace = _synthetic_trace(0, 1.0)
+    with pytest.raises(UsageError, match="minimum is 8192 bytes"):
+        sweep(trace, [4096], ["lru"])
+    rows = sweep(trace, [8192, 40960], ["lru", "lfu"])
+    assert [[r.policy for r in row] for row in rows] == [["lru", "lfu", BELADY]] * 2
