@@ -141,3 +141,22 @@ def test_sweep_refuses_budgets_below_one_tokens_experts():
         sweep(trace, [4096], ["lru"])
     rows = sweep(trace, [8192, 40960], ["lru", "lfu"])
     assert [[r.policy for r in row] for row in rows] == [["lru", "lfu", BELADY]] * 2
+
+
+def test_a_call_whose_hits_fill_the_cache_still_gets_slots_for_its_misses(tmp_path):
+    """Every slot held by this call's hits: once those are computed their slots take the misses."""
+    from tiny import TINY
+
+    from moestream.synthetic import make_model, save_checkpoint
+
+    config = dict(TINY["qwen3_moe"], num_hidden_layers=1)
+    ckpt = save_checkpoint(make_model("qwen3_moe", seed=5, **config), tmp_path / "hf")
+    store = moestream.convert(ckpt, tmp_path / "store", experts_dtype="fp32", progress=False)
+    model, _ = moestream.load(store, 2 * Store(store).manifest.max_record_stride)  # 2 slots = top_k
+    with torch.no_grad(), recording(model) as recorder:
+        model(torch.tensor([[5]]))  # caches the two experts of token 5 at position 0
+        model(torch.tensor([[5, 9, 17, 33, 60, 101]]))  # the same two again, and others
+    first, second = recorder.trace().call_experts
+    assert set(first[1]) < set(second[1])  # the second call hits both cached experts and misses more
+    stats = moestream.stats(model)
+    assert stats["hits"] == 2 and stats["misses"] == 2 + len(second[1]) - 2
