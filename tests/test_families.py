@@ -39,4 +39,6 @@ def test_streamed_model_equals_transformers(tmp_path, family):
 
     stats = moestream.stats(streamed)
     assert stats["misses"] > 0 and stats["evictions"] > 0, "the budget should have forced streaming"
-    assert stats["bytes_read"] == stats["misses"] * Store(store).manifest.max_record_stride
+    # Every miss is one record read; speculative prefetch, when on, may read a few more.
+    stride = Store(store).manifest.max_record_stride
+    assert stats["bytes_read"] % stride == 0 and stats["bytes_read"] >= stats["misses"] * stride

@@ -57,6 +57,10 @@ class ExpertCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: Key) -> bool:
+        """Whether `key` has a slot (loaded or loading), without counting as a use."""
+        return key in self._entries
+
     def lookup(self, key: Key) -> Entry | None:
         entry = self._entries.get(key)
         if entry is not None:

@@ -69,19 +69,29 @@ class RecordReader:
     def __init__(self, paths: list[Path], threads: int = 4, direct: bool = True):
         self._files = [RecordFile(Path(p), direct) for p in paths]
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-io")
+        # Speculative reads get their own queue: a demand read never waits behind one.
+        self._speculative_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-prefetch")
 
     @property
     def direct(self) -> bool:
         return all(f.direct for f in self._files)
 
     def submit(
-        self, file_index: int, offset: int, length: int, buffer: memoryview, expected: tuple[int, str] | None = None
+        self,
+        file_index: int,
+        offset: int,
+        length: int,
+        buffer: memoryview,
+        expected: tuple[int, str] | None = None,
+        speculative: bool = False,
     ) -> Future:
         """Read `length` bytes at `offset` into `buffer` on an I/O thread; the future's result is a ReadResult.
 
         expected: (payload bytes, xxh3-64 hex) to verify the first `payload bytes` against after the read.
+        speculative: queue it behind other speculative reads only, on their own low-priority thread.
         """
-        return self._pool.submit(self.read_into, file_index, offset, length, buffer, expected)
+        pool = self._speculative_pool if speculative else self._pool
+        return pool.submit(self.read_into, file_index, offset, length, buffer, expected)
 
     def read_into(
         self, file_index: int, offset: int, length: int, buffer: memoryview, expected: tuple[int, str] | None = None
@@ -136,6 +146,7 @@ class RecordReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._speculative_pool.shutdown(wait=False, cancel_futures=True)
         for f in self._files:
             f.close()
         self._files = []

@@ -24,6 +24,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from .cache import Entry, ExpertCache
 from .policies import make_policy
+from .prefetch import Prefetcher, find_router
 from .errors import ExpertReadError, StoreError, UsageError
 from .kernels import expert_linear
 from .quant import expert_record_specs, int4_packing
@@ -90,9 +91,15 @@ class ExpertEngine:
         self.reader = RecordReader([store.path(layer.file) for layer in self.layers], io_threads, direct_io)
         self.layer_stats = [LayerStats() for _ in self.layers]
         self.trace = None  # a trace.TraceRecorder while routing is being recorded
+        self.prefetcher = None  # a prefetch.Prefetcher, set by load()
+        self._speculative: dict = {}  # future -> Entry of speculative reads in flight
+        self._unused_prefetch: set = set()  # keys loaded speculatively and not used yet
 
     def _count_eviction(self, key) -> None:
         self.layer_stats[key[0]].evictions += 1
+        if key in self._unused_prefetch:
+            self._unused_prefetch.discard(key)
+            self.prefetcher.record_use(key[0], False)
 
     # -- one experts call -------------------------------------------------------------------------------
 
@@ -111,6 +118,7 @@ class ExpertEngine:
         weights = top_k_weights.reshape(-1)
         stats = self.layer_stats[layer]
         self._reclaim_stalled_slots()
+        self._collect_speculative()
 
         ready: list[Entry] = []
         waiting: list[int] = []
@@ -119,16 +127,28 @@ class ExpertEngine:
             entry = self.cache.lookup((layer, e))
             if entry is not None:
                 stats.hits += 1
+                if entry.loading is not None:  # a speculative read still in flight: now a demand read, pinned
+                    del self._speculative[entry.loading]
+                    in_flight[entry.loading] = entry
+                    self.prefetcher.record_use(layer, True)
+                    continue
+                if entry.key in self._unused_prefetch:
+                    self._unused_prefetch.discard(entry.key)
+                    self.prefetcher.record_use(layer, True)
                 entry.pins += 1
                 ready.append(entry)
             else:
                 stats.misses += 1
                 waiting.append(e)
+        if self.prefetcher is not None:
+            self.prefetcher.observe(layer, list(rows))
         # The order of lookups, allocations and unpinning below decides what the policy sees and what is
         # evicted; simulate.replay repeats it step for step, so that the offline simulator's hit counts
         # equal these exactly. Change both together (tests/test_simulate.py checks they agree).
         try:
             self._issue_reads(layer, waiting, in_flight)
+            if not waiting and self.prefetcher is not None:  # demand first: speculate only once it is all issued
+                self._speculate(layer + 1, self.prefetcher.predict(layer, hidden))
             while ready:  # hits compute while the misses are read
                 self._compute(module, ready[-1], hidden, rows, weights, k, out)
                 ready.pop().pins -= 1
@@ -187,6 +207,35 @@ class ExpertEngine:
             memory = self.cache.slot_memory(entry.slot)
             entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected)
             in_flight[entry.loading] = entry
+
+    def _speculate(self, layer: int, experts: list[int]) -> None:
+        """Start low-priority reads of `layer`'s likely experts into slots the policy gives up."""
+        spec = self.layers[layer] if layer < len(self.layers) else None
+        for e in experts:
+            if (layer, e) in self.cache:
+                continue
+            entry = self.cache.allocate((layer, e))  # never a pinned or loading slot
+            if entry is None:
+                return
+            entry.pins = 1  # until the read lands: nobody may evict a slot that is being written
+            check = self.verify == "always" or (self.verify == "first" and (layer, e) not in self._verified)
+            expected = (spec.layout.nbytes, spec.checksums[e]) if check else None
+            memory = self.cache.slot_memory(entry.slot)
+            entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected, speculative=True)
+            self._speculative[entry.loading] = entry
+            self.prefetcher.stats[layer].issued += 1
+
+    def _collect_speculative(self) -> None:
+        """Book the speculative reads that have landed (cache bookkeeping happens on this thread only)."""
+        for future in [f for f in self._speculative if f.done()]:
+            entry = self._speculative.pop(future)
+            try:
+                self._finish_read(entry.key[0], entry, future)
+            except ExpertReadError:
+                self.prefetcher.record_use(entry.key[0], False)  # discarded; a demand read will retry and report
+                continue
+            entry.pins -= 1
+            self._unused_prefetch.add(entry.key)
 
     def _reclaim_stalled_slots(self) -> None:
         if self._stalled:
@@ -260,6 +309,7 @@ class ExpertEngine:
             "cache_budget_bytes": self.cache.budget_bytes,
             "cached_experts": len(self.cache),
             "direct_io": self.reader.direct,
+            "prefetch": self.prefetcher.report() if self.prefetcher is not None else None,
             "peak_rss_bytes": peak_rss_bytes(),
             "layers": layers,
         }
@@ -304,6 +354,7 @@ def load(
     direct_io: bool = True,
     verify: str = "first",
     policy: str = "lru",
+    prefetch: str = "off",
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
@@ -312,6 +363,8 @@ def load(
         "always", or "off".
     policy: the cache's eviction policy, one of policies.POLICIES: "lru" (default), "lfu" (decayed use
         counts), "arc" (adaptive); `moestream simulate` compares them on a recorded trace.
+    prefetch: speculative reads of the next layer's likely experts: "off" (default), "on", or "auto" (on
+        per layer while its speculative reads are mostly used; see prefetch.py).
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     if device != "cpu":
@@ -334,6 +387,11 @@ def load(
             del module._parameters[pname]  # served from the store, never materialized
         module._moestream_engine = engine
         module._moestream_layer = index
+    engine.prefetcher = Prefetcher(
+        [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules],
+        int(manifest.model_config.get("num_experts_per_tok") or 1),
+        prefetch,
+    )
 
     state = {}
     for f in manifest.resident_files:
