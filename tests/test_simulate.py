@@ -15,6 +15,15 @@ from moestream.store import Store
 from moestream.trace import Trace, recording, store_identity
 
 
+def _load(store, budget, policy="lru"):
+    """Demand reads only: speculative prefetch (where the runtime has it) reads experts the trace does not
+    name, from predictions the trace does not hold, so the simulator's exactness is stated without it."""
+    import inspect
+
+    extra = {"prefetch": "off"} if "prefetch" in inspect.signature(moestream.load).parameters else {}
+    return moestream.load(store, budget, policy=policy, **extra)
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("simulate")
@@ -25,7 +34,7 @@ def store(tmp_path_factory):
 def _run(store, slots: int, policy: str):
     """A prefill of 12 tokens and 16 sampled decode steps, recorded; returns (runtime stats, trace)."""
     slot = Store(store).manifest.max_record_stride
-    model, _ = moestream.load(store, slots * slot, policy=policy)
+    model, _ = _load(store, slots * slot, policy)
     prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(slots))
     torch.manual_seed(slots)
     with torch.no_grad(), recording(model) as recorder:
@@ -152,7 +161,7 @@ def test_a_call_whose_hits_fill_the_cache_still_gets_slots_for_its_misses(tmp_pa
     config = dict(TINY["qwen3_moe"], num_hidden_layers=1)
     ckpt = save_checkpoint(make_model("qwen3_moe", seed=5, **config), tmp_path / "hf")
     store = moestream.convert(ckpt, tmp_path / "store", experts_dtype="fp32", progress=False)
-    model, _ = moestream.load(store, 2 * Store(store).manifest.max_record_stride)  # 2 slots = top_k
+    model, _ = _load(store, 2 * Store(store).manifest.max_record_stride)  # 2 slots = top_k
     with torch.no_grad(), recording(model) as recorder:
         model(torch.tensor([[5]]))  # caches the two experts of token 5 at position 0
         model(torch.tensor([[5, 9, 17, 33, 60, 101]]))  # the same two again, and others
@@ -160,3 +169,35 @@ def test_a_call_whose_hits_fill_the_cache_still_gets_slots_for_its_misses(tmp_pa
     assert set(first[1]) < set(second[1])  # the second call hits both cached experts and misses more
     stats = moestream.stats(model)
     assert stats["hits"] == 2 and stats["misses"] == 2 + len(second[1]) - 2
+
+
+def test_cli_trace_simulate_and_generate_trace_out(store, tmp_path, capsys):
+    import json
+
+    from moestream.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n")
+    out = tmp_path / "t.npz"
+    assert main(["trace", str(store), "--text", str(text), "--max-tokens", "20", "--prefill", "5", "-o", str(out)]) == 0
+    trace = Trace.load(out)
+    assert trace.tokens == 20 and trace.calls == 2 * 16  # one prefill call and 15 decode calls per layer
+    assert list(trace.call_rows[:2]) == [5, 5] and set(trace.call_rows[2:]) == {1}
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--memory", "64KiB,50%", "--policy", "lru,arc"]) == 0
+    printed = capsys.readouterr().out
+    assert "belady" in printed and "closest to the optimum" in printed
+    assert main(["simulate", str(out), "--memory", "1KiB"]) == 2  # below one token's experts
+    assert "minimum is" in capsys.readouterr().err
+
+    # generate records its own routing: every token of the prompt and of the decode, in its calls.
+    slot = Store(store).manifest.max_record_stride
+    run = ["generate", str(store), "--memory", str(5 * slot), "--policy", "lfu", "--prompt", "def f(x):", "--max-new-tokens", "10"]
+    assert main(run + ["--greedy", "--json", "--trace-out", str(tmp_path / "g.npz")]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert result["stats"]["cache_policy"] == "lfu"
+    trace = Trace.load(tmp_path / "g.npz")
+    assert trace.tokens == result["prompt_tokens"] + len(result["token_ids"]) - 1
+    assert trace.calls == 2 * len(result["token_ids"]) and trace.meta["prompt"] == "def f(x):"
+    assert main(["simulate", str(tmp_path / "g.npz"), "--memory", str(5 * slot), "--policy", "lfu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0][0]["slots"] == 5

@@ -1,4 +1,4 @@
-"""The `moestream` command: convert, generate, inspect, verify, eval, demo."""
+"""The `moestream` command: convert, generate, inspect, verify, eval, bench, trace, simulate, demo."""
 
 from __future__ import annotations
 
@@ -34,6 +34,19 @@ def _add_memory(p: argparse.ArgumentParser, default: str = "4GiB") -> None:
     )
 
 
+def _add_policy(p: argparse.ArgumentParser) -> None:
+    from .policies import POLICIES
+
+    p.add_argument(
+        "--policy",
+        choices=list(POLICIES),
+        default="lru",
+        help="expert cache eviction policy: lru (least recently used, default), lfu (decayed use counts: keeps "
+        "popular experts; best on real routing under small budgets), arc (adaptive recency/frequency). "
+        "`moestream simulate` compares them on a recorded trace",
+    )
+
+
 def cmd_convert(args) -> int:
     from .convert import convert
 
@@ -52,12 +65,15 @@ def cmd_convert(args) -> int:
 def cmd_generate(args) -> int:
     from .generate import generate
     from .runtime import load
+    from .trace import start_recording, stop_recording
 
     model, tokenizer = load(
-        args.store, args.memory, io_threads=args.io_threads, direct_io=not args.buffered_io, verify=args.verify
+        args.store, args.memory, io_threads=args.io_threads, direct_io=not args.buffered_io, verify=args.verify,
+        policy=args.policy,
     )
     if tokenizer is None:
         raise MoestreamError(f"{args.store} has no tokenizer files; convert from a checkpoint that includes them")
+    recorder = start_recording(model) if args.trace_out else None  # routing recorded through the engine
     result = generate(
         model,
         tokenizer,
@@ -82,6 +98,35 @@ def cmd_generate(args) -> int:
         print(json.dumps(out))
     else:
         print(result.summary(), file=sys.stderr)
+    if recorder is not None:
+        stop_recording(model)
+        print(f"wrote {recorder.trace(prompt=args.prompt).save(args.trace_out)}", file=sys.stderr)
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from .quality import read_text
+    from .trace import record_text
+
+    trace = record_text(
+        args.store, read_text(args.text), max_tokens=args.max_tokens, prefill=args.prefill, memory=args.memory
+    )
+    trace.meta["text"] = str(args.text)
+    path = trace.save(args.output)
+    print(f"{trace.describe()}\nwrote {path}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from .simulate import parse_budgets, sweep, table
+    from .trace import Trace
+
+    trace = Trace.load(args.trace)
+    rows = sweep(trace, parse_budgets(args.memory, trace), [p.strip() for p in args.policy.split(",") if p.strip()])
+    if args.json:
+        print(json.dumps({"trace": trace.meta, "results": [[r.to_json() for r in row] for row in rows]}))
+    else:
+        print(table(trace, rows))
     return 0
 
 
@@ -231,7 +276,52 @@ def build_parser() -> argparse.ArgumentParser:
         help="check expert records against their checksums on the first read of each (default), on every "
         "read, or never; resident files are checked at load unless off",
     )
+    _add_policy(p)
+    p.add_argument(
+        "--trace-out",
+        default=None,
+        metavar="FILE.npz",
+        help="record this run's routing (expert ids and weights per token and layer) for `moestream simulate`",
+    )
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser(
+        "trace",
+        help="record which experts a text routes to, per token and layer, into a trace file",
+        description="Feed a text through the model as decoding would (the first --prefill tokens as one prompt, "
+        "then one token at a time with the KV cache) and record, for every token and MoE layer, the chosen "
+        "expert ids and weights, with the store's identity and shape. Replay it with `moestream simulate` "
+        "or `moestream plan --trace` to choose a budget and a policy without running the model again.",
+    )
+    p.add_argument("store", help="store directory made by `moestream convert`")
+    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to route, ideally like what you will run")
+    p.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="record the first N tokens (default 1024)")
+    p.add_argument(
+        "--prefill", type=int, default=0, metavar="N", help="feed the first N tokens as one prompt call (default 0: every token decoded alone)"
+    )
+    p.add_argument("-o", "--output", required=True, metavar="FILE.npz", help="trace file to write")
+    _add_memory(p)
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser(
+        "simulate",
+        help="replay a trace through the cache policies at several budgets, next to the optimum",
+        description="Replay a routing trace through the runtime's own cache and policies (no model, no disk): hit "
+        "rate, fraction of the optimum and expert bytes read per token for each budget and policy, next to "
+        "Belady's MIN (evict the expert needed farthest in the future), the upper bound no policy can pass. The "
+        "simulator makes the runtime's cache operations in the runtime's order, so its hit counts are the ones "
+        "`generate --policy P --memory M` gets on the same routing from demand reads (speculative prefetch reads "
+        "are not in a trace).",
+    )
+    p.add_argument("trace", help="a trace file from `moestream trace` or `generate --trace-out`")
+    p.add_argument(
+        "--memory",
+        default="5%,10%,20%,30%,50%",
+        help="comma-separated expert cache budgets: sizes (1GiB,2GiB) or shares of all experts (10%%); default "
+        "5%%,10%%,20%%,30%%,50%%",
+    )
+    p.add_argument("--policy", default="lru,lfu,arc", help="comma-separated policies to compare (default lru,lfu,arc)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("inspect", help="sizes of a store and what a memory budget buys")
     p.add_argument("store")

@@ -9,7 +9,8 @@ makes, per experts call, the same cache operations in the same order as ExpertEn
   3. if misses are still waiting (the call needs more experts than the cache has slots), the reads in
      flight complete in issue order, each unpinning its expert and letting the next miss allocate.
 So for the same trace, budget and policy, the replay's hits equal the runtime's exactly
-(tests/test_simulate.py).
+(tests/test_simulate.py). That is for demand reads: a speculative prefetch reads experts from predictions
+that a trace does not hold, so runs with prefetch on are compared with prefetch off.
 
 Belady's MIN (evict the entry whose next use is farthest away) needs the future, so it exists only here.
 It runs under the same rules (demand reads, the call's experts pinned), which makes it the optimum for
@@ -218,3 +219,55 @@ def sweep(trace: Trace, budgets: list[int], policies: list[str], record_bytes: n
             )
         rows.append([replay(trace, slots, p, strides) for p in [*policies, BELADY]])
     return rows
+
+
+def parse_budgets(spec: str, trace: Trace) -> list[int]:
+    """"1GiB,2GiB" or "5%,10%" (of all the trace's expert records, in slots) -> byte budgets."""
+    from .units import parse_bytes
+
+    slot = trace.slot_bytes
+    records = int(trace.layer_experts.sum())
+    budgets = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part.endswith("%"):
+            try:
+                fraction = float(part[:-1]) / 100
+            except ValueError:
+                raise UsageError(f"cannot read the budget {part!r}: write e.g. 10% or 1GiB") from None
+            budgets.append(max(1, round(fraction * records)) * slot)
+        else:
+            budgets.append(parse_bytes(part))
+    if not budgets:
+        raise UsageError("--memory needs at least one budget, e.g. --memory 1GiB,2GiB or --memory 5%,10%,20%")
+    return budgets
+
+
+def closest_to_optimum(rows: list[list[SimResult]]) -> tuple[str, float]:
+    """The online policy with the highest mean fraction of Belady's hits over the budgets."""
+    scores: dict[str, list[float]] = {}
+    for row in rows:
+        best = row[-1].hits
+        for r in row[:-1]:
+            scores.setdefault(r.policy, []).append(r.hits / best if best else 1.0)
+    name = max(scores, key=lambda p: sum(scores[p]) / len(scores[p]))
+    return name, sum(scores[name]) / len(scores[name])
+
+
+def table(trace: Trace, rows: list[list[SimResult]]) -> str:
+    from .units import format_bytes
+
+    records = int(trace.layer_experts.sum())
+    lines = [
+        f"trace: {trace.describe()}; {format_bytes(trace.slot_bytes)} per expert read",
+        f"{'budget':>10} {'experts':>14}  {'policy':<7} {'hit rate':>8} {'of optimum':>10} {'read/token':>11}",
+    ]
+    for row in rows:
+        best = row[-1].hits
+        for i, r in enumerate(row):
+            budget = f"{format_bytes(r.budget_bytes):>10} {f'{r.slots} ({r.slots / records:.0%})':>14}" if i == 0 else " " * 25
+            of_best = f"{r.hits / best:.2f}x" if best else "-"
+            lines.append(f"{budget}  {r.policy:<7} {r.hit_rate:>8.1%} {of_best:>10} {format_bytes(r.bytes_per_token):>11}")
+    if rows and len(rows[0]) > 1:
+        name, score = closest_to_optimum(rows)
+        lines.append(f"closest to the optimum: {name} ({score:.2f}x of Belady's hits on average over these budgets)")
+    return "\n".join(lines)

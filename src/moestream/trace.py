@@ -190,20 +190,31 @@ class TraceRecorder:
         )
 
 
-@contextmanager
-def recording(model):
-    """`with recording(model) as rec: model.generate(...)`, then `rec.trace()`."""
+def start_recording(model) -> TraceRecorder:
+    """From now on every experts call of `model` is recorded; `stop_recording`, then `recorder.trace()`."""
     from .runtime import engine_of
 
     engine = engine_of(model)
     if engine.trace is not None:
         raise UsageError("this model is already recording a trace")
-    recorder = TraceRecorder(engine)
-    engine.trace = recorder
+    engine.trace = TraceRecorder(engine)
+    return engine.trace
+
+
+def stop_recording(model) -> None:
+    from .runtime import engine_of
+
+    engine_of(model).trace = None
+
+
+@contextmanager
+def recording(model):
+    """`with recording(model) as rec: model.generate(...)`, then `rec.trace()`."""
+    recorder = start_recording(model)
     try:
         yield recorder
     finally:
-        engine.trace = None
+        stop_recording(model)
 
 
 def record_text(store, text: str, *, max_tokens: int = 1024, prefill: int = 0, memory: str | int = "4GiB", io_threads: int = 4) -> Trace:
