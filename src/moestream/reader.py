@@ -1,9 +1,11 @@
 """Aligned positional reads of expert records into caller-owned buffers, from a small thread pool.
 
 `os.preadv` releases the GIL, so a few threads keep several reads in flight while the main thread
-computes. Files are opened with O_DIRECT when the filesystem allows it (records, lengths and buffers
-are all 4 KiB aligned), so expert bytes never get a second copy in the page cache; where O_DIRECT is
-refused we read buffered and drop the pages right after with `posix_fadvise(DONTNEED)`.
+computes. In direct mode (the default) files are opened with O_DIRECT when the filesystem allows it (records,
+lengths and buffers are all 4 KiB aligned), so expert bytes never get a second copy in the page cache;
+where O_DIRECT is refused we read buffered and drop the pages right after with `posix_fadvise(DONTNEED)`.
+In buffered mode reads go through the page cache and the pages stay: the OS caches experts in memory
+the process does not own (useful when the machine has memory to spare; it is not counted in RSS).
 
 Reads are made robust here, once, for every caller: short reads are completed, transient errors are
 retried a bounded number of times with a short backoff, and a payload can be checked against its
@@ -34,6 +36,9 @@ class RecordFile:
     def __init__(self, path: Path, direct: bool):
         self.path = path
         self.direct = False
+        # Asked for direct I/O but refused by the filesystem: read buffered, then drop the pages, so expert
+        # bytes still have one copy only. Asked for buffered I/O: keep them, the page cache is a second cache.
+        self.drop_pages = direct
         self.fd = -1
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -141,7 +146,7 @@ class RecordReader:
                     "the file is truncated; run `moestream convert` again"
                 )
             done += n  # a short read is not an error: continue where it stopped
-        if not f.direct:
+        if not f.direct and f.drop_pages:
             os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
