@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tqdm.auto import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
 from .cache import Entry, ExpertCache
@@ -43,6 +44,9 @@ VERIFY_MODES = ("first", "always", "off")
 # A read that has not finished after this long means a stalled disk or network filesystem: the step
 # fails with an error instead of hanging the program.
 READ_TIMEOUT_SECONDS = 60.0
+# A prompt at least this long shows a progress bar over the MoE layers (on a terminal): its reads can
+# take seconds per layer when little of it is cached.
+PREFILL_PROGRESS_TOKENS = 256
 
 
 @dataclass
@@ -94,6 +98,7 @@ class ExpertEngine:
         self.prefetcher = None  # a prefetch.Prefetcher, set by load()
         self._speculative: dict = {}  # future -> Entry of speculative reads in flight
         self._unused_prefetch: set = set()  # keys loaded speculatively and not used yet
+        self._prefill_bar = None
 
     def _count_eviction(self, key) -> None:
         self.layer_stats[key[0]].evictions += 1
@@ -119,6 +124,8 @@ class ExpertEngine:
         stats = self.layer_stats[layer]
         self._reclaim_stalled_slots()
         self._collect_speculative()
+        if layer == 0 and tokens >= PREFILL_PROGRESS_TOKENS:
+            self._prefill_bar = tqdm(total=len(self.layers), desc=f"prefill {tokens} tokens", unit="layer", disable=None, leave=False)
 
         ready: list[Entry] = []
         waiting: list[int] = []
@@ -192,6 +199,11 @@ class ExpertEngine:
                     self._stalled.append((future, self.cache.discard(entry.key, reuse_slot=False)))
             for entry in ready:
                 entry.pins -= 1
+            if self._prefill_bar is not None:
+                self._prefill_bar.update(1)
+                if layer == len(self.layers) - 1:
+                    self._prefill_bar.close()
+                    self._prefill_bar = None
         return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
     def _issue_reads(self, layer: int, waiting: list[int], in_flight: dict) -> None:
