@@ -1,4 +1,4 @@
-"""The `moestream` command: convert, generate, inspect, verify, eval, bench, trace, simulate, demo."""
+"""The `moestream` command: convert, generate, inspect, verify, eval, bench, trace, simulate, plan, demo."""
 
 from __future__ import annotations
 
@@ -127,6 +127,18 @@ def cmd_simulate(args) -> int:
         print(json.dumps({"trace": trace.meta, "results": [[r.to_json() for r in row] for row in rows]}))
     else:
         print(table(trace, rows))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .plan import plan_from_args
+
+    plan, title = plan_from_args(
+        args.config, args.memory, bits=args.bits, group_size=args.group_size, overhead=args.overhead,
+        trace_path=args.trace, policy=args.policy, disk_bandwidth=args.disk_bandwidth, disk_dir=args.disk_dir,
+        compute=args.compute,
+    )
+    print(json.dumps(plan.to_json()) if args.json else plan.table(title))
     return 0
 
 
@@ -322,6 +334,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="lru,lfu,arc", help="comma-separated policies to compare (default lru,lfu,arc)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser(
+        "plan",
+        help="sizes, cache and expected speed of a model from its config.json alone, before downloading it",
+        description="From a config.json (or a checkpoint or store directory) alone, no weights: the exact resident "
+        "and expert bytes moestream would store (the model is built on the meta device), bytes per expert and "
+        "per token, the expert cache that --memory leaves, the expected hit rate (replayed from --trace, else a "
+        "stated prior) and a tokens/s forecast, or that the model does not fit and the minimum --memory. "
+        "Example configs are in examples/configs/.",
+    )
+    p.add_argument("config", help="config.json, or a Hugging Face checkpoint directory, or a store")
+    p.add_argument("--memory", default="16GiB", help="all the memory moestream may use: resident weights + runtime + expert cache (default 16GiB)")
+    p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 3, 2], help="expert format: 16 = bf16, 8 = int8, 4/3/2 = int4/int3/int2 (default 16)")
+    p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="weights per scale for 4/3/2 bits (default 32)")
+    p.add_argument("--overhead", default="512MiB", help="memory for the Python/torch runtime, activations and KV cache (default 512MiB)")
+    p.add_argument("--trace", default=None, metavar="FILE.npz", help="a routing trace of this model: hit rate replayed through the cache")
+    _add_policy(p)
+    p.add_argument(
+        "--disk-bandwidth",
+        default=None,
+        metavar="BW",
+        help="the disk's read speed, e.g. 3GB/s, or auto: measure random O_DIRECT reads of a temporary file in "
+        "--disk-dir (writes and deletes a 256 MiB file). Without it, no tokens/s forecast",
+    )
+    p.add_argument("--disk-dir", default=".", help="where --disk-bandwidth auto probes (default: the current directory)")
+    p.add_argument(
+        "--compute",
+        default="bandwidth",
+        metavar="HOW",
+        help="per-token compute with every expert cached: measure (build the model cut to 1 and 4 MoE layers with "
+        "random weights, convert and time it here; takes memory and time for big models), bandwidth (default: the "
+        "active weights at this machine's memory bandwidth, a lower bound), none, or milliseconds per token",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("inspect", help="sizes of a store and what a memory budget buys")
     p.add_argument("store")

@@ -1,0 +1,545 @@
+"""`moestream plan`: what a model costs before it is downloaded, from its config.json alone.
+
+The byte counts are exact, not estimated: transformers builds the model from the config on the meta
+device (no memory), and the sizes come from the same code the converter uses to lay records out
+(`skeleton.expert_parameters`, `quant.expert_record_specs`, `store.RecordLayout`), so `plan` and
+`inspect` on the converted store agree to the byte (tests/test_plan.py).
+
+The speed is a forecast. Per decoded token:
+    read time    = expert bytes missed per token / disk bandwidth
+    compute time = what one token costs with every expert cached
+    serial       = read + compute   (the runtime reads a layer's misses only once its router has run,
+                                     and the next layer waits for them: this is the expected figure)
+    overlapped   = max(read, compute)  (the bound if reads were perfectly hidden behind compute)
+The hit rate comes from a trace replayed through the real cache (simulate.py) when one is given, else
+from a stated prior: routing as uniform as a random model's (hit rate = cached share of experts).
+Compute is given (`--compute MS`) or measured on this machine (`--compute measure`): the model's config
+cut after its first and after its fourth MoE layer, random weights, converted at the planned format,
+decoded with every expert cached; the difference gives one MoE layer's cost, extrapolated to the depth.
+Without either, compute is bounded below by streaming the active weights at the measured memory
+bandwidth, which makes the forecast an upper bound on tokens/s.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UsageError
+from .quant import DEFAULT_GROUP_SIZE, QuantFormat, expert_record_specs
+from .skeleton import build_skeleton, expert_parameters, experts_modules, model_dtype
+from .store import RecordLayout
+from .units import format_bytes
+
+BITS = (16, 8, 4, 3, 2)
+# Besides resident weights and the expert cache a process holds the Python/torch/transformers runtime
+# (330-370 MiB measured, docs/BENCHMARKS.md), activations and the KV cache of a short context.
+DEFAULT_OVERHEAD = "512MiB"
+DISK_PROBE_BYTES = 256 * 2**20
+
+
+def read_config(path: str | os.PathLike):
+    """A transformers config from a config.json file, a checkpoint directory or a store directory."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "manifest.json" if (path / "manifest.json").is_file() else path / "config.json"
+    if not path.is_file():
+        raise UsageError(f"{path} does not exist; pass a config.json, a checkpoint directory or a store")
+    try:
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path} is not valid JSON ({e})") from None
+    if path.name == "manifest.json" and isinstance(raw, dict):
+        raw = raw.get("model_config")
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path} is not a JSON object")
+    raw = dict(raw)
+    # The store holds decoded experts and resident floats, whatever format the checkpoint ships (FP8,
+    # MXFP4): the source's quantization does not shape the model moestream builds.
+    raw.pop("quantization_config", None)
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"{path}: model_type {model_type!r} is not known to this transformers version; upgrade transformers")
+    if "auto_map" in raw:
+        raise UsageError(f"{path} names custom modeling code (auto_map); moestream runs only transformers' own model definitions")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(raw)
+    except Exception as e:  # config classes validate with their own error types
+        raise UsageError(f"{path} is not a valid {model_type} config ({e})") from None
+
+
+def expert_format(bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[QuantFormat | None, torch.dtype | None, str]:
+    """--bits -> (quantized format or None, float dtype or None, name as `inspect` shows it)."""
+    if bits not in BITS:
+        raise UsageError(f"--bits must be one of {', '.join(map(str, BITS))} (16: bf16 experts, 8: int8, 4/3/2: int4/int3/int2)")
+    if bits == 16:
+        return None, torch.bfloat16, "bfloat16"
+    fmt = QuantFormat.make(f"int{bits}", group_size)
+    return fmt, None, fmt.name if bits == 8 else f"{fmt.name}-g{group_size}"
+
+
+@dataclass
+class PlanSizes:
+    model_type: str
+    dtype: str  # resident weights' dtype
+    expert_format: str
+    resident_bytes: int  # tensor bytes of every resident weight (the store's resident payload)
+    layer_record_bytes: list[int]  # payload of one record, per MoE layer
+    layer_strides: list[int]  # as stored (4 KiB aligned), per MoE layer
+    layer_experts: list[int]
+    top_k: int
+    weights_per_expert: int  # matrix elements of one expert (largest layer)
+    bits: int
+    embedding_bytes: int = 0  # the input embedding, when it is not tied to the LM head: one row read per token
+
+    @property
+    def moe_layers(self) -> int:
+        return len(self.layer_strides)
+
+    @property
+    def experts(self) -> int:
+        return sum(self.layer_experts)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(b * e for b, e in zip(self.layer_record_bytes, self.layer_experts))
+
+    @property
+    def record_bytes(self) -> int:
+        """The cache slot: the largest record as stored."""
+        return max(self.layer_strides)
+
+    @property
+    def reads_per_token(self) -> int:
+        return self.top_k * self.moe_layers
+
+    @property
+    def worst_case_bytes_per_token(self) -> int:
+        return self.reads_per_token * self.record_bytes
+
+    @property
+    def minimum_cache(self) -> int:
+        return self.top_k * self.record_bytes
+
+    @property
+    def nominal_bytes_per_expert(self) -> float:
+        """The paper arithmetic: weights x bits / 8, without scales, biases or alignment."""
+        return self.weights_per_expert * self.bits / 8
+
+
+def plan_sizes(config, bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE) -> PlanSizes:
+    fmt, float_dtype, name = expert_format(bits, group_size)
+    dtype = model_dtype(config)
+    model = build_skeleton(config, dtype)
+    modules = experts_modules(model)
+    expert_names, strides, payloads, counts, weights = set(), [], [], [], 0
+    for mname, module in modules:
+        params = expert_parameters(module)
+        expert_names |= {f"{mname}.{p}" for p, _ in params}
+        shapes = {p: tuple(t.shape[1:]) for p, t in params}
+        # Biases (and every parameter of a float layer) keep a float dtype: the checkpoint's, as convert does.
+        specs = expert_record_specs(shapes, float_dtype or dtype, fmt, module.is_transposed, mname)
+        layout = RecordLayout.pack(specs)
+        strides.append(layout.stride)
+        payloads.append(layout.nbytes)
+        counts.append(module.num_experts)
+        weights = max(weights, sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2))
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    resident = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n not in expert_names and n not in tied)
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    untied = output is None or output.weight is not embedding
+    return PlanSizes(
+        model_type=config.model_type,
+        dtype=str(dtype).removeprefix("torch."),
+        expert_format=name,
+        resident_bytes=resident,
+        layer_record_bytes=payloads,
+        layer_strides=strides,
+        layer_experts=counts,
+        top_k=int(getattr(config, "num_experts_per_tok", None) or 1),
+        weights_per_expert=weights,
+        bits=bits,
+        embedding_bytes=embedding.numel() * embedding.element_size() if untied else 0,
+    )
+
+
+# -- machine measurements ---------------------------------------------------------------------------------
+
+
+def measure_disk_bandwidth(directory: str | os.PathLike, record_bytes: int, probe_bytes: int = DISK_PROBE_BYTES, threads: int = 4) -> float:
+    """Bytes/s of random record-sized O_DIRECT reads of a temporary file written in `directory`.
+
+    The file is written, flushed to disk and dropped from the page cache first, so the reads come from
+    the device (O_DIRECT, through the engine's own reader), not from memory. A filesystem that refuses
+    O_DIRECT (tmpfs) measures memory, not a disk: the caller is told so."""
+    from .reader import RecordReader
+
+    record = max(4096, min(record_bytes, 64 * 2**20))
+    count = max(threads * 4, probe_bytes // record)
+    fd, name = tempfile.mkstemp(prefix=".moestream-disk-probe-", dir=directory)
+    try:
+        block, left = os.urandom(2**20), count * record
+        with os.fdopen(fd, "wb") as f:
+            while left > 0:
+                left -= f.write(block[: min(left, len(block))])
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        offsets = [i * record for i in range(count)]
+        random.Random(0).shuffle(offsets)
+        buffers = [mmap.mmap(-1, record) for _ in range(threads * 2)]
+        reader = RecordReader([Path(name)], threads, direct=True)
+        try:
+            if not reader.direct:
+                raise UsageError(
+                    f"{directory} does not support O_DIRECT reads (tmpfs?), so a probe would measure memory; "
+                    "pass --disk-bandwidth with the disk's speed, e.g. 3GB/s"
+                )
+            start, futures = time.perf_counter(), []
+            for n, off in enumerate(offsets):
+                if len(futures) == len(buffers):
+                    futures.pop(0).result()
+                futures.append(reader.submit(0, off, record, memoryview(buffers[n % len(buffers)])))
+            for future in futures:
+                future.result()
+            return count * record / (time.perf_counter() - start)
+        finally:
+            reader.close()
+    finally:
+        os.unlink(name)
+
+
+def measure_memory_bandwidth(nbytes: int = 256 * 2**20) -> float:
+    """Bytes/s of summing a large bf16 tensor (best of 3): how fast this machine streams weights."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def parse_bandwidth(text: str) -> float:
+    """"3GB/s", "1.5GiB/s", "800MB/s" -> bytes/s."""
+    from .units import parse_bytes
+
+    body = text.strip()
+    if body.lower().endswith("/s"):
+        body = body[:-2]
+    try:
+        value = parse_bytes(body)
+    except UsageError:
+        raise UsageError(f"cannot read the bandwidth {text!r}: write e.g. 3GB/s or 1.5GiB/s, or auto") from None
+    if value <= 0:
+        raise UsageError(f"the bandwidth must be positive: {text!r}")
+    return float(value)
+
+
+def _reduced_config(config, moe_layers: int):
+    """The config cut after its `moe_layers`-th MoE layer (per-layer lists cut to match)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model = build_skeleton(config, torch.float32)
+    indices = sorted({int(n.split(".layers.")[1].split(".")[0]) for n, _ in experts_modules(model) if ".layers." in n})
+    if len(indices) < moe_layers:
+        raise UsageError(f"cannot measure compute: the model has {len(indices)} MoE layers")
+    n, keep = config.num_hidden_layers, indices[moe_layers - 1] + 1
+    raw = config.to_dict()
+    for key, value in list(raw.items()):
+        if isinstance(value, list) and len(value) == n:
+            raw[key] = value[:keep]
+    raw["num_hidden_layers"] = keep
+    for key in ("quantization_config", "_experts_implementation", "architectures"):
+        raw.pop(key, None)
+    return CONFIG_MAPPING[config.model_type].from_dict(raw), len(indices)
+
+
+def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tokens: int = 24, workdir=None) -> dict:
+    """Seconds per decoded token with every expert cached, for the whole model, measured on this machine.
+
+    Builds the config cut after its first MoE layer and after its fourth (or last), with random weights,
+    converts each at the planned expert format and decodes `tokens` tokens greedily after a pass that
+    fills the cache (best of three: the machine may be shared). The difference is what MoE layers cost;
+    per-token time = base + moe_layers x per-layer cost."""
+    from transformers import AutoModelForCausalLM
+
+    from .bench import timed_generate
+    from .convert import convert
+    from .runtime import engine_of, load
+    from .synthetic import save_checkpoint
+
+    _, _, name = expert_format(bits, group_size)
+    _, total_moe = _reduced_config(config, 1)
+    depths = sorted({1, min(4, total_moe)})
+    seconds = {}
+    with tempfile.TemporaryDirectory(prefix="moestream-plan-", dir=workdir) as tmp:
+        for m in depths:
+            small, _ = _reduced_config(config, m)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(small, dtype=model_dtype(config)).eval()
+            ckpt = save_checkpoint(model, Path(tmp) / f"hf{m}")
+            del model
+            store = convert(ckpt, Path(tmp) / f"store{m}", "bf16" if bits == 16 else f"int{bits}", group_size=group_size, progress=False)
+            sizes = plan_sizes(small, bits, group_size)
+            every_expert = sum(st * e for st, e in zip(sizes.layer_strides, sizes.layer_experts)) + sizes.record_bytes
+            loaded, _ = load(store, every_expert)
+            ids = torch.randint(0, int(small.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
+            timed_generate(loaded, ids, tokens)  # fills the cache with every expert these tokens need
+            seconds[m] = min(1.0 / timed_generate(loaded, ids, tokens)[1] for _ in range(3))
+            engine_of(loaded).close()
+    first, last = depths[0], depths[-1]
+    layer = max(0.0, (seconds[last] - seconds[first]) / (last - first)) if last > first else 0.0
+    return {
+        "seconds_per_token": seconds[first] + (total_moe - first) * layer,
+        "measured": {m: seconds[m] for m in depths},
+        "per_moe_layer": layer,
+        "format": name,
+    }
+
+
+# -- the plan --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    sizes: PlanSizes
+    memory_bytes: int
+    overhead_bytes: int
+    cache_bytes: int  # what the budget leaves for the expert cache (may be negative: does not fit)
+    disk_bandwidth: float | None
+    disk_source: str
+    hit_rates: dict[str, float] = field(default_factory=dict)  # policy -> hit rate (trace), or {"prior": x}
+    hit_source: str = ""
+    bytes_missed_per_token: float = 0.0
+    compute_seconds: float | None = None
+    compute_source: str = ""
+    policy: str = "lru"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.cache_bytes >= self.sizes.minimum_cache
+
+    @property
+    def minimum_memory(self) -> int:
+        return self.sizes.resident_bytes + self.overhead_bytes + self.sizes.minimum_cache
+
+    @property
+    def cache_slots(self) -> int:
+        return max(0, self.cache_bytes) // self.sizes.record_bytes
+
+    @property
+    def read_seconds(self) -> float | None:
+        if self.disk_bandwidth is None:
+            return None
+        return self.bytes_missed_per_token / self.disk_bandwidth
+
+    def tokens_per_second(self) -> tuple[float, float] | None:
+        """(serial, overlapped): the expected rate and the bound with reads fully hidden."""
+        if self.read_seconds is None or self.compute_seconds is None:
+            return None
+        serial = self.read_seconds + self.compute_seconds
+        overlapped = max(self.read_seconds, self.compute_seconds)
+        return 1.0 / serial if serial else float("inf"), 1.0 / overlapped if overlapped else float("inf")
+
+    def to_json(self) -> dict:
+        s = self.sizes
+        rates = self.tokens_per_second()
+        return {
+            "model_type": s.model_type,
+            "expert_format": s.expert_format,
+            "resident_bytes": s.resident_bytes,
+            "expert_bytes": s.expert_bytes,
+            "experts": s.experts,
+            "moe_layers": s.moe_layers,
+            "top_k": s.top_k,
+            "record_bytes": s.record_bytes,
+            "weights_per_expert": s.weights_per_expert,
+            "nominal_bytes_per_expert": s.nominal_bytes_per_expert,
+            "reads_per_token": s.reads_per_token,
+            "worst_case_bytes_per_token": s.worst_case_bytes_per_token,
+            "memory_bytes": self.memory_bytes,
+            "overhead_bytes": self.overhead_bytes,
+            "cache_bytes": self.cache_bytes,
+            "cache_slots": self.cache_slots,
+            "fits": self.fits,
+            "minimum_memory_bytes": self.minimum_memory,
+            "policy": self.policy,
+            "hit_rates": self.hit_rates,
+            "hit_source": self.hit_source,
+            "bytes_missed_per_token": self.bytes_missed_per_token,
+            "disk_bandwidth": self.disk_bandwidth,
+            "disk_source": self.disk_source,
+            "compute_seconds_per_token": self.compute_seconds,
+            "compute_source": self.compute_source,
+            "tokens_per_second": {"expected": rates[0], "overlapped_bound": rates[1]} if rates else None,
+            "notes": self.notes,
+        }
+
+    def table(self, title: str) -> str:
+        s = self.sizes
+        gib = s.nominal_bytes_per_expert
+        rows = [
+            ("model", f"{title} ({s.model_type}), resident weights in {s.dtype}, experts as {s.expert_format}"),
+            ("resident weights", format_bytes(s.resident_bytes)),
+            ("experts", f"{format_bytes(s.expert_bytes)} in {s.experts} records ({s.moe_layers} MoE layers x {max(s.layer_experts)})"),
+            (
+                "per expert",
+                f"{format_bytes(s.record_bytes)} as stored ({s.weights_per_expert / 1e6:.1f}M weights; "
+                f"{format_bytes(gib)} at {s.bits} bits without scales)",
+            ),
+            ("expert reads per token", f"{s.reads_per_token} ({s.top_k} per layer x {s.moe_layers} layers)"),
+            (
+                "worst case per token",
+                f"{format_bytes(s.worst_case_bytes_per_token)} read (every expert a miss; "
+                f"{format_bytes(gib * s.reads_per_token)} at {s.bits} bits without scales)",
+            ),
+            ("memory", f"{format_bytes(self.memory_bytes)} = resident + {format_bytes(self.overhead_bytes)} runtime overhead + expert cache"),
+        ]
+        if not self.fits:
+            rows.append(
+                (
+                    "DOES NOT FIT",
+                    f"the resident weights and the runtime take {format_bytes(s.resident_bytes + self.overhead_bytes)}, "
+                    f"and the cache needs at least {format_bytes(s.minimum_cache)} ({s.top_k} experts): "
+                    f"the minimum is --memory {format_bytes(self.minimum_memory).replace(' ', '')}",
+                )
+            )
+            return _rows(rows + [("note", n) for n in self.notes])
+        rows.append(("expert cache", f"{format_bytes(self.cache_bytes)}: {self.cache_slots} experts ({min(1.0, self.cache_slots / s.experts):.1%} of all)"))
+        rates = ", ".join(f"{p} {h:.1%}" for p, h in self.hit_rates.items())
+        rows.append(("expected hit rate", f"{rates} ({self.hit_source})"))
+        rows.append(("expected read per token", f"{format_bytes(self.bytes_missed_per_token)} ({self.policy})"))
+        if self.disk_bandwidth is not None:
+            rows.append(("disk", f"{self.disk_bandwidth / 1e9:.2f} GB/s ({self.disk_source}): {self.read_seconds * 1e3:.1f} ms of reads per token"))
+        if self.compute_seconds is not None:
+            rows.append(("compute, all hits", f"{self.compute_seconds * 1e3:.1f} ms per token ({self.compute_source})"))
+        rates = self.tokens_per_second()
+        if rates:
+            rows.append(("expected decode", f"{rates[0]:.2f} tokens/s (reads then compute), up to {rates[1]:.2f} if reads were fully hidden"))
+        return _rows(rows + [("note", n) for n in self.notes])
+
+
+def _rows(rows) -> str:
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def make_plan(
+    sizes: PlanSizes,
+    memory: int,
+    *,
+    overhead: int,
+    trace=None,
+    policy: str = "lru",
+    disk_bandwidth: float | None = None,
+    disk_source: str = "",
+    compute_seconds: float | None = None,
+    compute_source: str = "",
+) -> Plan:
+    plan = Plan(sizes, memory, overhead, memory - sizes.resident_bytes - overhead, disk_bandwidth, disk_source,
+                compute_seconds=compute_seconds, compute_source=compute_source, policy=policy)
+    if not plan.fits:
+        return plan
+    slots = plan.cache_slots
+    if trace is not None:
+        from .simulate import BELADY, replay
+
+        shape = (trace.layers, int(trace.layer_experts.max()), trace.top_k)
+        if shape != (sizes.moe_layers, max(sizes.layer_experts), sizes.top_k):
+            raise UsageError(
+                f"the trace is of a model with {shape[0]} MoE layers x {shape[1]} experts, top-{shape[2]}; this config has "
+                f"{sizes.moe_layers} x {max(sizes.layer_experts)}, top-{sizes.top_k}: record a trace of this model"
+            )
+        strides = np.array(sizes.layer_strides, dtype=np.int64)
+        results = {p: replay(trace, max(slots, trace.top_k), p, strides) for p in dict.fromkeys([policy, "lru", "lfu", "arc", BELADY])}
+        plan.hit_rates = {p: r.hit_rate for p, r in results.items()}
+        plan.hit_source = f"replayed from the trace, {trace.tokens} tokens, {slots} slots"
+        plan.bytes_missed_per_token = results[policy].bytes_per_token
+    else:
+        share = min(1.0, slots / sizes.experts)
+        plan.hit_rates = {"prior": share}
+        plan.hit_source = "prior: uniform routing, hit rate = cached share of experts; trained models route more concentrated, pass --trace"
+        plan.bytes_missed_per_token = (1 - share) * sizes.reads_per_token * sizes.record_bytes
+    return plan
+
+
+def bandwidth_compute_bound(sizes: PlanSizes, memory_bandwidth: float) -> float:
+    """Seconds per token to stream the weights one token touches once: the resident weights but the input
+    embedding (one row of it is read), and its experts. A lower bound on compute for large models; small
+    models spend far longer in per-layer overheads."""
+    active = sizes.resident_bytes - sizes.embedding_bytes + sizes.top_k * sum(sizes.layer_record_bytes)
+    return active / memory_bandwidth
+
+
+def plan_from_args(
+    path: str,
+    memory: str,
+    *,
+    bits: int = 16,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    overhead: str = DEFAULT_OVERHEAD,
+    trace_path: str | None = None,
+    policy: str = "lru",
+    disk_bandwidth: str | None = None,
+    disk_dir: str = ".",
+    compute: str = "bandwidth",
+) -> tuple[Plan, str]:
+    """What `moestream plan` does: sizes, then the cache, hit rate, disk and compute it was asked for."""
+    from .policies import POLICIES
+    from .trace import Trace
+    from .units import parse_bytes
+
+    if policy not in POLICIES:
+        raise UsageError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    config = read_config(path)
+    sizes = plan_sizes(config, bits, group_size)
+    title = Path(path).parent.name if Path(path).name == "config.json" else Path(path).name.removesuffix(".json")
+    memory_bytes, overhead_bytes = parse_bytes(memory), parse_bytes(overhead)
+    if memory_bytes - sizes.resident_bytes - overhead_bytes < sizes.minimum_cache:  # nothing to measure
+        return make_plan(sizes, memory_bytes, overhead=overhead_bytes, policy=policy), title
+    notes = []
+    disk, disk_source = None, ""
+    if disk_bandwidth == "auto":
+        disk = measure_disk_bandwidth(disk_dir, sizes.record_bytes)
+        disk_source = f"measured: random {format_bytes(min(sizes.record_bytes, 64 * 2**20))} O_DIRECT reads of a temporary file in {Path(disk_dir).resolve()}"
+    elif disk_bandwidth:
+        disk, disk_source = parse_bandwidth(disk_bandwidth), "given"
+    else:
+        notes.append("no tokens/s forecast without a disk speed: pass --disk-bandwidth 3GB/s (or auto to measure the disk here)")
+    seconds, source = None, ""
+    if compute == "measure":
+        measured = measure_compute(config, bits, group_size)
+        seconds = measured["seconds_per_token"]
+        source = "measured here: " + ", ".join(f"{t * 1e3:.1f} ms with {m} MoE layer{'s' if m > 1 else ''}" for m, t in measured["measured"].items())
+        source += f", extrapolated to {sizes.moe_layers}"
+    elif compute == "bandwidth":
+        bandwidth = measure_memory_bandwidth()
+        seconds = bandwidth_compute_bound(sizes, bandwidth)
+        source = (
+            f"lower bound: the active weights streamed once at {bandwidth / 1e9:.1f} GB/s memory bandwidth; per-layer "
+            "overheads come on top (small models are far slower), use --compute measure"
+        )
+    elif compute != "none":
+        try:
+            seconds, source = float(compute) / 1e3, "given"
+        except ValueError:
+            raise UsageError(f"--compute {compute!r}: write measure, bandwidth, none or milliseconds per token") from None
+    trace = Trace.load(trace_path) if trace_path else None
+    plan = make_plan(sizes, memory_bytes, overhead=overhead_bytes, trace=trace, policy=policy,
+                     disk_bandwidth=disk, disk_source=disk_source, compute_seconds=seconds, compute_source=source)
+    plan.notes += notes
+    return plan, title
