@@ -198,3 +198,29 @@ def test_cli_trace_simulate_and_generate_trace_out(store, tmp_path, capsys):
     assert trace.calls == 2 * len(result["token_ids"]) and trace.meta["prompt"] == "def f(x):"
     assert main(["simulate", str(tmp_path / "g.npz"), "--memory", str(5 * slot), "--policy", "lfu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0][0]["slots"] == 5
+
+
+def test_reuse_distances_and_popularity_match_their_definitions():
+    from moestream.trace import popularity, reuse_distances
+
+    trace = _synthetic_trace(3, 1.0, tokens=30)
+    keys = [(layer, e) for layer, experts in trace.call_experts for e in experts]
+    expected = []
+    for t, key in enumerate(keys):
+        previous = [p for p in range(t) if keys[p] == key]
+        expected.append(len(set(keys[previous[-1] + 1 : t])) if previous else -1)
+    assert reuse_distances(trace).tolist() == expected
+    counts = popularity(trace)
+    assert counts.sum() == trace.experts.size and counts.shape == (3, 16)
+    assert counts[trace.call_layer[0], trace.experts[0, 0]] >= 1
+
+
+def test_simulate_plot_writes_three_pngs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from moestream.cli import main
+
+    path = _synthetic_trace(1, 1.2).save(tmp_path / "t.npz")
+    assert main(["simulate", str(path), "--memory", "20%,40%", "--plot", str(tmp_path / "plots")]) == 0
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == ["expert_popularity.png", "hit_rate_vs_budget.png", "reuse_distance.png"]
+    assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)

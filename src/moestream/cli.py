@@ -122,11 +122,17 @@ def cmd_simulate(args) -> int:
     from .trace import Trace
 
     trace = Trace.load(args.trace)
-    rows = sweep(trace, parse_budgets(args.memory, trace), [p.strip() for p in args.policy.split(",") if p.strip()])
+    budgets, policies = parse_budgets(args.memory, trace), [p.strip() for p in args.policy.split(",") if p.strip()]
+    rows = sweep(trace, budgets, policies)
     if args.json:
         print(json.dumps({"trace": trace.meta, "results": [[r.to_json() for r in row] for row in rows]}))
     else:
         print(table(trace, rows))
+    if args.plot:
+        from .plots import plot_sweep
+
+        for path in plot_sweep(trace, budgets, policies, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -333,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", default="lru,lfu,arc", help="comma-separated policies to compare (default lru,lfu,arc)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help="also write PNGs to DIR: hit rate against budget per policy with the optimum (on these budgets and a "
+        "grid from the minimum to all experts), expert popularity per layer, reuse distance histogram (needs matplotlib)",
+    )
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser(

@@ -241,3 +241,47 @@ def record_text(store, text: str, *, max_tokens: int = 1024, prefill: int = 0, m
             out = model(input_ids=step, past_key_values=past, use_cache=True, logits_to_keep=1)
             past = out.past_key_values
     return recorder.trace(prefill_tokens=prefill, text_tokens=int(ids.shape[1]))
+
+
+def popularity(trace: Trace) -> np.ndarray:
+    """Uses of each expert per layer, [layers, experts]: every (token, k) choice counts once."""
+    counts = np.zeros((trace.layers, int(trace.layer_experts.max())), dtype=np.int64)
+    layer_of_row = np.repeat(trace.call_layer, trace.call_rows)
+    np.add.at(counts, (np.repeat(layer_of_row, trace.top_k), trace.experts.reshape(-1)), 1)
+    return counts
+
+
+def reuse_distances(trace: Trace) -> np.ndarray:
+    """For each expert lookup, in the order the cache sees them (call by call, ascending expert ids), the
+    number of distinct experts looked up since the previous lookup of the same (layer, expert); -1 for a
+    first use. A cache of C slots under LRU hits about exactly the lookups with distance < C (pins aside),
+    so the histogram is the hit-rate curve of every budget at once."""
+    keys = [(layer, e) for layer, experts in trace.call_experts for e in experts]
+    n = len(keys)
+    tree = [0] * (n + 1)  # Fenwick tree over lookup times: 1 where a key was last looked up
+
+    def add(i: int, v: int) -> None:
+        i += 1
+        while i <= n:
+            tree[i] += v
+            i += i & -i
+
+    def prefix(i: int) -> int:  # sum over times [0, i)
+        s = 0
+        while i > 0:
+            s += tree[i]
+            i -= i & -i
+        return s
+
+    last: dict = {}
+    out = np.empty(n, dtype=np.int64)
+    for t, key in enumerate(keys):
+        p = last.get(key)
+        if p is None:
+            out[t] = -1
+        else:
+            out[t] = prefix(t) - prefix(p + 1)
+            add(p, -1)
+        add(t, 1)
+        last[key] = t
+    return out
