@@ -1,0 +1,58 @@
+"""Speculative prefetch off / on / auto on the same store, prompt and budget, modes alternating.
+
+Prints decode tokens/s, hit rate, expert MB read per decoded token and, for on/auto, the prediction's
+precision and recall and how many speculative reads were used or wasted. Use a trained model for real
+routing (random routers predict nothing useful), e.g.
+
+    python benchmarks/prefetch_modes.py tiny-code.moe --memory 8MiB --text heldout.txt --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import moestream
+from moestream.bench import timed_generate
+from moestream.runtime import engine_of
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("store")
+    parser.add_argument("--memory", default="8MiB")
+    parser.add_argument("--text", default=None, help="prompt from this text (default: random ids)")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    rates: dict[str, list[float]] = {"off": [], "on": [], "auto": []}
+    print(f"{'round':>5} {'prefetch':>8} {'tok/s':>7} {'hit':>6} {'MB/tok':>7} {'precision':>9} {'recall':>6} {'useful':>6} {'wasted':>6} {'layers off':>10}")
+    for round_ in range(args.rounds):
+        for mode in rates:
+            model, tokenizer = moestream.load(args.store, args.memory, prefetch=mode)
+            if args.text:
+                ids = tokenizer(open(args.text).read(), return_tensors="pt").input_ids[:, : args.prompt_tokens]
+            else:
+                ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+            engine = engine_of(model)
+            _, rate = timed_generate(model, ids, args.new_tokens)
+            s = engine.stats()
+            p = s["prefetch"]
+            rates[mode].append(rate)
+            print(
+                f"{round_:>5} {mode:>8} {rate:>7.2f} {s['hit_rate']:>6.1%} {s['bytes_read'] / 1e6 / args.new_tokens:>7.2f} "
+                f"{p['precision']:>9.2f} {p['recall']:>6.2f} {p['useful']:>6} {p['wasted']:>6} {p['layers_off']:>10}"
+            )
+            engine.close()
+    medians = {mode: statistics.median(r) for mode, r in rates.items()}
+    best = max(medians["on"], medians["off"])
+    print("median tok/s: " + ", ".join(f"{m} {v:.2f}" for m, v in medians.items()) + f"; auto / best of on,off = {medians['auto'] / best:.3f}")
+
+
+if __name__ == "__main__":
+    main()
