@@ -224,3 +224,19 @@ def test_simulate_plot_writes_three_pngs(tmp_path, capsys):
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs == ["expert_popularity.png", "hit_rate_vs_budget.png", "reuse_distance.png"]
     assert all((tmp_path / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_decode_figures_leave_the_prompt_out(store, tmp_path):
+    trace = _synthetic_trace(4, 1.0)  # an 8-token prompt call per layer, then decode calls
+    r = replay(trace, 6, "lru")
+    decode_calls = [experts for (layer, experts), rows in zip(trace.call_experts, trace.call_rows) if rows == 1]
+    assert r.decode_hits + r.decode_misses == sum(len(e) for e in decode_calls)
+    assert r.decode_tokens == 60 - 8 and r.decode_bytes_read < r.bytes_read
+    # bench records the routing of the run it measures.
+    from moestream.bench import bench
+
+    slot = Store(store).manifest.max_record_stride
+    report = bench(store, 4 * slot, prompt_tokens=6, new_tokens=5, trace_out=str(tmp_path / "b.npz"), policy="lfu")
+    recorded = Trace.load(tmp_path / "b.npz")
+    assert recorded.tokens == 6 + 4 and recorded.meta["prompt_tokens"] == 6
+    assert report.moestream.hit_rate == pytest.approx(replay(recorded, 4, "lfu").decode_hit_rate)

@@ -199,14 +199,19 @@ def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, text: str | None) -> 
     return torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
 
 
-def _run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, **load_kwargs) -> RunResult:
+def _run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, **load_kwargs) -> RunResult:
     from .runtime import engine_of, load
+    from .trace import start_recording, stop_recording
 
     reset_peak_rss()
     model, _ = load(store_dir, memory, **load_kwargs)
     engine = engine_of(model)
     at_first: dict = {}
+    recorder = start_recording(model) if trace_out else None  # this run's routing, for simulate/plan --trace
     ttft, rate = timed_generate(model, ids, new_tokens, at_first=lambda: at_first.update(engine.stats()))
+    if recorder is not None:
+        stop_recording(model)
+        recorder.trace(prompt_tokens=int(ids.shape[1])).save(trace_out)
     stats = engine.stats()
     engine.close()
     decode_hits = stats["hits"] - at_first.get("hits", 0)
@@ -275,6 +280,7 @@ def bench(
     squeeze: str | int = 0,
     compare: str | None = None,
     text: str | None = None,
+    trace_out: str | None = None,
     **load_kwargs,
 ) -> BenchReport:
     from .runtime import _load_tokenizer
@@ -287,7 +293,7 @@ def bench(
         bandwidth = measure_disk_bandwidth(store)
         tokenizer = _load_tokenizer(store.directory) if text else None
         ids = _prompt_ids(tokenizer, int(store.manifest.model_config["vocab_size"]), prompt_tokens, text)
-        run = _run_moestream(store_dir, budget, ids, new_tokens, "moestream", **load_kwargs)
+        run = _run_moestream(store_dir, budget, ids, new_tokens, "moestream", trace_out, **load_kwargs)
         missed_per_token = run.decode_bytes_read / max(1, new_tokens - 1)
         # All-hits compute: measured with every expert cached when that fits comfortably, else estimated.
         expert_bytes = sum(layer.layout.stride * layer.num_experts for layer in store.manifest.layers)

@@ -140,7 +140,7 @@ def cmd_plan(args) -> int:
     from .plan import plan_from_args
 
     plan, title = plan_from_args(
-        args.config, args.memory, bits=args.bits, group_size=args.group_size, overhead=args.overhead,
+        args.config, args.memory, cache=args.cache, bits=args.bits, group_size=args.group_size, overhead=args.overhead,
         trace_path=args.trace, policy=args.policy, disk_bandwidth=args.disk_bandwidth, disk_dir=args.disk_dir,
         compute=args.compute,
     )
@@ -223,6 +223,8 @@ def cmd_bench(args) -> int:
         compare=args.compare,
         text=read_text(args.text) if args.text else None,
         io_threads=args.io_threads,
+        policy=args.policy,
+        trace_out=args.trace_out,
     )
     print(report.table())
     if args.json:
@@ -359,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("config", help="config.json, or a Hugging Face checkpoint directory, or a store")
     p.add_argument("--memory", default="16GiB", help="all the memory moestream may use: resident weights + runtime + expert cache (default 16GiB)")
+    p.add_argument(
+        "--cache",
+        default=None,
+        metavar="SIZE",
+        help="give the expert cache budget itself (what generate/bench call --memory) instead of deriving it from --memory",
+    )
     p.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 3, 2], help="expert format: 16 = bf16, 8 = int8, 4/3/2 = int4/int3/int2 (default 16)")
     p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="weights per scale for 4/3/2 bits (default 32)")
     p.add_argument("--overhead", default="512MiB", help="memory for the Python/torch runtime, activations and KV cache (default 512MiB)")
@@ -476,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
+    _add_policy(p)
+    p.add_argument(
+        "--trace-out", default=None, metavar="FILE.npz", help="record the measured run's routing for `moestream simulate` / `plan --trace`"
+    )
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="build a synthetic MoE, convert it and stream it under a sweep of budgets")

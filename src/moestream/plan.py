@@ -466,9 +466,11 @@ def make_plan(
             )
         strides = np.array(sizes.layer_strides, dtype=np.int64)
         results = {p: replay(trace, max(slots, trace.top_k), p, strides) for p in dict.fromkeys([policy, "lru", "lfu", "arc", BELADY])}
-        plan.hit_rates = {p: r.hit_rate for p, r in results.items()}
-        plan.hit_source = f"replayed from the trace, {trace.tokens} tokens, {slots} slots"
-        plan.bytes_missed_per_token = results[policy].bytes_per_token
+        decode = results[policy].decode_tokens > 0  # the forecast is of decoding: prompt calls are left out
+        plan.hit_rates = {p: r.decode_hit_rate if decode else r.hit_rate for p, r in results.items()}
+        what = f"{results[policy].decode_tokens} decoded tokens" if decode else f"{trace.tokens} tokens"
+        plan.hit_source = f"replayed from the trace: {what}, {slots} slots"
+        plan.bytes_missed_per_token = results[policy].decode_bytes_per_token if decode else results[policy].bytes_per_token
     else:
         share = min(1.0, slots / sizes.experts)
         plan.hit_rates = {"prior": share}
@@ -489,6 +491,7 @@ def plan_from_args(
     path: str,
     memory: str,
     *,
+    cache: str | None = None,
     bits: int = 16,
     group_size: int = DEFAULT_GROUP_SIZE,
     overhead: str = DEFAULT_OVERHEAD,
@@ -509,6 +512,8 @@ def plan_from_args(
     sizes = plan_sizes(config, bits, group_size)
     title = Path(path).parent.name if Path(path).name == "config.json" else Path(path).name.removesuffix(".json")
     memory_bytes, overhead_bytes = parse_bytes(memory), parse_bytes(overhead)
+    if cache is not None:  # the cache budget itself: the memory is what it implies
+        memory_bytes = sizes.resident_bytes + overhead_bytes + parse_bytes(cache)
     if memory_bytes - sizes.resident_bytes - overhead_bytes < sizes.minimum_cache:  # nothing to measure
         return make_plan(sizes, memory_bytes, overhead=overhead_bytes, policy=policy), title
     notes = []

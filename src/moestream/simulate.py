@@ -43,6 +43,20 @@ class SimResult:
     misses: int
     bytes_read: int
     tokens: int
+    # The same for decode calls only (one token per call), which is what decoding speed depends on.
+    decode_hits: int = 0
+    decode_misses: int = 0
+    decode_bytes_read: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def decode_hit_rate(self) -> float:
+        total = self.decode_hits + self.decode_misses
+        return self.decode_hits / total if total else 0.0
+
+    @property
+    def decode_bytes_per_token(self) -> float:
+        return self.decode_bytes_read / self.decode_tokens if self.decode_tokens else 0.0
 
     @property
     def budget_bytes(self) -> int:
@@ -67,6 +81,8 @@ class SimResult:
             "hit_rate": self.hit_rate,
             "bytes_read": self.bytes_read,
             "bytes_per_token": self.bytes_per_token,
+            "decode_hit_rate": self.decode_hit_rate,
+            "decode_bytes_per_token": self.decode_bytes_per_token,
         }
 
 
@@ -146,8 +162,10 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
     else:
         pol = make_policy(policy)
     cache = ExpertCache(slots * slot_bytes, slot_bytes, pol, arena=False)
-    hits = 0
+    hits = decode_hits = 0
     misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
+    decode_misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
+    decode = (trace.call_rows == 1).tolist()
 
     def issue(layer: int, waiting: deque, in_flight: deque) -> None:
         while waiting:
@@ -170,6 +188,9 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
             else:
                 waiting.append(e)
         hits += len(ready)
+        if decode[c]:
+            decode_hits += len(ready)
+            decode_misses_per_layer[layer] += len(waiting)
         if waiting:
             misses_per_layer[layer] += len(waiting)
             in_flight: deque = deque()
@@ -194,6 +215,10 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
         misses=misses,
         bytes_read=int((misses_per_layer * strides.astype(np.int64)).sum()),
         tokens=trace.tokens,
+        decode_hits=decode_hits,
+        decode_misses=int(decode_misses_per_layer.sum()),
+        decode_bytes_read=int((decode_misses_per_layer * strides.astype(np.int64)).sum()),
+        decode_tokens=int(((trace.call_rows == 1) & (trace.call_layer == 0)).sum()),
     )
 
 
