@@ -19,6 +19,8 @@ EPILOG = """examples:
   moestream inspect ./qwen3-30b.moe --memory 4GiB
   moestream verify ./qwen3-30b.moe
   moestream generate ./qwen3-30b.moe --memory 4GiB --prompt "def fibonacci(n):" --max-new-tokens 64
+  moestream chat ./qwen3-30b.moe --memory 4GiB
+  moestream serve ./qwen3-30b.moe --memory 4GiB --port 8000
   moestream eval ./qwen3-30b.moe --reference ./Qwen3-30B-A3B --text heldout.txt
 
 --memory is the byte budget of the expert cache; the resident weights (embeddings, attention, routers,
@@ -237,6 +239,66 @@ def cmd_demo(args) -> int:
     from .demo import run_demo
 
     run_demo(workdir=args.workdir, tokens=args.tokens, quick=args.quick)
+    return 0
+
+
+def _load_for_text(args):
+    """Load a store for chat/serve; both need its tokenizer."""
+    from .runtime import load
+
+    model, tokenizer = load(
+        args.store, args.memory, io_threads=args.io_threads, direct_io=not args.buffered_io, verify=args.verify,
+        policy=args.policy,
+    )
+    if tokenizer is None:
+        raise MoestreamError(f"{args.store} has no tokenizer files; convert from a checkpoint that includes them")
+    return model, tokenizer
+
+
+def cmd_chat(args) -> int:
+    from pathlib import Path
+
+    from .chat import ChatSession, banner, run_chat
+
+    model, tokenizer = _load_for_text(args)
+    session = ChatSession(
+        model,
+        tokenizer,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    print(banner(session, Path(args.store).name), flush=True)
+    return run_chat(session)
+
+
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    try:
+        from .server import ServerConfig, create_app, serve
+    except ImportError as e:
+        raise MoestreamError(f"the server needs FastAPI and uvicorn ({e}); install them with: pip install 'moestream[server]'") from None
+
+    for name in ("max_queue", "request_timeout", "default_max_tokens"):
+        if getattr(args, name) <= 0:
+            raise MoestreamError(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
+    model, tokenizer = _load_for_text(args)
+    name = args.model_name or Path(args.store).resolve().name
+    config = ServerConfig(name, args.max_queue, args.request_timeout, args.default_max_tokens)
+    app = create_app(model, tokenizer, config)
+
+    def ready(port: int) -> None:
+        where = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"moestream: serving {name} at http://{where}:{port}/v1 (OpenAI-compatible; /health, /metrics)", flush=True)
+
+    try:
+        serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+    except OSError as e:
+        raise MoestreamError(f"cannot listen on {args.host}:{args.port} ({e}); choose another --port or --host") from None
     return 0
 
 
@@ -489,6 +551,69 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out", default=None, metavar="FILE.npz", help="record the measured run's routing for `moestream simulate` / `plan --trace`"
     )
     p.set_defaults(func=cmd_bench)
+
+    text_options = argparse.ArgumentParser(add_help=False)
+    text_options.add_argument("store", help="store directory made by `moestream convert` (with tokenizer files)")
+    _add_memory(text_options)
+    text_options.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
+    text_options.add_argument("--buffered-io", action="store_true", help="read through the page cache instead of O_DIRECT")
+    text_options.add_argument(
+        "--verify",
+        choices=["first", "always", "off"],
+        default="first",
+        help="check expert records against their checksums on the first read of each (default), on every read, or never",
+    )
+    _add_policy(text_options)
+
+    p = sub.add_parser(
+        "chat",
+        parents=[text_options],
+        help="talk with a store in the terminal, through the checkpoint's chat template",
+        description="A conversation in the terminal. Each message goes through the checkpoint's chat template "
+        "(a plain 'User: ... Assistant:' format when it has none) with the conversation so far; the answer "
+        "streams as it is generated. When the conversation outgrows the model's context, the oldest exchanges "
+        "are dropped. Commands: /stats (hit rate, MB read, tokens/s, RSS), /reset (new conversation), /exit "
+        "(or Ctrl-D). Ctrl-C stops the current answer, not the program.",
+    )
+    p.add_argument("--system", default=None, help="a system message that opens every conversation")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="the longest answer, in tokens (default 512)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding: always the most likely token")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold (default 0.95)")
+    p.add_argument("--seed", type=int, default=None, help="seed the conversation's sampling: the same messages give the same answers")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "serve",
+        parents=[text_options],
+        help="serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)",
+        description="Serve a store over HTTP with OpenAI's API, so that the `openai` package and other clients "
+        "work unchanged: GET /v1/models, POST /v1/chat/completions and /v1/completions (stream true or false; "
+        "max_tokens, temperature, top_p, stop, seed; usage), GET /health, GET /metrics (Prometheus). One "
+        "sequence runs at a time; other requests wait in a first-in first-out queue, and each answer is the "
+        "one the request would get alone with the same seed. A client that disconnects cancels its request.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one and prints it)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the store directory's name)")
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests that may wait for the model; more get 429 (default 64)"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="the longest a request may take, queueing included; then it is cancelled (default 600)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=512,
+        help="answer length of a chat request that sets no max_tokens (default 512; completions: 16, as OpenAI)",
+    )
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info", help="uvicorn's log level (default info: one line per request)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="build a synthetic MoE, convert it and stream it under a sweep of budgets")
     p.add_argument("--workdir", default=None, help="where to build the demo model (default: a temporary directory)")

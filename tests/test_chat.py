@@ -1,0 +1,147 @@
+"""The generation core shared by generate, chat and serve (stop sequences, incremental text, cancel),
+and `moestream chat`: conversation kept, commands, Ctrl-C stops an answer and not the program."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+from tiny import tiny_checkpoint
+
+import moestream
+from moestream.chat import ChatSession, run_chat
+from moestream.cli import main
+from moestream.generate import FALLBACK_CHAT_TEMPLATE, IncrementalText, chat_prompt, encode, stream
+from moestream.synthetic import byte_tokenizer
+
+BUDGET = 40 * 2**10
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    _, ckpt = tiny_checkpoint("qwen3_moe", root / "hf", seed=3)
+    assert main(["convert", str(ckpt), str(root / "store"), "--experts-dtype", "fp32"]) == 0
+    return root / "store"
+
+
+@pytest.fixture(scope="module")
+def loaded(store):
+    return moestream.load(store, BUDGET)
+
+
+def _pieces(tokenizer, text: str, stop=()):
+    """Feed `text` byte token by byte token through IncrementalText; return the pieces handed out."""
+    ids = encode(tokenizer, text)
+    decoder = IncrementalText(tokenizer, stop)
+    pieces = [decoder.update(ids[: n + 1]) for n in range(len(ids))]
+    pieces.append(decoder.finish(ids))
+    return pieces, decoder
+
+
+def test_incremental_text_never_hands_out_half_a_character_or_half_a_stop():
+    tok = byte_tokenizer()
+    pieces, decoder = _pieces(tok, "naïve ☃ café")
+    assert "".join(pieces) == "naïve ☃ café" and not any("\ufffd" in p for p in pieces)
+    pieces, decoder = _pieces(tok, "one END two", stop=["ENDX", "END"])
+    assert "".join(pieces) == "one " and decoder.stopped
+    assert not any("E" in p for p in pieces)  # "E", "EN" were held back as possible starts of a stop
+    pieces, decoder = _pieces(tok, "abc EN", stop=["END"])
+    assert "".join(pieces) == "abc EN" and not decoder.stopped  # held back, then flushed at the end
+
+
+def test_chat_prompt_uses_the_template_or_the_documented_fallback():
+    tok = byte_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat_prompt(tok, messages) == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    assert chat_prompt(tok, messages) == "<system>Be brief.<user>Hi<assistant>"
+    assert "Assistant:" in FALLBACK_CHAT_TEMPLATE
+
+
+def test_stream_stops_cancels_and_counts(loaded):
+    model, tok = loaded
+    ids = encode(tok, "def f(x):")
+    full = stream(model, tok, ids, 30, greedy=True)
+    assert full.finish_reason == "length" and len(full.token_ids) == 30
+    pieces = []
+    start = next(i for i in range(3, 27) if full.text[i : i + 2].isascii() and full.text[i : i + 2].isprintable())
+    stop = full.text[start : start + 2]
+    cut = stream(model, tok, ids, 30, greedy=True, stop=[stop], on_text=pieces.append)
+    assert cut.text == "".join(pieces) == full.text[: full.text.find(stop)]
+    assert cut.finish_reason == "stop"
+    # Generation ends at the token that completes the stop sequence, not one token later.
+    assert len(tok.decode(cut.token_ids[:-1])) < full.text.find(stop) + len(stop) <= len(tok.decode(cut.token_ids))
+    cancel = threading.Event()
+    stopped = stream(model, tok, ids, 30, greedy=True, cancel=cancel, on_text=lambda _: cancel.set())
+    assert stopped.finish_reason == "cancelled" and len(stopped.token_ids) < 30
+    seeded = [stream(model, tok, ids, 20, temperature=1.0, top_p=0.9, seed=5).token_ids for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+class _Screen(io.StringIO):
+    """Terminal output that presses Ctrl-C (a real SIGINT) once the answer being written is long enough."""
+
+    def __init__(self):
+        super().__init__()
+        self.interrupt_after: int | None = None
+
+    def write(self, text):
+        n = super().write(text)
+        if self.interrupt_after is not None and len(self.getvalue()) >= self.interrupt_after:
+            self.interrupt_after = None
+            os.kill(os.getpid(), signal.SIGINT)
+        return n
+
+
+def test_chat_keeps_the_conversation_and_ctrl_c_stops_only_the_answer(loaded):
+    model, tok = loaded
+    session = ChatSession(model, tok, max_new_tokens=24, greedy=True)
+    screen = _Screen()
+    lines = iter(["Hello", "/stats", "And then?", "/unknown", "/reset", "Hello", "/exit", "never read"])
+
+    def read(prompt):
+        line = next(lines)
+        if line == "And then?":
+            screen.interrupt_after = len(screen.getvalue()) + 3  # Ctrl-C three characters into this answer
+        return line
+
+    assert run_chat(session, read=read, out=screen) == 0
+    out = screen.getvalue()
+    assert "hit rate" in out and "RSS" in out and "tok/s" in out
+    assert "(stopped)" in out and "(new conversation)" in out and "/reset" in out
+    assert next(lines) == "never read"
+    # After /reset the conversation is the last exchange alone, and its answer is the first one again.
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    first = stream(model, tok, encode(tok, chat_prompt(tok, [{"role": "user", "content": "Hello"}]), templated=True), 24, greedy=True)
+    assert session.messages[1]["content"] == first.text
+    assert session.answers == 3
+
+
+def test_chat_sends_the_whole_conversation_and_drops_the_oldest_when_full(loaded):
+    model, tok = loaded
+    session = ChatSession(model, tok, system="Be brief.", max_new_tokens=16, greedy=True)
+    one = session.ask("first question")
+    two = session.ask("second question")
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first question"},
+               {"role": "assistant", "content": one.text}, {"role": "user", "content": "second question"}]
+    expected = stream(model, tok, encode(tok, chat_prompt(tok, history), templated=True), 16, greedy=True)
+    assert two.text == expected.text and two.prompt_tokens == expected.prompt_tokens
+    notes = []
+    session.ask("x" * 150, notice=notes.append)  # with the history, more than the 256-token context
+    assert notes and "dropped the oldest exchange" in notes[0]
+    assert session.messages[0]["role"] == "system" and session.messages[1]["content"] == "x" * 150
+    assert session.ask("y" * 300, notice=notes.append) is None and "shorter" in notes[-1]
+
+
+def test_chat_command_line(store):
+    """The command end to end: banner, an answer, /stats, /exit; Ctrl-D works as /exit."""
+    run = subprocess.run(
+        [sys.executable, "-m", "moestream.cli", "chat", str(store), "--memory", str(BUDGET), "--greedy", "--max-new-tokens", "8"],
+        input="Hello\n/stats\n", capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "moestream chat" in run.stdout and "hit rate" in run.stdout and "no chat template" in run.stdout

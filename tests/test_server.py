@@ -1,0 +1,370 @@
+"""`moestream serve`: a real server process on a loopback port with a tiny model, driven by the real
+`openai` client (and raw HTTP where a client would not send such a request)."""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from tiny import tiny_checkpoint
+
+from moestream.cli import build_parser, main
+from moestream.generate import chat_prompt
+from moestream.synthetic import byte_tokenizer
+
+MODEL = "tiny"
+BUDGET = 40 * 2**10
+CONTEXT = 256  # the tiny checkpoint's max_position_embeddings
+# What the server process may grow by beyond the expert budget while it answers: activations, KV caches,
+# transformers' generate bookkeeping, 20 open connections with their request objects, allocator slack.
+STATED_OVERHEAD = 64 * 2**20
+
+
+def _status(pid: int, field: str) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+class Server:
+    def __init__(self, store: Path, log: Path, *extra: str):
+        self.log = log
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moestream.cli", "serve", str(store), "--memory", str(BUDGET), "--port", "0",
+             "--model-name", MODEL, "--log-level", "warning", *extra],
+            stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 180
+        while True:
+            match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+            if match:
+                break
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"the server did not start:\n{log.read_text()}")
+            time.sleep(0.1)
+        self.url = match.group(1)
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+        assert self.http.get("/health").json()["status"] == "ok"
+        self.rss_at_ready = _status(self.process.pid, "VmRSS")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def metric(self, name: str, **labels) -> float:
+        label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+        text = self.http.get("/metrics").text
+        match = re.search(rf"^moestream_{re.escape(name + label)} (\S+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    def stop(self) -> None:
+        self.http.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    _, ckpt = tiny_checkpoint("qwen3_moe", root / "hf", seed=3)
+    assert main(["convert", str(ckpt), str(root / "store"), "--experts-dtype", "fp32"]) == 0
+    return root / "store"
+
+
+@pytest.fixture(scope="module")
+def server(store, tmp_path_factory):
+    s = Server(store, tmp_path_factory.mktemp("serve-log") / "server.log")
+    yield s
+    s.stop()
+
+
+def _chat(server, content="Hello there", **kw):
+    return server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def _streamed_chat(server, content="Hello there", **kw):
+    pieces, finish, usage = [], None, None
+    for chunk in _chat(server, content, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(pieces), finish, usage
+
+
+def _generate_cli(store, prompt: str, n: int, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["generate", str(store), "--memory", str(BUDGET), "--prompt", prompt, "--max-new-tokens", str(n), "--greedy", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_models_health_and_help(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert server.client.models.retrieve(MODEL).id == MODEL
+    assert server.http.get("/health").json() == {"status": "ok", "model": MODEL, "queued": 0, "running": False}
+    out = build_parser().format_help()
+    assert "chat" in out and "serve" in out
+
+
+def test_chat_streamed_equals_non_streamed_with_usage(server):
+    whole = _chat(server, max_tokens=20, seed=7, temperature=1.0)
+    text, finish, usage = _streamed_chat(server, max_tokens=20, seed=7, temperature=1.0)
+    assert whole.object == "chat.completion" and whole.model == MODEL
+    assert whole.choices[0].message.role == "assistant"
+    assert text == whole.choices[0].message.content and finish == whole.choices[0].finish_reason
+    prompt = chat_prompt(byte_tokenizer(), [{"role": "user", "content": "Hello there"}])
+    assert whole.usage.prompt_tokens == usage.prompt_tokens == len(prompt.encode())  # one token per byte
+    assert whole.usage.completion_tokens == usage.completion_tokens
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    if finish == "length":
+        assert whole.usage.completion_tokens == 20
+    other = _chat(server, max_tokens=20, seed=8, temperature=1.0)
+    assert other.choices[0].message.content != whole.choices[0].message.content  # the seed matters
+
+
+def test_greedy_answers_equal_generate_greedy(server, store, capsys):
+    prompt = "def fibonacci(n):"
+    cli = _generate_cli(store, prompt, 24, capsys)
+    completion = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert completion.object == "text_completion"
+    assert completion.choices[0].text == cli["text"]
+    assert completion.usage.completion_tokens == len(cli["token_ids"])
+    assert completion.usage.prompt_tokens == cli["prompt_tokens"]
+    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True) if c.choices)
+    assert streamed == cli["text"]
+    # Chat: the same as `generate --greedy` on the prompt the chat template makes.
+    templated = chat_prompt(byte_tokenizer(), [{"role": "user", "content": "Hello there"}])
+    cli = _generate_cli(store, templated, 16, capsys)
+    assert _chat(server, max_tokens=16, temperature=0).choices[0].message.content == cli["text"]
+
+
+def test_stop_sequences(server):
+    prompt = "import os\n"
+    full = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+    # A stop sequence of printable characters from the middle of the greedy answer, cut at its first occurrence.
+    start = next(i for i in range(4, len(full) - 3) if full[i : i + 3].isprintable() and full[i : i + 3].isascii())
+    stop = full[start : start + 3]
+    cut = full[: full.find(stop)]
+    for stops in (stop, [stop, "never appears \u2603"]):
+        got = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=stops)
+        assert got.choices[0].text == cut and got.choices[0].finish_reason == "stop"
+        assert got.usage.completion_tokens < 40
+    streamed = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=stop, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_twenty_concurrent_streams_equal_their_solo_answers(server):
+    questions = [(f"question {i}: what is {i} + {i}?", 100 + i) for i in range(20)]
+    solo = [_streamed_chat(server, q, max_tokens=16, seed=seed, temperature=1.0)[0] for q, seed in questions]
+    before = server.metric("requests_total", endpoint="chat", outcome="ok")
+    with ThreadPoolExecutor(20) as pool:
+        together = list(pool.map(lambda qs: _streamed_chat(server, qs[0], max_tokens=16, seed=qs[1], temperature=1.0)[0], questions))
+    assert together == solo
+    assert server.metric("requests_total", endpoint="chat", outcome="ok") == before + 20
+    assert server.metric("requests_queued") == 0
+    peak = _status(server.process.pid, "VmHWM")
+    print(f"peak RSS {peak / 2**20:.1f} MiB, at ready {server.rss_at_ready / 2**20:.1f} MiB")
+    assert peak <= server.rss_at_ready + BUDGET + STATED_OVERHEAD, (
+        f"peak RSS {peak / 2**20:.1f} MiB > {server.rss_at_ready / 2**20:.1f} MiB at ready + budget + "
+        f"{STATED_OVERHEAD / 2**20:.0f} MiB"
+    )
+
+
+def test_disconnect_cancels_the_generation(server):
+    before_cancelled = server.metric("generations_ended_early_total", reason="cancelled")
+    before_tokens = server.metric("completion_tokens_total")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 200,
+            "stream": True, "temperature": 0}
+    with server.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break  # leave mid-answer: closing the response closes the connection
+    deadline = time.monotonic() + 30
+    while server.metric("generations_ended_early_total", reason="cancelled") == before_cancelled:
+        assert time.monotonic() < deadline, "the disconnect did not cancel the generation"
+        time.sleep(0.05)
+    assert server.metric("completion_tokens_total") - before_tokens < 200
+    assert server.metric("requests_running") == 0
+    assert _chat(server, max_tokens=4).choices[0].message.content is not None  # and the server goes on
+
+
+def test_bad_requests_get_their_4xx_and_the_server_goes_on(server):
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        ("/v1/completions", b"{not json", 400, "invalid_json"),
+        ("/v1/completions", b"\xff\xfe\x00garbage", 400, "invalid_json"),
+        ("/v1/completions", b"[1, 2, 3]", 400, "invalid_json"),
+        ("/v1/completions", {**ok, "model": "gpt-4"}, 404, "model_not_found"),
+        ("/v1/chat/completions", {**chat, "model": "gpt-4"}, 404, "model_not_found"),
+        ("/v1/completions", {**ok, "max_tokens": -1}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "max_tokens": 0}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "max_tokens": 10**12}, 400, "invalid_value"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 10**12}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "max_tokens": "5"}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "max_tokens": 2.5}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "temperature": "hot"}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "temperature": 7}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "top_p": 0}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "stream": "yes"}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "seed": "abc"}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "stop": 5}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "prompt": None}, 400, "invalid_value"),
+        ("/v1/completions", {"prompt": "hi"}, 400, "invalid_value"),
+        ("/v1/chat/completions", {**chat, "messages": "hi"}, 400, "invalid_value"),
+        ("/v1/chat/completions", {**chat, "messages": []}, 400, "invalid_value"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": 12}]}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+        ("/v1/completions", {**ok, "n": 3}, 400, None),
+        ("/v1/completions", {**ok, "prompt": ""}, 400, None),
+        ("/v1/completions", {**ok, "prompt": [999999]}, 400, None),
+        ("/v1/completions", {**ok, "prompt": "x" * (CONTEXT + 10)}, 400, "context_length_exceeded"),
+        ("/v1/completions", {**ok, "prompt": "x" * 200, "max_tokens": 100}, 400, "context_length_exceeded"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "y" * 1000}]}, 400, "context_length_exceeded"),
+        ("/v1/chat/completions", {**chat, "stream": True, "messages": [{"role": "user", "content": "y" * 1000}]}, 400, "context_length_exceeded"),
+        ("/v1/completions", b"{" + b" " * (17 * 2**20) + b"}", 413, "request_too_large"),
+    ]
+    for path, body, status, code in cases:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = server.http.post(path, content=content, headers={"content-type": "application/json"})
+        assert response.status_code == status, (path, body if len(content) < 200 else len(content), response.text)
+        error = response.json()["error"]
+        assert error["message"] and error["type"] and error["code"] == code, (body, error)
+        assert server.http.get("/health").status_code == 200
+    assert server.http.get("/v1/nothing").status_code == 404
+    assert server.http.get("/v1/completions").status_code == 405
+    assert server.http.get("/v1/models/gpt-4").json()["error"]["code"] == "model_not_found"
+    # The real client turns them into its exceptions.
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model=MODEL, prompt="hi", max_tokens=-5)
+    assert server.client.completions.create(**ok).choices[0].text is not None
+    assert server.process.poll() is None
+
+
+# -- queueing and timeouts, with a stand-in for generation whose speed the test sets --------------------------
+
+
+@pytest.fixture
+def slow_server(store, monkeypatch):
+    """An in-process server on the real tiny model whose generation is replaced by one "A" per 50 ms
+    (honouring cancel and deadline like generate.stream), so that queue and timeout behaviour is timed
+    by the test, not by the machine."""
+    import uvicorn
+
+    import moestream
+    from moestream import server as srv
+    from moestream.generate import GenerationResult
+
+    def slow_stream(model, tokenizer, prompt_ids, max_new_tokens, *, on_text, cancel, deadline, **kwargs):
+        start, ids, reason = time.perf_counter(), [], "length"
+        stuck = prompt_ids == tokenizer("stuck")["input_ids"]  # like a long prefill: cannot stop early
+        for _ in range(max_new_tokens):
+            time.sleep(0.05)
+            ids.append(65)
+            on_text("A")
+            if not stuck and (cancel.is_set() or time.monotonic() >= deadline):
+                reason = "cancelled" if cancel.is_set() else "timeout"
+                break
+        return GenerationResult("A" * len(ids), len(prompt_ids), ids, time.perf_counter() - start, 0.05, 20.0, reason)
+
+    monkeypatch.setattr(srv, "stream", slow_stream)
+    model, tokenizer = moestream.load(store, BUDGET)
+    running = []
+
+    def start(**config):
+        app = srv.create_app(model, tokenizer, srv.ServerConfig(MODEL, **config))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.02)
+        running.append((server, thread))
+        return httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=30)
+
+    yield start
+    for server, thread in running:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_a_full_queue_answers_429(slow_server):
+    http = slow_server(max_queue=1)
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 30}  # 1.5 s each
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(http.post, "/v1/completions", json=body)
+        _wait_for(lambda: http.get("/health").json()["running"])
+        second = pool.submit(http.post, "/v1/completions", json=body)
+        _wait_for(lambda: http.get("/health").json()["queued"] == 1)
+        third = http.post("/v1/completions", json=body)
+        assert third.status_code == 429 and third.json()["error"]["code"] == "queue_full"
+        assert first.result().status_code == second.result().status_code == 200
+    assert first.result().json()["choices"][0]["text"] == "A" * 30
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place(slow_server):
+    http = slow_server(max_queue=1)
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 40}  # 2 s
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(http.post, "/v1/completions", json=body)
+        _wait_for(lambda: http.get("/health").json()["running"])
+        with pytest.raises(httpx.TimeoutException):  # waits behind the first one, then gives up
+            http.post("/v1/completions", json={**body, "prompt": "b" * 50}, timeout=0.3)
+        _wait_for(lambda: http.get("/health").json()["queued"] == 0)  # dropped while the first still runs
+        assert http.get("/health").json()["running"]
+        third = pool.submit(http.post, "/v1/completions", json=body)  # the queue has room again
+        assert first.result().status_code == third.result().status_code == 200
+    metrics = http.get("/metrics").text
+    assert 'moestream_generations_ended_early_total{reason="cancelled"} 1' in metrics
+    assert "moestream_prompt_tokens_total 2\n" in metrics  # "a" twice: the one that left never ran
+
+
+def test_timeouts_answer_503_in_the_queue_and_504_while_running(slow_server):
+    http = slow_server(request_timeout=1.0)
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 100}  # 5 s: longer than the timeout
+    alone = http.post("/v1/completions", json=body)  # stopped at 1 s
+    assert alone.status_code == 504 and alone.json()["error"]["code"] == "timeout"
+    # Requests ahead end by their own deadline, which comes before a later one's: a request times out in the
+    # queue only behind one that cannot stop in time (a long prefill; "stuck" here, 2 s).
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(http.post, "/v1/completions", json={**body, "prompt": "stuck", "max_tokens": 40})
+        _wait_for(lambda: http.get("/health").json()["running"])
+        queued = pool.submit(http.post, "/v1/completions", json=body)
+        assert queued.result().status_code == 503 and queued.result().json()["error"]["code"] == "timeout"
+        assert running.result().status_code == 504 and running.result().json()["error"]["code"] == "timeout"
+    _wait_for(lambda: not http.get("/health").json()["running"])
+    # A stream that runs out of time ends with an error event, then [DONE].
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "timeout"
+    _wait_for(lambda: not http.get("/health").json()["running"])
+    assert http.post("/v1/completions", json={**body, "max_tokens": 3}).json()["choices"][0]["text"] == "AAA"
+
+
+def _wait_for(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
