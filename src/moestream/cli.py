@@ -49,6 +49,34 @@ def _add_policy(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_prefetch_and_io(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefetch",
+        choices=["off", "on", "auto"],
+        default="off",
+        help="speculative reads of the next layer's likely experts (its router applied to this layer's hidden "
+        "state): off (default), on, or auto (kept on per layer while most speculative reads get used)",
+    )
+    p.add_argument(
+        "--io",
+        choices=["direct", "buffered"],
+        default="direct",
+        help="direct (default): O_DIRECT, expert bytes live only in the cache; buffered: reads go through the "
+        "page cache and stay there, a second cache the OS owns",
+    )
+
+
+def _engine_options(args) -> dict:
+    """The load() options shared by generate, bench, chat and serve."""
+    return dict(
+        io_threads=args.io_threads,
+        direct_io=args.io == "direct" and not getattr(args, "buffered_io", False),
+        verify=getattr(args, "verify", "first"),
+        policy=args.policy,
+        prefetch=args.prefetch,
+    )
+
+
 def cmd_convert(args) -> int:
     from .convert import convert
 
@@ -69,10 +97,7 @@ def cmd_generate(args) -> int:
     from .runtime import load
     from .trace import start_recording, stop_recording
 
-    model, tokenizer = load(
-        args.store, args.memory, io_threads=args.io_threads, direct_io=not args.buffered_io, verify=args.verify,
-        policy=args.policy,
-    )
+    model, tokenizer = load(args.store, args.memory, **_engine_options(args))
     if tokenizer is None:
         raise MoestreamError(f"{args.store} has no tokenizer files; convert from a checkpoint that includes them")
     recorder = start_recording(model) if args.trace_out else None  # routing recorded through the engine
@@ -224,9 +249,8 @@ def cmd_bench(args) -> int:
         squeeze=args.squeeze,
         compare=args.compare,
         text=read_text(args.text) if args.text else None,
-        io_threads=args.io_threads,
-        policy=args.policy,
         trace_out=args.trace_out,
+        **_engine_options(args),
     )
     print(report.table())
     if args.json:
@@ -246,10 +270,7 @@ def _load_for_text(args):
     """Load a store for chat/serve; both need its tokenizer."""
     from .runtime import load
 
-    model, tokenizer = load(
-        args.store, args.memory, io_threads=args.io_threads, direct_io=not args.buffered_io, verify=args.verify,
-        policy=args.policy,
-    )
+    model, tokenizer = load(args.store, args.memory, **_engine_options(args))
     if tokenizer is None:
         raise MoestreamError(f"{args.store} has no tokenizer files; convert from a checkpoint that includes them")
     return model, tokenizer
@@ -350,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming")
     p.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
-    p.add_argument("--buffered-io", action="store_true", help="read through the page cache instead of O_DIRECT")
+    p.add_argument("--buffered-io", action="store_true", help="the same as --io buffered")
     p.add_argument(
         "--verify",
         choices=["first", "always", "off"],
@@ -359,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         "read, or never; resident files are checked at load unless off",
     )
     _add_policy(p)
+    _add_prefetch_and_io(p)
     p.add_argument(
         "--trace-out",
         default=None,
@@ -547,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     _add_policy(p)
+    _add_prefetch_and_io(p)
     p.add_argument(
         "--trace-out", default=None, metavar="FILE.npz", help="record the measured run's routing for `moestream simulate` / `plan --trace`"
     )
@@ -556,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     text_options.add_argument("store", help="store directory made by `moestream convert` (with tokenizer files)")
     _add_memory(text_options)
     text_options.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
-    text_options.add_argument("--buffered-io", action="store_true", help="read through the page cache instead of O_DIRECT")
+    text_options.add_argument("--buffered-io", action="store_true", help="the same as --io buffered")
     text_options.add_argument(
         "--verify",
         choices=["first", "always", "off"],
@@ -564,6 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="check expert records against their checksums on the first read of each (default), on every read, or never",
     )
     _add_policy(text_options)
+    _add_prefetch_and_io(text_options)
 
     p = sub.add_parser(
         "chat",
