@@ -281,8 +281,8 @@ async def _read_json(request: Request) -> dict:
             raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB", code="request_too_large")
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
+        raise APIError(400, f"the request body is not valid JSON ({type(e).__name__}: {e}); send a JSON object", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     return data
@@ -334,6 +334,12 @@ def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
                 param="model",
                 code="model_not_found",
             )
+
+    def tokenize(text: str, templated: bool, param: str) -> list[int]:
+        try:
+            return encode(tokenizer, text, templated=templated)
+        except Exception as e:  # e.g. a lone UTF-16 surrogate ("\ud800") that JSON allows and no tokenizer takes
+            raise APIError(400, f"the text cannot be tokenized ({type(e).__name__}: {e}); send valid Unicode text", param=param) from None
 
     def make_job(req: _Common, prompt_ids: list[int], default_max: int) -> Job:
         if req.n not in (None, 1):
@@ -491,7 +497,7 @@ def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
                 prompt = chat_prompt(tokenizer, messages)
             except Exception as e:  # a template that rejects these messages (roles out of order, ...)
                 raise APIError(400, f"the chat template cannot format these messages: {e}", param="messages") from None
-            job = make_job(req, encode(tokenizer, prompt, templated=True), config.default_max_tokens)
+            job = make_job(req, tokenize(prompt, True, "messages"), config.default_max_tokens)
         except ValidationError as e:
             count("chat", "error")
             raise _error_from_validation(e) from None
@@ -536,7 +542,7 @@ def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
                     raise APIError(400, "send one prompt per request", param="prompt")
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                ids = encode(tokenizer, prompt)
+                ids = tokenize(prompt, False, "prompt")
             else:
                 vocab = len(tokenizer)
                 if any(not 0 <= i < vocab for i in prompt):
