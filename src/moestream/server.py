@@ -577,9 +577,19 @@ def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
 
         return await run("completions", request, job, chunk, final)
 
+    def engine_stats() -> dict:
+        # Read from the event loop while the worker thread updates them: a dict or set that changes size
+        # mid-iteration raises RuntimeError, and the next try sees it settled.
+        for _ in range(9):
+            try:
+                return engine.stats()
+            except RuntimeError:
+                time.sleep(0.001)
+        return engine.stats()
+
     @app.get("/metrics")
     async def metrics():
-        s = engine.stats()
+        s = engine_stats()
         lines = []
 
         def metric(name: str, kind: str, help: str, samples) -> None:
