@@ -131,3 +131,20 @@ def test_plan_with_a_trace_replays_it_at_the_planned_record_size(tmp_path, capsy
     assert "600 experts" in out and f"lfu {expected.hit_rate:.1%}" in out and "expected decode" in out
     assert main(args[:-2] + ["--disk-bandwidth", "fast"]) == 2
     assert "cannot read the bandwidth" in capsys.readouterr().err
+
+
+def test_measured_reads_cost_each_layer_call_its_batch():
+    sizes = plan_sizes(read_config(CONFIGS / "Qwen3-30B-A3B.json"), 4)
+    trace = _trace(48, 128, 8)
+    memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.record_bytes
+    batches = {m: 1e-3 * (0.5 + 0.2 * m) for m in range(1, 9)}  # latency + per-record time
+    plan = make_plan(sizes, memory, overhead=512 * MiB, trace=trace, read_batches=batches, compute_seconds=0.01)
+    r = replay(trace, 600, "lru", np.array(sizes.layer_strides))
+    calls = {m: n / r.decode_tokens for m, n in enumerate(r.decode_miss_calls)}
+    assert plan.miss_calls_per_token == calls and sum(calls.values()) == pytest.approx(48)
+    assert plan.read_seconds == pytest.approx(sum(n * batches[m] for m, n in calls.items() if m))
+    # The prior: binomial misses per layer call with the cached share as the hit probability.
+    prior = make_plan(sizes, memory, overhead=512 * MiB, read_batches=batches)
+    assert sum(prior.miss_calls_per_token.values()) == pytest.approx(48)
+    expected_misses = sum(m * n for m, n in prior.miss_calls_per_token.items())
+    assert expected_misses == pytest.approx(48 * 8 * (1 - 600 / sizes.experts))

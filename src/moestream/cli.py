@@ -169,7 +169,7 @@ def cmd_plan(args) -> int:
     plan, title = plan_from_args(
         args.config, args.memory, cache=args.cache, bits=args.bits, group_size=args.group_size, overhead=args.overhead,
         trace_path=args.trace, policy=args.policy, disk_bandwidth=args.disk_bandwidth, disk_dir=args.disk_dir,
-        compute=args.compute,
+        compute=args.compute, io_threads=args.io_threads,
     )
     print(json.dumps(plan.to_json()) if args.json else plan.table(title))
     return 0
@@ -460,10 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-bandwidth",
         default=None,
         metavar="BW",
-        help="the disk's read speed, e.g. 3GB/s, or auto: measure random O_DIRECT reads of a temporary file in "
-        "--disk-dir (writes and deletes a 256 MiB file). Without it, no tokens/s forecast",
+        help="the disk's read speed, e.g. 3GB/s (reads then cost bytes / speed, no latency), or auto: time 1..top_k random "
+        "records read at once, as a decode step's misses are, O_DIRECT, from a temporary file in --disk-dir (writes "
+        "and deletes about 256 MiB). Without it, no tokens/s forecast",
     )
     p.add_argument("--disk-dir", default=".", help="where --disk-bandwidth auto probes (default: the current directory)")
+    p.add_argument("--io-threads", type=int, default=4, help="parallel expert reads, as in generate/bench (default 4)")
     p.add_argument(
         "--compute",
         default="bandwidth",

@@ -48,6 +48,8 @@ class SimResult:
     decode_misses: int = 0
     decode_bytes_read: int = 0
     decode_tokens: int = 0
+    decode_miss_calls: tuple[int, ...] = ()  # [m]: decode calls (one layer, one token) that missed m experts
+
 
     @property
     def decode_hit_rate(self) -> float:
@@ -166,6 +168,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
     misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
     decode_misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
     decode = (trace.call_rows == 1).tolist()
+    miss_calls = [0] * (int(trace.layer_experts.max()) + 1)
 
     def issue(layer: int, waiting: deque, in_flight: deque) -> None:
         while waiting:
@@ -191,6 +194,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
         if decode[c]:
             decode_hits += len(ready)
             decode_misses_per_layer[layer] += len(waiting)
+            miss_calls[len(waiting)] += 1
         if waiting:
             misses_per_layer[layer] += len(waiting)
             in_flight: deque = deque()
@@ -219,6 +223,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
         decode_misses=int(decode_misses_per_layer.sum()),
         decode_bytes_read=int((decode_misses_per_layer * strides.astype(np.int64)).sum()),
         decode_tokens=int(((trace.call_rows == 1) & (trace.call_layer == 0)).sum()),
+        decode_miss_calls=tuple(miss_calls[: max([m for m, n in enumerate(miss_calls) if n] + [0]) + 1]),
     )
 
 
