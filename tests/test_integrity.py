@@ -259,7 +259,9 @@ def test_a_stalled_read_times_out_and_its_slot_is_not_reused_until_it_ends(prist
     _assert_cache_consistent(engine)
     monkeypatch.setattr(RecordFile, "read_at", real)
     release.set()
-    time.sleep(0.2)
+    for future, _ in engine._stalled:
+        future.result(timeout=30)  # the disk answers again: the abandoned reads end
+    engine.read_timeout = 60  # a loaded CI machine must not time out the healthy reads that follow
     assert torch.equal(_run_expert(engine, model, 1, 20), expected)
     assert not engine._stalled  # reclaimed once the reads ended
     _assert_cache_consistent(engine)
