@@ -240,3 +240,18 @@ def test_decode_figures_leave_the_prompt_out(store, tmp_path):
     recorded = Trace.load(tmp_path / "b.npz")
     assert recorded.tokens == 6 + 4 and recorded.meta["prompt_tokens"] == 6
     assert report.moestream.hit_rate == pytest.approx(replay(recorded, 4, "lfu").decode_hit_rate)
+
+
+def test_lfu_keeps_a_stable_subset_when_equally_hot_experts_do_not_fit():
+    """Every token uses the same 2 experts in each of 8 layers (16 hot keys) and the cache holds 10: LRU
+    evicts each just before its next use (0 hits); LFU evicts the newest of equals and keeps most of 10."""
+    layers, tokens = 8, 50
+    experts = np.tile(np.array([[3, 7]], np.int32), (layers * tokens, 1))
+    trace = Trace(
+        experts=experts, weights=np.full(experts.shape, 0.5, np.float32),
+        call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens), call_rows=np.ones(layers * tokens, np.int32),
+        record_bytes=np.full(layers, 4096, np.int64), layer_experts=np.full(layers, 16, np.int32), meta={},
+    )
+    assert replay(trace, 10, "lru").hits == 0
+    best = replay(trace, 10, BELADY).hits
+    assert replay(trace, 10, "lfu").hits > 0.6 * best
