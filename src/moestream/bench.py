@@ -235,7 +235,6 @@ def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, q
     try:
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(torch.get_num_threads())
         reset_peak_rss()
         if kind == "transformers":
             model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
