@@ -1,10 +1,11 @@
-"""Speculative prefetch changes what is read, never the numbers; auto turns off layers where it is wasted."""
+"""Speculative prefetch changes what is read, never the numbers; auto keeps whichever mode decodes faster."""
 
+import pytest
 import torch
 from tiny import TINY
 
 import moestream
-from moestream.prefetch import AUTO_MIN_ISSUED, AUTO_PROBE_EVERY, Prefetcher
+from moestream.prefetch import AUTO_HOLD_STEPS, AUTO_PROBE_BLOCK, AUTO_PROBE_BLOCKS, Prefetcher
 from moestream.store import Store
 from moestream.synthetic import make_model, save_checkpoint, skew_router
 
@@ -34,18 +35,58 @@ def test_prefetch_changes_no_tokens_and_is_accounted(tmp_path):
     assert on["misses"] * stride <= on["bytes_read"] <= (on["misses"] + p["issued"]) * stride
 
 
-def test_auto_switches_a_wasteful_layer_off_and_probes_again():
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run_decode_steps(prefetcher, clock, steps, seconds_on, seconds_off):
+    """Drive the prefetcher through decode steps whose duration depends on whether it speculated."""
+    modes = []
+    for _ in range(steps):
+        prefetcher.start_step(1)
+        modes.append(prefetcher.speculating())
+        clock.now += seconds_on if modes[-1] else seconds_off
+    return modes
+
+
+def test_auto_keeps_the_faster_mode_and_probes_again():
     router = torch.nn.Linear(8, 4, bias=False)
-    prefetcher = Prefetcher([router, router], top_k=1, mode="auto")
-    assert prefetcher.enabled(1)
-    for _ in range(AUTO_MIN_ISSUED):
-        prefetcher.record_use(1, False)
-    assert not prefetcher.enabled(1)
-    assert prefetcher.predict(0, torch.randn(1, 8)) == []  # no speculation while off
-    for _ in range(AUTO_PROBE_EVERY):
-        prefetcher.observe(1, [0])
-    assert prefetcher.enabled(1)
-    for _ in range(AUTO_MIN_ISSUED):
-        prefetcher.record_use(1, True)
-    assert prefetcher.enabled(1)  # useful reads keep it on
-    assert Prefetcher([router, router], 1, mode="on").enabled(1) and not Prefetcher([router, router], 1, mode="off").enabled(1)
+    clock = FakeClock()
+    prefetcher = Prefetcher([router, router], top_k=1, mode="auto", clock=clock)
+    probe = len(AUTO_PROBE_BLOCKS) * AUTO_PROBE_BLOCK
+    modes = run_decode_steps(prefetcher, clock, probe, seconds_on=0.030, seconds_off=0.020)
+    assert modes.count(True) == modes.count(False) == probe // 2  # the probe tries both
+    modes = run_decode_steps(prefetcher, clock, AUTO_HOLD_STEPS, seconds_on=0.030, seconds_off=0.020)
+    assert not any(modes)  # off was faster: held off
+    assert prefetcher.predict(0, torch.randn(1, 8)) == []  # and no speculation while off
+    assert prefetcher.report()["auto_last_probe_ms"] == pytest.approx({"on": 30.0, "off": 20.0})
+    # The workload changes (say the cache got smaller): the next probe finds on faster and keeps it.
+    modes = run_decode_steps(prefetcher, clock, probe + AUTO_HOLD_STEPS, seconds_on=0.010, seconds_off=0.050)
+    assert modes[: probe].count(True) == probe // 2 and all(modes[probe + 1 :])
+    assert prefetcher.predict(0, torch.randn(1, 8)) != []
+    assert prefetcher.report()["auto_probes"] == 2
+
+
+def test_auto_never_times_a_prompt_or_the_idle_time_after_it():
+    router = torch.nn.Linear(8, 4, bias=False)
+    clock = FakeClock()
+    prefetcher = Prefetcher([router, router], top_k=1, mode="auto", clock=clock)
+    for step in range(len(AUTO_PROBE_BLOCKS) * AUTO_PROBE_BLOCK + 1):
+        prefetcher.start_step(1)
+        clock.now += 0.010 if prefetcher.speculating() else 0.020
+        if step % 3 == 2:  # a request ends here; the next one's prompt and the wait before it take long
+            clock.now += 100.0
+            prefetcher.start_step(512)
+            clock.now += 10.0
+    assert prefetcher.report()["auto_last_probe_ms"] == pytest.approx({"on": 10.0, "off": 20.0})
+    assert prefetcher.speculating()
+
+
+def test_fixed_modes():
+    router = torch.nn.Linear(8, 4, bias=False)
+    assert Prefetcher([router, router], 1, mode="on").speculating()
+    assert not Prefetcher([router, router], 1, mode="off").speculating()

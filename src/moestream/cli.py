@@ -55,7 +55,8 @@ def _add_prefetch_and_io(p: argparse.ArgumentParser) -> None:
         choices=["off", "on", "auto"],
         default="off",
         help="speculative reads of the next layer's likely experts (its router applied to this layer's hidden "
-        "state): off (default), on, or auto (kept on per layer while most speculative reads get used)",
+        "state): off (default), on, or auto (times decode steps with it on and off, keeps the faster, re-checks "
+        "every 256 steps)",
     )
     p.add_argument(
         "--io",

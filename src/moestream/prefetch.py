@@ -3,22 +3,27 @@
 After layer L routes, the residual stream entering layer L+1 differs from layer L's by one attention
 and one MoE update, so layer L+1's router applied to layer L's hidden state is a decent guess of the
 experts L+1 will pick. Reading those while layer L computes hides disk latency, if the guess is good;
-a wrong guess costs bandwidth and evicts something. Published results disagree on whether it pays
-(+21% on one 750B model, -18% on another), so the engine measures, per layer:
+a wrong guess costs bandwidth, CPU and an eviction. Published results disagree on whether it pays
+(+21% on one 750B model, -18% on another), and so do our own workloads: a guess can be 70% right and
+still make decoding slower when the model is compute-bound. So the engine keeps the books per layer
+(prediction precision and recall; speculative reads used or wasted) and, with `--prefetch auto`,
+decides from the only signal that settles it, the time of a decode step:
 
-- prediction precision and recall (predicted vs actually routed experts), and
-- how many speculative reads were used before being evicted ("useful"),
+    probe:  decode steps in blocks, on / off / on / off, each step timed (`AUTO_PROBE_BLOCK`)
+    hold:   the mode whose median step was faster, for `AUTO_HOLD_STEPS` decode steps
+    repeat: probe again, since the cache, the prompt and the machine's load all drift
 
-and with `--prefetch auto` switches speculation off for a layer whose reads are mostly wasted, probing
-again now and then. This module decides *what* to prefetch and keeps the books; the engine
-(runtime.py) owns the cache and the reads, and follows the rules "demand first": speculation only runs
-once every demand read of the step is issued, only on decode steps (a prompt's demand reads already
-fill the disk queue), into slots the policy would evict anyway, never a pinned or loading one, on a
-separate low-priority reader queue.
+This module decides *what* to prefetch, keeps the books and runs auto's clock; the engine (runtime.py)
+owns the cache and the reads, and follows the rules "demand first": speculation only runs once every
+demand read of the step is issued, only on decode steps (a prompt's demand reads already fill the disk
+queue), into slots the policy would evict anyway, never a pinned or loading one, on a separate
+low-priority reader queue.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +33,9 @@ from .errors import UsageError
 
 PREFETCH_MODES = ("auto", "on", "off")
 MAX_SPECULATIVE_TOKENS = 4  # speculate on decode steps only (and tiny batches)
-AUTO_MIN_ISSUED = 16  # speculative reads of a layer before auto judges it
-AUTO_MIN_USEFUL = 0.5  # auto keeps a layer on while at least this share of its speculative reads is used
-AUTO_PROBE_EVERY = 256  # a layer switched off is tried again after this many of its steps
+AUTO_PROBE_BLOCK = 4  # decode steps per block of a probe; the first of each block is not timed (transition)
+AUTO_PROBE_BLOCKS = ("on", "off", "on", "off")  # interleaved, so that a drifting step time favours neither
+AUTO_HOLD_STEPS = 256  # decode steps auto keeps its choice before probing again
 
 
 @dataclass
@@ -60,31 +65,89 @@ def find_router(experts_module_parent) -> torch.nn.Module | None:
     return None
 
 
+class AutoSwitch:
+    """`--prefetch auto`: time decode steps with speculation on and off, keep the faster, probe again.
+
+    `step(tokens)` is called at the start of every forward pass; a step's time is the interval to the
+    next call, counted only when both calls are decode steps (so prompts and idle time between requests
+    are never timed).
+    """
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.speculating = True
+        self.decisions = 0  # probes completed
+        self.last_probe_ms: dict[str, float] = {}  # median decode step per mode in the latest probe
+        self._schedule: list[str] = []  # modes of the coming decode steps while probing
+        self._samples: dict[str, list[float]] = {"on": [], "off": []}
+        self._timed_mode: str | None = None  # mode of the step now running, if it is to be timed
+        self._started: float | None = None
+        self._hold = 0  # decode steps left before the next probe
+        self._start_probe()
+
+    def _start_probe(self) -> None:
+        self._schedule = [mode for mode in AUTO_PROBE_BLOCKS for _ in range(AUTO_PROBE_BLOCK)]
+        self._samples = {"on": [], "off": []}
+
+    def step(self, tokens: int) -> None:
+        now = self.clock()
+        decode = tokens <= MAX_SPECULATIVE_TOKENS
+        if self._timed_mode is not None and self._started is not None and decode:
+            self._samples[self._timed_mode].append(now - self._started)
+        self._timed_mode, self._started = None, now
+        if not decode:
+            return
+        if self._schedule:
+            mode = self._schedule.pop(0)
+            first_of_block = len(self._schedule) % AUTO_PROBE_BLOCK == AUTO_PROBE_BLOCK - 1
+            self.speculating = mode == "on"
+            self._timed_mode = None if first_of_block else mode
+            return
+        if self._samples["on"] or self._samples["off"]:
+            self._decide()
+        self._hold -= 1
+        if self._hold <= 0:
+            self._start_probe()
+
+    def _decide(self) -> None:
+        # The last probe step's time arrives with the step after it, which therefore runs in the hold.
+        medians = {mode: statistics.median(s) for mode, s in self._samples.items() if s}
+        if len(medians) == 2:
+            self.speculating = medians["on"] < medians["off"]
+            self.last_probe_ms = {mode: 1e3 * m for mode, m in medians.items()}
+            self.decisions += 1
+        self._samples = {"on": [], "off": []}
+        self._hold = AUTO_HOLD_STEPS
+
+
 class Prefetcher:
-    def __init__(self, routers: list, top_k: int, mode: str = "auto"):
+    def __init__(self, routers: list, top_k: int, mode: str = "auto", clock=time.perf_counter):
         if mode not in PREFETCH_MODES:
             raise UsageError(f"--prefetch must be one of {', '.join(PREFETCH_MODES)}, not {mode!r}")
         self.routers = routers  # per MoE layer; None where no router was found (e.g. hash routing)
         self.top_k = top_k
         self.mode = mode
+        self.auto = AutoSwitch(clock) if mode == "auto" else None
         self.stats = [PrefetchStats() for _ in routers]
         self._pending: dict[int, set[int]] = {}  # layer -> experts predicted for its coming step
-        self._off_until = [0] * len(routers)  # auto: the layer's step count at which to probe again
-        self._steps = [0] * len(routers)
-        self._window = [[0, 0] for _ in routers]  # auto: (useful, judged) since the layer was last judged
 
-    def enabled(self, layer: int) -> bool:
-        if self.mode == "off" or layer >= len(self.routers) or self.routers[layer] is None:
-            return False
-        return self.mode == "on" or self._steps[layer] >= self._off_until[layer]
+    def speculating(self) -> bool:
+        return self.mode == "on" or (self.auto is not None and self.auto.speculating)
+
+    def start_step(self, tokens: int) -> None:
+        """A forward pass of `tokens` tokens begins (called at the first MoE layer)."""
+        if self.auto is not None:
+            self.auto.step(tokens)
 
     @torch.no_grad()
     def predict(self, layer: int, hidden: torch.Tensor) -> list[int]:
         """Experts layer `layer + 1` will likely need, from layer `layer`'s hidden states; [] if none."""
         target = layer + 1
-        if hidden.shape[0] > MAX_SPECULATIVE_TOKENS or not self.enabled(target):
+        if hidden.shape[0] > MAX_SPECULATIVE_TOKENS or not self.speculating():
             return []
-        router = self.routers[target]
+        router = self.routers[target] if target < len(self.routers) else None
+        if router is None:
+            return []
         logits = F.linear(hidden.to(router.weight.dtype), router.weight).float()
         bias = getattr(router, "e_score_correction_bias", None)  # DeepSeek-style selection bias
         if isinstance(bias, torch.Tensor):
@@ -95,7 +158,6 @@ class Prefetcher:
 
     def observe(self, layer: int, routed: list[int]) -> None:
         """The layer's actual routing: scores the prediction made for it, if any."""
-        self._steps[layer] += 1
         predicted = self._pending.pop(layer, None)
         if predicted is None:
             return
@@ -107,15 +169,9 @@ class Prefetcher:
 
     def record_use(self, layer: int, used: bool) -> None:
         """A speculative read of `layer` was used (True) or evicted/failed unused (False)."""
-        s, window = self.stats[layer], self._window[layer]
+        s = self.stats[layer]
         s.useful += used
         s.wasted += not used
-        window[0] += used
-        window[1] += 1
-        if self.mode == "auto" and window[1] >= AUTO_MIN_ISSUED:
-            if window[0] / window[1] < AUTO_MIN_USEFUL:
-                self._off_until[layer] = self._steps[layer] + AUTO_PROBE_EVERY
-            window[0] = window[1] = 0  # the next judgment (or the probe) rests on fresh evidence
 
     def report(self) -> dict:
         total = PrefetchStats()
@@ -124,12 +180,14 @@ class Prefetcher:
                 setattr(total, name, getattr(total, name) + getattr(s, name))
         return {
             "mode": self.mode,
+            "speculating": self.speculating(),
+            "auto_probes": self.auto.decisions if self.auto else 0,
+            "auto_last_probe_ms": dict(self.auto.last_probe_ms) if self.auto else {},
             "precision": total.precision,
             "recall": total.recall,
             "issued": total.issued,
             "useful": total.useful,
             "wasted": total.wasted,
-            "layers_off": sum(1 for i in range(len(self.routers)) if not self.enabled(i)),
             "per_layer": [
                 {"precision": s.precision, "recall": s.recall, "issued": s.issued, "useful": s.useful, "wasted": s.wasted}
                 for s in self.stats

@@ -148,6 +148,8 @@ class ExpertEngine:
                 stats.misses += 1
                 waiting.append(e)
         if self.prefetcher is not None:
+            if layer == 0:
+                self.prefetcher.start_step(tokens)
             self.prefetcher.observe(layer, list(rows))
         # The order of lookups, allocations and unpinning below decides what the policy sees and what is
         # evicted; simulate.replay repeats it step for step, so that the offline simulator's hit counts
@@ -375,8 +377,8 @@ def load(
         "always", or "off".
     policy: the cache's eviction policy, one of policies.POLICIES: "lru" (default), "lfu" (decayed use
         counts), "arc" (adaptive); `moestream simulate` compares them on a recorded trace.
-    prefetch: speculative reads of the next layer's likely experts: "off" (default), "on", or "auto" (on
-        per layer while its speculative reads are mostly used; see prefetch.py).
+    prefetch: speculative reads of the next layer's likely experts: "off" (default), "on", or "auto"
+        (times decode steps with speculation on and off, keeps the faster and probes again; prefetch.py).
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     if device != "cpu":
