@@ -3,10 +3,11 @@
 import json
 
 import pytest
+import torch
 from tiny import tiny_checkpoint
 
 import moestream
-from moestream.bench import bench, measure_disk_bandwidth
+from moestream.bench import _run_moestream, bench, replay_reads
 from moestream.cli import main
 from moestream.store import Store
 
@@ -33,8 +34,17 @@ def test_report_is_consistent_with_its_own_measurements(store):
     assert report.efficiency == pytest.approx(floor * run.decode_tokens_per_second)
 
 
-def test_bandwidth_probe_reads_real_records(store):
-    assert measure_disk_bandwidth(Store(store), threads=2, budget_bytes=2**20) > 1e6
+def test_bandwidth_is_timed_on_the_runs_own_decode_reads(store):
+    opened = Store(store)
+    ids = torch.randint(0, 200, (1, 8), generator=torch.Generator().manual_seed(3))
+    run, reads = _run_moestream(store, opened.manifest.max_record_stride * 4, ids, 5, "moestream")
+    assert reads and sum(length for _, _, length in reads) == run.decode_bytes_read
+    files = {layer.file for layer in opened.manifest.layers}
+    for file_index, offset, length in reads:  # each is one of the store's records
+        layer = opened.manifest.layers[file_index]
+        assert layer.file in files and offset in layer.offsets and length == layer.layout.stride
+    assert replay_reads(opened, reads, threads=2) > 1e6
+    assert replay_reads(opened, []) == 0.0
 
 
 def test_cli_writes_json(store, tmp_path, capsys):

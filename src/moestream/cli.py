@@ -547,7 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="decode speed against the disk's limit, measured in one run (optionally against peers)",
         description="Measure decode tokens/s, time to first token, hit rate and expert bytes read per token, "
-        "the disk bandwidth of this store's own records (O_DIRECT, same reader as the engine), the I/O floor "
+        "the disk bandwidth on this run's own decode reads (replayed with O_DIRECT through the engine's reader, in "
+        "the engine's batches), the I/O floor "
         "(bytes missed per token / bandwidth + all-hits compute) and efficiency = floor / measured time.",
     )
     p.add_argument("store")

@@ -76,6 +76,9 @@ class RecordReader:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-io")
         # Speculative reads get their own queue: a demand read never waits behind one.
         self._speculative_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-prefetch")
+        # When a list, every submitted read is appended to it as (file_index, offset, length): `moestream
+        # bench` replays a run's own reads to time the disk on exactly the bytes that run needed.
+        self.log: list | None = None
 
     @property
     def direct(self) -> bool:
@@ -96,6 +99,8 @@ class RecordReader:
         speculative: queue it behind other speculative reads only, on their own low-priority thread.
         """
         pool = self._speculative_pool if speculative else self._pool
+        if self.log is not None:
+            self.log.append((file_index, offset, length))
         return pool.submit(self.read_into, file_index, offset, length, buffer, expected)
 
     def read_into(
