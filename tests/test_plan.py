@@ -13,6 +13,7 @@ import moestream
 from moestream.cli import main
 from moestream.errors import UsageError
 from moestream.plan import make_plan, plan_sizes, read_config
+from moestream.policies import DEFAULT_POLICY
 from moestream.simulate import replay
 from moestream.sizes import StoreSizes
 from moestream.store import Store
@@ -144,7 +145,7 @@ def test_measured_reads_cost_each_layer_call_its_batch():
     memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.record_bytes
     batches = {m: 1e-3 * (0.5 + 0.2 * m) for m in range(1, 9)}  # latency + per-record time
     plan = make_plan(sizes, memory, overhead=512 * MiB, trace=trace, read_batches=batches, compute_seconds=0.01)
-    r = replay(trace, 600, "lru", np.array(sizes.layer_strides))
+    r = replay(trace, 600, DEFAULT_POLICY, np.array(sizes.layer_strides))
     calls = {m: n / r.decode_tokens for m, n in enumerate(r.decode_miss_calls)}
     assert plan.miss_calls_per_token == calls and sum(calls.values()) == pytest.approx(48)
     assert plan.read_seconds == pytest.approx(sum(n * batches[m] for m, n in calls.items() if m))

@@ -37,14 +37,15 @@ def _add_memory(p: argparse.ArgumentParser, default: str = "4GiB") -> None:
 
 
 def _add_policy(p: argparse.ArgumentParser) -> None:
-    from .policies import POLICIES
+    from .policies import DEFAULT_POLICY, POLICIES
 
     p.add_argument(
         "--policy",
         choices=list(POLICIES),
-        default="lru",
-        help="expert cache eviction policy: lru (least recently used, default), lfu (decayed use counts: keeps "
-        "popular experts; best on real routing under small budgets), arc (adaptive recency/frequency). "
+        default=DEFAULT_POLICY,
+        help="expert cache eviction policy: lfu (decayed use counts: keeps popular experts; default, best on real "
+        "routing and when the budget holds less than one token's experts), lru (least recently used), arc "
+        "(adaptive recency/frequency). "
         "`moestream simulate` compares them on a recorded trace",
     )
 

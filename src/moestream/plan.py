@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .errors import UsageError
+from .policies import DEFAULT_POLICY
 from .quant import DEFAULT_GROUP_SIZE, QuantFormat, expert_record_specs
 from .skeleton import build_skeleton, expert_parameters, experts_modules, model_dtype
 from .store import RecordLayout
@@ -333,7 +334,7 @@ class Plan:
     bytes_missed_per_token: float = 0.0
     compute_seconds: float | None = None
     compute_source: str = ""
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     notes: list[str] = field(default_factory=list)
     miss_calls_per_token: dict[int, float] = field(default_factory=dict)  # m -> layer calls per token missing m experts
     read_batches: dict[int, float] | None = None  # m -> measured seconds to read m records at once
@@ -466,7 +467,7 @@ def make_plan(
     *,
     overhead: int,
     trace=None,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     disk_bandwidth: float | None = None,
     disk_source: str = "",
     read_batches: dict[int, float] | None = None,
@@ -527,7 +528,7 @@ def plan_from_args(
     group_size: int = DEFAULT_GROUP_SIZE,
     overhead: str = DEFAULT_OVERHEAD,
     trace_path: str | None = None,
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     disk_bandwidth: str | None = None,
     disk_dir: str = ".",
     compute: str = "bandwidth",

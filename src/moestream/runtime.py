@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
 from .cache import Entry, ExpertCache
-from .policies import make_policy
+from .policies import DEFAULT_POLICY, make_policy
 from .prefetch import Prefetcher, find_router
 from .errors import ExpertReadError, StoreError, UsageError
 from .kernels import expert_linear
@@ -71,7 +71,7 @@ class ExpertEngine:
         direct_io: bool = True,
         verify: str = "first",
         read_timeout: float = READ_TIMEOUT_SECONDS,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
     ):
         if verify not in VERIFY_MODES:
             raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
@@ -367,7 +367,7 @@ def load(
     io_threads: int = 4,
     direct_io: bool = True,
     verify: str = "first",
-    policy: str = "lru",
+    policy: str = DEFAULT_POLICY,
     prefetch: str = "off",
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
@@ -375,8 +375,8 @@ def load(
     memory: the expert cache budget ("4GiB", "512MB", or bytes); resident weights come on top of it.
     verify: when expert records are checked against their checksums: "first" read of each (default),
         "always", or "off".
-    policy: the cache's eviction policy, one of policies.POLICIES: "lru" (default), "lfu" (decayed use
-        counts), "arc" (adaptive); `moestream simulate` compares them on a recorded trace.
+    policy: the cache's eviction policy, one of policies.POLICIES: "lfu" (decayed use counts, default),
+        "lru", "arc" (adaptive); `moestream simulate` compares them on a recorded trace.
     prefetch: speculative reads of the next layer's likely experts: "off" (default), "on", or "auto"
         (times decode steps with speculation on and off, keeps the faster and probes again; prefetch.py).
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
