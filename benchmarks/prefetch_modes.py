@@ -2,11 +2,12 @@
 
 Prints decode tokens/s, hit rate, expert MB read per decoded token and, for on/auto, the prediction's
 precision and recall and how many speculative reads were used or wasted; for auto, the median decode
-step with speculation on and off in its latest probe and what it chose. Auto probes for 16 steps and
-then holds its choice for 256, so give it a few hundred new tokens to be judged fairly. Use a trained
+step with speculation on and off in its latest probe and the state it ended in. Auto warms up for 16
+steps, probes for 32 and then holds its choice for 256, so give it a few hundred new tokens to be judged
+fairly. Use a trained
 model for real routing (random routers predict nothing useful), e.g.
 
-    python benchmarks/prefetch_modes.py tiny-code.moe --memory 8MiB --text heldout.txt --rounds 3 --new-tokens 288
+    python benchmarks/prefetch_modes.py tiny-code.moe --memory 8MiB --text heldout.txt --rounds 3 --new-tokens 320
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> None:
     parser.add_argument("--memory", default="8MiB")
     parser.add_argument("--text", default=None, help="prompt from this text (default: random ids)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=288)
+    parser.add_argument("--new-tokens", type=int, default=320)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -5,7 +5,14 @@ import torch
 from tiny import TINY
 
 import moestream
-from moestream.prefetch import AUTO_HOLD_STEPS, AUTO_PROBE_BLOCK, AUTO_PROBE_BLOCKS, Prefetcher
+from moestream.prefetch import (
+    AUTO_HOLD_STEPS,
+    AUTO_MARGIN,
+    AUTO_PROBE_BLOCK,
+    AUTO_PROBE_BLOCKS,
+    AUTO_WARMUP_STEPS,
+    Prefetcher,
+)
 from moestream.store import Store
 from moestream.synthetic import make_model, save_checkpoint, skew_router
 
@@ -58,6 +65,7 @@ def test_auto_keeps_the_faster_mode_and_probes_again():
     clock = FakeClock()
     prefetcher = Prefetcher([router, router], top_k=1, mode="auto", clock=clock)
     probe = len(AUTO_PROBE_BLOCKS) * AUTO_PROBE_BLOCK
+    assert not any(run_decode_steps(prefetcher, clock, AUTO_WARMUP_STEPS, seconds_on=0.030, seconds_off=0.020))
     modes = run_decode_steps(prefetcher, clock, probe, seconds_on=0.030, seconds_off=0.020)
     assert modes.count(True) == modes.count(False) == probe // 2  # the probe tries both
     modes = run_decode_steps(prefetcher, clock, AUTO_HOLD_STEPS, seconds_on=0.030, seconds_off=0.020)
@@ -66,16 +74,20 @@ def test_auto_keeps_the_faster_mode_and_probes_again():
     assert prefetcher.report()["auto_last_probe_ms"] == pytest.approx({"on": 30.0, "off": 20.0})
     # The workload changes (say the cache got smaller): the next probe finds on faster and keeps it.
     modes = run_decode_steps(prefetcher, clock, probe + AUTO_HOLD_STEPS, seconds_on=0.010, seconds_off=0.050)
-    assert modes[: probe].count(True) == probe // 2 and all(modes[probe + 1 :])
+    assert modes[:probe].count(True) == probe // 2 and all(modes[probe + 1 :])
     assert prefetcher.predict(0, torch.randn(1, 8)) != []
-    assert prefetcher.report()["auto_probes"] == 2
+    # On wins by less than the margin: off, which reads fewer bytes, is kept.
+    slightly_faster = 0.050 * (1 - AUTO_MARGIN / 2)
+    modes = run_decode_steps(prefetcher, clock, probe + AUTO_HOLD_STEPS, seconds_on=slightly_faster, seconds_off=0.050)
+    assert not any(modes[probe + 1 :])
+    assert prefetcher.report()["auto_probes"] == 3
 
 
 def test_auto_never_times_a_prompt_or_the_idle_time_after_it():
     router = torch.nn.Linear(8, 4, bias=False)
     clock = FakeClock()
     prefetcher = Prefetcher([router, router], top_k=1, mode="auto", clock=clock)
-    for step in range(len(AUTO_PROBE_BLOCKS) * AUTO_PROBE_BLOCK + 1):
+    for step in range(AUTO_WARMUP_STEPS + len(AUTO_PROBE_BLOCKS) * AUTO_PROBE_BLOCK + 1):
         prefetcher.start_step(1)
         clock.now += 0.010 if prefetcher.speculating() else 0.020
         if step % 3 == 2:  # a request ends here; the next one's prompt and the wait before it take long

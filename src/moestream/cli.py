@@ -56,8 +56,8 @@ def _add_prefetch_and_io(p: argparse.ArgumentParser) -> None:
         choices=["off", "on", "auto"],
         default="off",
         help="speculative reads of the next layer's likely experts (its router applied to this layer's hidden "
-        "state): off (default), on, or auto (times decode steps with it on and off, keeps the faster, re-checks "
-        "every 256 steps)",
+        "state): off (default), on, or auto (times decode steps with it on and off, keeps it on only if that is "
+        "at least 3% faster, re-checks every 256 steps)",
     )
     p.add_argument(
         "--io",

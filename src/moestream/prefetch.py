@@ -9,9 +9,12 @@ still make decoding slower when the model is compute-bound. So the engine keeps 
 (prediction precision and recall; speculative reads used or wasted) and, with `--prefetch auto`,
 decides from the only signal that settles it, the time of a decode step:
 
-    probe:  decode steps in blocks, on / off / on / off, each step timed (`AUTO_PROBE_BLOCK`)
-    hold:   the mode whose median step was faster, for `AUTO_HOLD_STEPS` decode steps
-    repeat: probe again, since the cache, the prompt and the machine's load all drift
+    warm up: the first `AUTO_WARMUP_STEPS` decode steps run without speculation and untimed: right after
+             a prompt the cache is still settling, and a probe there misjudged steady decoding
+    probe:   decode steps in blocks, on / off / on / off, each step timed (`AUTO_PROBE_BLOCK`)
+    hold:    speculation on only if its median step was at least `AUTO_MARGIN` faster (it costs bytes
+             and evictions, so a tie goes to off), for `AUTO_HOLD_STEPS` decode steps
+    repeat:  probe again, since the cache, the prompt and the machine's load all drift
 
 This module decides *what* to prefetch, keeps the books and runs auto's clock; the engine (runtime.py)
 owns the cache and the reads, and follows the rules "demand first": speculation only runs once every
@@ -33,8 +36,10 @@ from .errors import UsageError
 
 PREFETCH_MODES = ("auto", "on", "off")
 MAX_SPECULATIVE_TOKENS = 4  # speculate on decode steps only (and tiny batches)
-AUTO_PROBE_BLOCK = 4  # decode steps per block of a probe; the first of each block is not timed (transition)
+AUTO_WARMUP_STEPS = 16  # decode steps before auto's first probe (speculation off)
+AUTO_PROBE_BLOCK = 8  # decode steps per block of a probe; the first of each block is not timed (transition)
 AUTO_PROBE_BLOCKS = ("on", "off", "on", "off")  # interleaved, so that a drifting step time favours neither
+AUTO_MARGIN = 0.03  # speculation must make the median decode step this much faster to be kept on
 AUTO_HOLD_STEPS = 256  # decode steps auto keeps its choice before probing again
 
 
@@ -75,15 +80,14 @@ class AutoSwitch:
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
-        self.speculating = True
+        self.speculating = False
         self.decisions = 0  # probes completed
         self.last_probe_ms: dict[str, float] = {}  # median decode step per mode in the latest probe
         self._schedule: list[str] = []  # modes of the coming decode steps while probing
         self._samples: dict[str, list[float]] = {"on": [], "off": []}
         self._timed_mode: str | None = None  # mode of the step now running, if it is to be timed
         self._started: float | None = None
-        self._hold = 0  # decode steps left before the next probe
-        self._start_probe()
+        self._hold = AUTO_WARMUP_STEPS  # decode steps left before the next probe
 
     def _start_probe(self) -> None:
         self._schedule = [mode for mode in AUTO_PROBE_BLOCKS for _ in range(AUTO_PROBE_BLOCK)]
@@ -113,7 +117,7 @@ class AutoSwitch:
         # The last probe step's time arrives with the step after it, which therefore runs in the hold.
         medians = {mode: statistics.median(s) for mode, s in self._samples.items() if s}
         if len(medians) == 2:
-            self.speculating = medians["on"] < medians["off"]
+            self.speculating = medians["on"] < (1 - AUTO_MARGIN) * medians["off"]
             self.last_probe_ms = {mode: 1e3 * m for mode, m in medians.items()}
             self.decisions += 1
         self._samples = {"on": [], "off": []}
