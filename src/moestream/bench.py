@@ -90,7 +90,8 @@ class BenchReport:
             f"all-hits compute per token: {self.all_hits_seconds_per_token * 1e3:.1f} ms "
             f"({'measured, every expert cached' if self.all_hits_measured else 'estimated: decode time minus read waits'})",
             f"I/O floor per token: {self.floor_seconds_per_token * 1e3:.1f} ms; measured {r.seconds_per_token * 1e3:.1f} ms; "
-            f"efficiency {self.efficiency:.2f}",
+            f"efficiency {self.efficiency:.2f}"
+            + (" (above 1: compute ran while reads were in flight, which the floor's sum does not credit)" if self.efficiency > 1 else ""),
             f"page cache held by the store after the run: {format_bytes(self.store_page_cache_bytes)}",
             "",
             f"{'engine':<34} {'decode tok/s':>12} {'TTFT s':>8} {'peak RSS':>10}  note",
