@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny import TINY
+from tiny import TINY, tiny_checkpoint
 
 import moestream
 from moestream.prefetch import (
@@ -102,3 +102,25 @@ def test_fixed_modes():
     router = torch.nn.Linear(8, 4, bias=False)
     assert Prefetcher([router, router], 1, mode="on").speculating()
     assert not Prefetcher([router, router], 1, mode="off").speculating()
+
+
+def test_hash_routed_layers_are_read_exactly_before_they_run(tmp_path):
+    _, ckpt = tiny_checkpoint("deepseek_v4", tmp_path / "hf", seed=5)  # its first MoE layer routes by token id
+    store = moestream.convert(ckpt, tmp_path / "store", experts_dtype="fp32", progress=False)
+    stride = Store(store).manifest.max_record_stride
+    prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(4))
+    outputs, layer0 = {}, {}
+    for mode in ("off", "on"):
+        model, _ = moestream.load(store, 4 * stride, prefetch=mode)  # 4 of 24 experts: most decode reads miss
+        with torch.no_grad():
+            model(prompt)  # the prompt alone: its misses, to tell decode's apart
+            prompt_misses = moestream.stats(model)["layers"][0]["misses"]
+            model, _ = moestream.load(store, 4 * stride, prefetch=mode)
+            outputs[mode] = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        s = moestream.stats(model)
+        layer0[mode] = (s["layers"][0]["misses"] - prompt_misses, s["prefetch"]["per_layer"][0])
+    assert torch.equal(outputs["off"], outputs["on"])
+    decode_misses, books = layer0["on"]
+    assert decode_misses == 0  # every decode step found the hash layer's experts read or in flight
+    assert books["precision"] == books["recall"] == 1.0 and books["issued"] > 0
+    assert layer0["off"][0] > 0  # without it the same steps miss

@@ -16,6 +16,11 @@ decides from the only signal that settles it, the time of a decode step:
              and evictions, so a tie goes to off), for `AUTO_HOLD_STEPS` decode steps
     repeat:  probe again, since the cache, the prompt and the machine's load all drift
 
+Hash-routed layers (DeepSeek-V4's first MoE layers pick experts by a frozen token-id table, `tid2eid`)
+need no guess: their experts follow from the input ids before any layer runs, so `exact` lists them at
+the start of a decode step and the engine reads them at once, with demand priority. Exact reads are
+made whenever prefetch is not off, whatever auto decides for the guesses.
+
 This module decides *what* to prefetch, keeps the books and runs auto's clock; the engine (runtime.py)
 owns the cache and the reads, and follows the rules "demand first": speculation only runs once every
 demand read of the step is issued, only on decode steps (a prompt's demand reads already fill the disk
@@ -66,6 +71,16 @@ def find_router(experts_module_parent) -> torch.nn.Module | None:
     """The router of an MoE block: the child whose class is a transformers *Router with a weight."""
     for child in experts_module_parent.children():
         if "Router" in type(child).__name__ and isinstance(getattr(child, "weight", None), torch.Tensor):
+            return child
+    return None
+
+
+def find_hash_router(experts_module_parent) -> torch.nn.Module | None:
+    """The MoE block's router if it routes by a token-id -> expert-ids table (DeepSeek-V4's `tid2eid`).
+
+    The module, not the table: loading weights with assign=True replaces the buffer after this is found."""
+    for child in experts_module_parent.children():
+        if "Router" in type(child).__name__ and isinstance(getattr(child, "tid2eid", None), torch.Tensor):
             return child
     return None
 
@@ -125,10 +140,11 @@ class AutoSwitch:
 
 
 class Prefetcher:
-    def __init__(self, routers: list, top_k: int, mode: str = "auto", clock=time.perf_counter):
+    def __init__(self, routers: list, top_k: int, mode: str = "auto", clock=time.perf_counter, hash_routers: list | None = None):
         if mode not in PREFETCH_MODES:
             raise UsageError(f"--prefetch must be one of {', '.join(PREFETCH_MODES)}, not {mode!r}")
-        self.routers = routers  # per MoE layer; None where no router was found (e.g. hash routing)
+        self.routers = routers  # per MoE layer; None where no router was found
+        self.hash_routers = hash_routers or [None] * len(routers)  # per MoE layer: the router if hash-routed
         self.top_k = top_k
         self.mode = mode
         self.auto = AutoSwitch(clock) if mode == "auto" else None
@@ -143,14 +159,26 @@ class Prefetcher:
         if self.auto is not None:
             self.auto.step(tokens)
 
+    def exact(self, input_ids: torch.Tensor) -> dict[int, list[int]]:
+        """For a decode step's input ids: each hash-routed layer's experts, known before the layers run."""
+        if self.mode == "off" or input_ids.numel() > MAX_SPECULATIVE_TOKENS:
+            return {}
+        known = {}
+        for layer, router in enumerate(self.hash_routers):
+            if router is not None:
+                experts = sorted(set(router.tid2eid[input_ids.reshape(-1)].reshape(-1).tolist()))
+                self._pending[layer] = set(experts)
+                known[layer] = experts
+        return known
+
     @torch.no_grad()
     def predict(self, layer: int, hidden: torch.Tensor) -> list[int]:
         """Experts layer `layer + 1` will likely need, from layer `layer`'s hidden states; [] if none."""
         target = layer + 1
-        if hidden.shape[0] > MAX_SPECULATIVE_TOKENS or not self.speculating():
+        if hidden.shape[0] > MAX_SPECULATIVE_TOKENS or not self.speculating() or target >= len(self.routers):
             return []
-        router = self.routers[target] if target < len(self.routers) else None
-        if router is None:
+        router = self.routers[target]
+        if router is None or self.hash_routers[target] is not None:  # a hash layer's experts are read exactly
             return []
         logits = F.linear(hidden.to(router.weight.dtype), router.weight).float()
         bias = getattr(router, "e_score_correction_bias", None)  # DeepSeek-style selection bias

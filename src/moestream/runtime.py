@@ -25,7 +25,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from .cache import Entry, ExpertCache
 from .policies import DEFAULT_POLICY, make_policy
-from .prefetch import Prefetcher, find_router
+from .prefetch import Prefetcher, find_hash_router, find_router
 from .errors import ExpertReadError, StoreError, UsageError
 from .kernels import expert_linear
 from .quant import expert_record_specs, int4_packing
@@ -222,8 +222,15 @@ class ExpertEngine:
             entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected)
             in_flight[entry.loading] = entry
 
-    def _speculate(self, layer: int, experts: list[int]) -> None:
-        """Start low-priority reads of `layer`'s likely experts into slots the policy gives up."""
+    def prefetch_exact(self, input_ids: torch.Tensor) -> None:
+        """A forward pass begins: read the experts of hash-routed layers, known from the ids alone."""
+        if self.prefetcher is not None:
+            for layer, experts in self.prefetcher.exact(input_ids).items():
+                self._speculate(layer, experts, exact=True)
+
+    def _speculate(self, layer: int, experts: list[int], exact: bool = False) -> None:
+        """Start reads of `layer`'s likely experts into slots the policy gives up; low-priority unless
+        `exact` (the experts are certain to be used: a hash-routed layer)."""
         spec = self.layers[layer] if layer < len(self.layers) else None
         for e in experts:
             if (layer, e) in self.cache:
@@ -235,7 +242,7 @@ class ExpertEngine:
             check = self.verify == "always" or (self.verify == "first" and (layer, e) not in self._verified)
             expected = (spec.layout.nbytes, spec.checksums[e]) if check else None
             memory = self.cache.slot_memory(entry.slot)
-            entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected, speculative=True)
+            entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected, speculative=not exact)
             self._speculative[entry.loading] = entry
             self.prefetcher.stats[layer].issued += 1
 
@@ -401,11 +408,16 @@ def load(
             del module._parameters[pname]  # served from the store, never materialized
         module._moestream_engine = engine
         module._moestream_layer = index
+    blocks = [model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None for name, _ in modules]
     engine.prefetcher = Prefetcher(
-        [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules],
+        [find_router(block) if block is not None else None for block in blocks],
         int(manifest.model_config.get("num_experts_per_tok") or 1),
         prefetch,
+        hash_routers=[find_hash_router(block) if block is not None else None for block in blocks],
     )
+    if any(router is not None for router in engine.prefetcher.hash_routers):
+        # The embedding sees the step's input ids first: hash-routed layers' experts can be read from here.
+        model.get_input_embeddings().register_forward_pre_hook(lambda module, args: engine.prefetch_exact(args[0]))
 
     state = {}
     for f in manifest.resident_files:
