@@ -54,10 +54,11 @@ def _add_prefetch_and_io(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefetch",
         choices=["off", "on", "auto"],
-        default="off",
+        default="auto",
         help="speculative reads of the next layer's likely experts (its router applied to this layer's hidden "
-        "state): off (default), on, or auto (times decode steps with it on and off, keeps it on only if that is "
-        "at least 3% faster, re-checks every 256 steps)",
+        "state), and exact reads of hash-routed layers' experts: auto (default; times decode steps with it on "
+        "and off, keeps it on only if that is at least 3% faster, re-checks every 256 steps), on, or off (no "
+        "reads ahead of need)",
     )
     p.add_argument(
         "--io",

@@ -375,7 +375,7 @@ def load(
     direct_io: bool = True,
     verify: str = "first",
     policy: str = DEFAULT_POLICY,
-    prefetch: str = "off",
+    prefetch: str = "auto",
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
@@ -384,8 +384,9 @@ def load(
         "always", or "off".
     policy: the cache's eviction policy, one of policies.POLICIES: "lfu" (decayed use counts, default),
         "lru", "arc" (adaptive); `moestream simulate` compares them on a recorded trace.
-    prefetch: speculative reads of the next layer's likely experts: "off" (default), "on", or "auto"
-        (times decode steps with speculation on and off, keeps the faster and probes again; prefetch.py).
+    prefetch: speculative reads of the next layer's likely experts: "auto" (default: times decode steps
+        with speculation on and off, keeps it only if faster, probes again; prefetch.py), "on" or "off".
+        Unless "off", hash-routed layers' experts are read exactly, before the layers run.
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     if device != "cpu":
