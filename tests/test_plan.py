@@ -12,7 +12,7 @@ from tiny import TINY, tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.errors import UsageError
-from moestream.plan import make_plan, plan_sizes, read_config
+from moestream.plan import make_plan, measure_compute, plan_sizes, read_config
 from moestream.policies import DEFAULT_POLICY
 from moestream.simulate import replay
 from moestream.sizes import StoreSizes
@@ -154,3 +154,26 @@ def test_measured_reads_cost_each_layer_call_its_batch():
     assert sum(prior.miss_calls_per_token.values()) == pytest.approx(48)
     expected_misses = sum(m * n for m, n in prior.miss_calls_per_token.items())
     assert expected_misses == pytest.approx(48 * 8 * (1 - 600 / sizes.experts))
+
+
+def test_each_miss_adds_its_measured_cpu_cost_to_the_forecast():
+    sizes = plan_sizes(read_config(CONFIGS / "Qwen3-30B-A3B.json"), 4)
+    trace = _trace(48, 128, 8)
+    memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.record_bytes
+    batches = {m: 1e-3 * (0.5 + 0.2 * m) for m in range(1, 9)}
+    plan = make_plan(sizes, memory, overhead=512 * MiB, trace=trace, read_batches=batches, compute_seconds=0.05)
+    # Misses per token, counted two ways: from the per-call histogram and from the bytes the replay read.
+    assert plan.misses_per_token == pytest.approx(plan.bytes_missed_per_token / sizes.record_bytes)
+    without = plan.tokens_per_second()
+    plan.miss_seconds = 0.4e-3
+    serial, overlapped = plan.tokens_per_second()
+    compute = 0.05 + plan.misses_per_token * 0.4e-3
+    assert serial == pytest.approx(1 / (plan.read_seconds + compute)) and serial < without[0]
+    assert overlapped == pytest.approx(1 / max(plan.read_seconds, compute))
+
+
+def test_measured_compute_includes_a_miss_cost(tmp_path):
+    config = make_model("qwen3_moe", seed=1, **dict(TINY["qwen3_moe"], num_hidden_layers=2)).config
+    measured = measure_compute(config, 16, tokens=6, workdir=tmp_path)
+    assert measured["seconds_per_token"] > 0 and set(measured["measured"]) == {1, 2}
+    assert 0 <= measured["seconds_per_miss"] < 0.1

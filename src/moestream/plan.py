@@ -281,7 +281,13 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
     Builds the config cut after its first MoE layer and after its fourth (or last), with random weights,
     converts each at the planned expert format and decodes `tokens` tokens greedily after a pass that
     fills the cache (best of three: the machine may be shared). The difference is what MoE layers cost;
-    per-token time = base + moe_layers x per-layer cost."""
+    per-token time = base + moe_layers x per-layer cost.
+
+    Also measured, on the deeper cut: what a miss costs the model thread beyond waiting for its read
+    (submitting it, the I/O threads' CPU and GIL time on a two-core box, allocating and evicting a slot,
+    viewing the bytes), by decoding again with a cache of one layer's experts: (time per token - time
+    waiting for reads - all-hits time) / misses per token. With 192 KiB experts this is as large as the
+    reads themselves (docs/BENCHMARKS.md, "Forecast against measurement")."""
     from transformers import AutoModelForCausalLM
 
     from .bench import timed_generate
@@ -308,6 +314,8 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
             timed_generate(loaded, ids, tokens)  # fills the cache with every expert these tokens need
             seconds[m] = min(1.0 / timed_generate(loaded, ids, tokens)[1] for _ in range(3))
             engine_of(loaded).close()
+            if m == depths[-1]:
+                miss_cost = _miss_cost(store, sizes, ids, tokens, seconds[m])
     first, last = depths[0], depths[-1]
     layer = max(0.0, (seconds[last] - seconds[first]) / (last - first)) if last > first else 0.0
     return {
@@ -315,7 +323,22 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
         "measured": {m: seconds[m] for m in depths},
         "per_moe_layer": layer,
         "format": name,
+        "seconds_per_miss": miss_cost,
     }
+
+
+def _miss_cost(store, sizes: PlanSizes, ids, tokens: int, all_hits_seconds: float) -> float:
+    """Model-thread seconds a miss costs besides the wait for its read (best of three decodes)."""
+    from .bench import _run_moestream
+
+    best = float("inf")
+    for _ in range(3):
+        run, _ = _run_moestream(store, sizes.minimum_cache, ids, tokens, "misses", prefetch="off")
+        steps = max(1, tokens - 1)
+        misses = run.decode_bytes_read / sizes.record_bytes / steps
+        if misses:
+            best = min(best, (run.seconds_per_token - run.decode_wait_seconds / steps - all_hits_seconds) / misses)
+    return max(0.0, best) if best != float("inf") else 0.0
 
 
 # -- the plan --------------------------------------------------------------------------------------------
@@ -338,6 +361,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     miss_calls_per_token: dict[int, float] = field(default_factory=dict)  # m -> layer calls per token missing m experts
     read_batches: dict[int, float] | None = None  # m -> measured seconds to read m records at once
+    miss_seconds: float = 0.0  # model-thread cost of one miss besides waiting for its read (measured)
 
     @property
     def fits(self) -> bool:
@@ -362,12 +386,18 @@ class Plan:
             return None
         return self.bytes_missed_per_token / self.disk_bandwidth
 
+    @property
+    def misses_per_token(self) -> float:
+        return sum(m * n for m, n in self.miss_calls_per_token.items())
+
     def tokens_per_second(self) -> tuple[float, float] | None:
-        """(serial, overlapped): the expected rate and the bound with reads fully hidden."""
+        """(serial, overlapped): the expected rate and the bound with reads fully hidden. Both carry each
+        miss's own CPU cost (`miss_seconds`): hiding a read's latency does not hide that."""
         if self.read_seconds is None or self.compute_seconds is None:
             return None
-        serial = self.read_seconds + self.compute_seconds
-        overlapped = max(self.read_seconds, self.compute_seconds)
+        compute = self.compute_seconds + self.misses_per_token * self.miss_seconds
+        serial = self.read_seconds + compute
+        overlapped = max(self.read_seconds, compute)
         return 1.0 / serial if serial else float("inf"), 1.0 / overlapped if overlapped else float("inf")
 
     def to_json(self) -> dict:
@@ -403,6 +433,8 @@ class Plan:
             "read_seconds_per_token": self.read_seconds,
             "compute_seconds_per_token": self.compute_seconds,
             "compute_source": self.compute_source,
+            "miss_seconds": self.miss_seconds,
+            "misses_per_token": self.misses_per_token,
             "tokens_per_second": {"expected": rates[0], "overlapped_bound": rates[1]} if rates else None,
             "notes": self.notes,
         }
@@ -450,6 +482,12 @@ class Plan:
             rows.append(("reads per token", f"{self.read_seconds * 1e3:.1f} ms ({calls:.1f} layer calls with misses per token)"))
         if self.compute_seconds is not None:
             rows.append(("compute, all hits", f"{self.compute_seconds * 1e3:.1f} ms per token ({self.compute_source})"))
+            if self.miss_seconds:
+                rows.append((
+                    "cost of a miss",
+                    f"{self.miss_seconds * 1e3:.2f} ms of CPU besides its read (measured here), x {self.misses_per_token:.1f} "
+                    f"misses per token = {self.misses_per_token * self.miss_seconds * 1e3:.1f} ms",
+                ))
         rates = self.tokens_per_second()
         if rates:
             rows.append(("expected decode", f"{rates[0]:.2f} tokens/s (reads then compute), up to {rates[1]:.2f} if reads were fully hidden"))
@@ -562,10 +600,10 @@ def plan_from_args(
         disk, disk_source = parse_bandwidth(disk_bandwidth), "given"
     else:
         notes.append("no tokens/s forecast without a disk speed: pass --disk-bandwidth 3GB/s (or auto to measure the disk here)")
-    seconds, source = None, ""
+    seconds, source, miss_seconds = None, "", 0.0
     if compute == "measure":
         measured = measure_compute(config, bits, group_size)
-        seconds = measured["seconds_per_token"]
+        seconds, miss_seconds = measured["seconds_per_token"], measured["seconds_per_miss"]
         source = "measured here: " + ", ".join(f"{t * 1e3:.1f} ms with {m} MoE layer{'s' if m > 1 else ''}" for m, t in measured["measured"].items())
         source += f", extrapolated to {sizes.moe_layers}"
     elif compute == "bandwidth":
@@ -583,5 +621,6 @@ def plan_from_args(
     trace = Trace.load(trace_path) if trace_path else None
     plan = make_plan(sizes, memory_bytes, overhead=overhead_bytes, trace=trace, policy=policy, disk_bandwidth=disk,
                      disk_source=disk_source, read_batches=batches, compute_seconds=seconds, compute_source=source)
+    plan.miss_seconds = miss_seconds
     plan.notes += notes
     return plan, title
