@@ -53,3 +53,12 @@ def test_cli_writes_json(store, tmp_path, capsys):
     assert "efficiency" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["moestream"]["new_tokens"] == 3 and data["efficiency"] > 0
+
+
+def test_a_peer_that_cannot_run_is_reported_not_fatal(store, tmp_path):
+    missing = tmp_path / "absent.gguf"  # no such file (and llama-cpp-python may not be installed either)
+    report = bench(store, Store(store).manifest.max_record_stride * 4, prompt_tokens=4, new_tokens=3, compare_gguf=str(missing))
+    (peer,) = report.peers
+    assert peer.name == "llama.cpp (GGUF, mmap)" and peer.decode_tokens_per_second == 0
+    assert peer.note.startswith("did not run:")
+    assert "llama.cpp (GGUF, mmap)" in report.table() and report.moestream.decode_tokens_per_second > 0

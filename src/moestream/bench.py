@@ -16,7 +16,9 @@ sides in the same run and on the same files, and reports their ratio:
 much anonymous memory for the duration (there is no swap, so the pages stay resident). `--compare`
 runs the peers a user would otherwise use on the same checkpoint, prompt and memory, each in its own
 process: transformers fully loaded (the all-hits ceiling, when it fits) and transformers + accelerate
-disk offload (`device_map="auto"`, `max_memory`, `offload_folder`).
+disk offload (`device_map="auto"`, `max_memory`, `offload_folder`); `--compare-gguf` adds llama.cpp
+(llama-cpp-python, installed separately) on a GGUF conversion of the same checkpoint, mmap'd: the OS page
+cache is its expert cache, so only `--squeeze` gives it the same memory.
 """
 
 from __future__ import annotations
@@ -246,12 +248,33 @@ def _run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trac
     return run, reads
 
 
+def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int) -> tuple[float, float]:
+    """llama.cpp (llama-cpp-python) on a GGUF file, mmap'd, greedy from the same prompt ids: (TTFT, tok/s)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf_path, n_ctx=len(ids[0]) + new_tokens + 8, n_threads=torch.get_num_threads(),
+                use_mmap=True, verbose=False)
+    start = time.perf_counter()
+    llm.eval(ids[0])
+    token = llm.sample(temp=0.0)
+    first = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        llm.eval([token])
+        token = llm.sample(temp=0.0)
+    end = time.perf_counter()
+    return first - start, (new_tokens - 1) / (end - first)
+
+
 def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, queue) -> None:
     """A peer in its own process (its own peak RSS, no memory shared with the others)."""
     try:
+        reset_peak_rss()
+        if kind == "llama.cpp":
+            ttft, rate = _llama_cpp_decode(checkpoint, ids, new_tokens)
+            queue.put({"ttft": ttft, "rate": rate, "rss": peak_rss_bytes()})
+            return
         from transformers import AutoModelForCausalLM
 
-        reset_peak_rss()
         if kind == "transformers":
             model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
         else:
@@ -272,7 +295,8 @@ def _run_peer(kind: str, checkpoint: str, memory: int, ids: torch.Tensor, new_to
     process.start()
     result = queue.get()
     process.join()
-    name = "transformers (fully loaded)" if kind == "transformers" else "transformers + accelerate offload"
+    name = {"transformers": "transformers (fully loaded)", "accelerate": "transformers + accelerate offload",
+            "llama.cpp": "llama.cpp (GGUF, mmap)"}[kind]
     if "error" in result:
         return RunResult(name, int(ids.shape[1]), new_tokens, 0.0, 0.0, 0, note=f"did not run: {result['error'][:120]}")
     return RunResult(name, int(ids.shape[1]), new_tokens, result["ttft"], result["rate"], result["rss"])
@@ -294,6 +318,7 @@ def bench(
     new_tokens: int = 32,
     squeeze: str | int = 0,
     compare: str | None = None,
+    compare_gguf: str | None = None,
     text: str | None = None,
     trace_out: str | None = None,
     **load_kwargs,
@@ -330,6 +355,8 @@ def bench(
                 peers.append(RunResult("transformers (fully loaded)", prompt_tokens, new_tokens, 0, 0, 0,
                                        note=f"skipped: {format_bytes(ckpt_bytes)} does not fit in available memory"))
             peers.append(_run_peer("accelerate", compare, budget, ids, new_tokens))
+        if compare_gguf:
+            peers.append(_run_peer("llama.cpp", compare_gguf, budget, ids, new_tokens))
     return BenchReport(
         store=str(store_dir),
         memory_bytes=budget,

@@ -251,6 +251,7 @@ def cmd_bench(args) -> int:
         new_tokens=args.new_tokens,
         squeeze=args.squeeze,
         compare=args.compare,
+        compare_gguf=args.compare_gguf,
         text=read_text(args.text) if args.text else None,
         trace_out=args.trace_out,
         **_engine_options(args),
@@ -571,6 +572,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHECKPOINT",
         help="also run the peers on this Hugging Face checkpoint (the store's source): transformers fully "
         "loaded (if it fits) and transformers + accelerate disk offload at the same --memory",
+    )
+    p.add_argument(
+        "--compare-gguf",
+        default=None,
+        metavar="FILE.gguf",
+        help="also run llama.cpp (pip install llama-cpp-python) on this GGUF conversion of the same checkpoint, "
+        "mmap'd; it caches in the page cache, so give it the same memory with --squeeze",
     )
     p.add_argument("--io-threads", type=int, default=4, help="parallel expert reads (default 4)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
