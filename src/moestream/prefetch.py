@@ -75,16 +75,6 @@ def find_router(experts_module_parent) -> torch.nn.Module | None:
     return None
 
 
-def find_hash_router(experts_module_parent) -> torch.nn.Module | None:
-    """The MoE block's router if it routes by a token-id -> expert-ids table (DeepSeek-V4's `tid2eid`).
-
-    The module, not the table: loading weights with assign=True replaces the buffer after this is found."""
-    for child in experts_module_parent.children():
-        if "Router" in type(child).__name__ and isinstance(getattr(child, "tid2eid", None), torch.Tensor):
-            return child
-    return None
-
-
 class AutoSwitch:
     """`--prefetch auto`: time decode steps with speculation on and off, keep the faster, probe again.
 
@@ -101,7 +91,7 @@ class AutoSwitch:
         self._schedule: list[str] = []  # modes of the coming decode steps while probing
         self._samples: dict[str, list[float]] = {"on": [], "off": []}
         self._timed_mode: str | None = None  # mode of the step now running, if it is to be timed
-        self._started: float | None = None
+        self._started = 0.0  # when the step now running began
         self._hold = AUTO_WARMUP_STEPS  # decode steps left before the next probe
 
     def _start_probe(self) -> None:
@@ -111,7 +101,7 @@ class AutoSwitch:
     def step(self, tokens: int) -> None:
         now = self.clock()
         decode = tokens <= MAX_SPECULATIVE_TOKENS
-        if self._timed_mode is not None and self._started is not None and decode:
+        if self._timed_mode is not None and decode:
             self._samples[self._timed_mode].append(now - self._started)
         self._timed_mode, self._started = None, now
         if not decode:
@@ -140,11 +130,13 @@ class AutoSwitch:
 
 
 class Prefetcher:
-    def __init__(self, routers: list, top_k: int, mode: str = "auto", clock=time.perf_counter, hash_routers: list | None = None):
+    def __init__(self, routers: list, top_k: int, mode: str = "auto", clock=time.perf_counter):
         if mode not in PREFETCH_MODES:
             raise UsageError(f"--prefetch must be one of {', '.join(PREFETCH_MODES)}, not {mode!r}")
         self.routers = routers  # per MoE layer; None where no router was found
-        self.hash_routers = hash_routers or [None] * len(routers)  # per MoE layer: the router if hash-routed
+        # Per MoE layer, the router if it routes by a token-id -> expert-ids table (DeepSeek-V4's `tid2eid`).
+        # The module, not the table: loading weights with assign=True replaces the buffer after this runs.
+        self.hash_routers = [r if isinstance(getattr(r, "tid2eid", None), torch.Tensor) else None for r in routers]
         self.top_k = top_k
         self.mode = mode
         self.auto = AutoSwitch(clock) if mode == "auto" else None

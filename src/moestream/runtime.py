@@ -25,7 +25,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from .cache import Entry, ExpertCache
 from .policies import DEFAULT_POLICY, make_policy
-from .prefetch import Prefetcher, find_hash_router, find_router
+from .prefetch import Prefetcher, find_router
 from .errors import ExpertReadError, StoreError, UsageError
 from .kernels import expert_linear
 from .quant import expert_record_specs, int4_packing
@@ -409,12 +409,10 @@ def load(
             del module._parameters[pname]  # served from the store, never materialized
         module._moestream_engine = engine
         module._moestream_layer = index
-    blocks = [model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None for name, _ in modules]
     engine.prefetcher = Prefetcher(
-        [find_router(block) if block is not None else None for block in blocks],
+        [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules],
         int(manifest.model_config.get("num_experts_per_tok") or 1),
         prefetch,
-        hash_routers=[find_hash_router(block) if block is not None else None for block in blocks],
     )
     if any(router is not None for router in engine.prefetcher.hash_routers):
         # The embedding sees the step's input ids first: hash-routed layers' experts can be read from here.
