@@ -19,7 +19,7 @@ import torch
 
 import moestream
 from moestream.bench import timed_generate
-from moestream.runtime import engine_of
+from moestream.loading import engine_of
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import moestream
 from moestream.cli import main
 from moestream.errors import ExpertReadError, RecordChecksumError, StoreError
 from moestream.reader import RecordFile
-from moestream.runtime import ExpertEngine
+from moestream.engine import ExpertEngine
 from moestream.skeleton import experts_modules
 from moestream.store import Store
 from moestream.synthetic import make_model, save_checkpoint

@@ -4,11 +4,12 @@ Public API:
     moestream.convert(src, dst, experts_dtype=None)   # Hugging Face checkpoint -> store
     moestream.load(store, memory="4GiB")               # -> (transformers model, tokenizer)
     moestream.stats(model)                             # cache hits, misses, bytes read, per layer
+    moestream.close(model)                             # stop its reader threads, release its cache
 """
 
 __version__ = "0.1.0"
 
 from .convert import convert  # noqa: E402
-from .runtime import load, stats  # noqa: E402
+from .loading import close, load, stats  # noqa: E402
 
-__all__ = ["convert", "load", "stats", "__version__"]
+__all__ = ["close", "convert", "load", "stats", "__version__"]

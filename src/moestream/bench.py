@@ -212,7 +212,7 @@ def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, text: str | None) -> 
 
 def _run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, **load_kwargs):
     """One timed generation; returns (RunResult, the (file, offset, length) of every decode read)."""
-    from .runtime import engine_of, load
+    from .loading import engine_of, load
     from .trace import start_recording, stop_recording
 
     reset_peak_rss()
@@ -323,14 +323,14 @@ def bench(
     trace_out: str | None = None,
     **load_kwargs,
 ) -> BenchReport:
-    from .runtime import _load_tokenizer
+    from .loading import load_tokenizer
 
     budget, squeeze_bytes = parse_bytes(memory), parse_bytes(squeeze)
     store = Store(store_dir)
     if new_tokens < 2:
         raise UsageError("--new-tokens must be at least 2: decode speed is measured after the first token")
     with Squeeze(squeeze_bytes):
-        tokenizer = _load_tokenizer(store.directory) if text else None
+        tokenizer = load_tokenizer(store.directory) if text else None
         ids = _prompt_ids(tokenizer, int(store.manifest.model_config["vocab_size"]), prompt_tokens, text)
         run, reads = _run_moestream(store_dir, budget, ids, new_tokens, "moestream", trace_out, **load_kwargs)
         bandwidth = replay_reads(store, reads, load_kwargs.get("io_threads", 4))
@@ -375,7 +375,7 @@ def bench(
 
 def _run_all_hits(store_dir, budget: int, ids, new_tokens: int) -> RunResult:
     """All-hits decode: one load, a pass that fills the cache, then the timed pass on the same prompt."""
-    from .runtime import engine_of, load
+    from .loading import engine_of, load
 
     model, _ = load(store_dir, budget)
     timed_generate(model, ids, new_tokens)  # fills the cache with every expert this prompt and decode need

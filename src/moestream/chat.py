@@ -20,7 +20,7 @@ import torch
 
 from .generate import GenerationResult, chat_prompt, context_length, encode, has_chat_template, stream
 from .memory import current_rss_bytes, peak_rss_bytes
-from .runtime import engine_of
+from .loading import engine_of
 from .units import format_bytes
 
 COMMANDS = {"/stats": "hit rate, MB read, tokens/s, memory", "/reset": "start a new conversation", "/exit": "leave, as Ctrl-D does"}

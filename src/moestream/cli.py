@@ -97,7 +97,7 @@ def cmd_convert(args) -> int:
 
 def cmd_generate(args) -> int:
     from .generate import generate
-    from .runtime import load
+    from .loading import load
     from .trace import start_recording, stop_recording
 
     model, tokenizer = load(args.store, args.memory, **_engine_options(args))
@@ -272,7 +272,7 @@ def cmd_demo(args) -> int:
 
 def _load_for_text(args):
     """Load a store for chat/serve; both need its tokenizer."""
-    from .runtime import load
+    from .loading import load
 
     model, tokenizer = load(args.store, args.memory, **_engine_options(args))
     if tokenizer is None:

@@ -17,7 +17,7 @@ import torch
 
 from .convert import convert
 from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from .runtime import load, stats
+from .loading import close, load, stats
 from .store import Store
 from .synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
 from .units import format_bytes
@@ -75,7 +75,7 @@ def _run(store: Path, budget: int, tokens: int) -> dict:
         )
     seconds = time.perf_counter() - start
     s = stats(model)
-    model._moestream_engine.close()
+    close(model)
     del model
     gc.collect()
     return {

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .runtime import engine_of
+from .loading import engine_of
 
 # Used when a checkpoint ships no chat template (base models, the byte-level test tokenizer): plain
 # "Role: text" paragraphs ending in "Assistant:", the format base models have seen most in their data.

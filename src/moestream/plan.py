@@ -292,7 +292,7 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
 
     from .bench import timed_generate
     from .convert import convert
-    from .runtime import engine_of, load
+    from .loading import engine_of, load
     from .synthetic import save_checkpoint
 
     _, _, name = expert_format(bits, group_size)

@@ -289,7 +289,7 @@ def compare(
     reference_dtype: load a checkpoint reference in this dtype ("float32", "bfloat16", "float16")
         instead of its own; stores always compute in their own dtype.
     """
-    from .runtime import engine_of, load
+    from .loading import engine_of, load
 
     if max_tokens < 2:
         raise UsageError(f"--max-tokens must be at least 2 (one to condition on, one to predict), not {max_tokens}")

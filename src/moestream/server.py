@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generate import GenerationResult, chat_prompt, context_length, encode, stream
 from .memory import current_rss_bytes, peak_rss_bytes
-from .runtime import engine_of
+from .loading import engine_of
 
 # A request body larger than this is refused (413) before it is parsed: prompts are text, and a body
 # of gigabytes would otherwise be read into memory.

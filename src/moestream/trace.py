@@ -192,7 +192,7 @@ class TraceRecorder:
 
 def start_recording(model) -> TraceRecorder:
     """From now on every experts call of `model` is recorded; `stop_recording`, then `recorder.trace()`."""
-    from .runtime import engine_of
+    from .loading import engine_of
 
     engine = engine_of(model)
     if engine.trace is not None:
@@ -202,7 +202,7 @@ def start_recording(model) -> TraceRecorder:
 
 
 def stop_recording(model) -> None:
-    from .runtime import engine_of
+    from .loading import engine_of
 
     engine_of(model).trace = None
 
@@ -223,7 +223,7 @@ def record_text(store, text: str, *, max_tokens: int = 1024, prefill: int = 0, m
     The first `prefill` tokens go in as one call per layer (a prompt); every later token is fed alone with
     the KV cache, as decoding does (teacher forcing: the routing of generating exactly this text).
     """
-    from .runtime import load
+    from .loading import load
 
     if max_tokens < 1 or prefill < 0:
         raise UsageError("--max-tokens must be at least 1 and --prefill at least 0")
