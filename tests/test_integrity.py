@@ -19,6 +19,7 @@ import moestream
 from moestream.cli import main
 from moestream.errors import ExpertReadError, RecordChecksumError, StoreError
 from moestream.reader import RecordFile
+from moestream.cache import State
 from moestream.engine import ExpertEngine
 from moestream.skeleton import experts_modules
 from moestream.store import Store
@@ -83,8 +84,8 @@ def _assert_cache_consistent(engine):
     """Every cached entry is fully loaded and unpinned; every slot is cached, free, or parked behind a
     read that is still running: none is lost and none is handed out twice."""
     cache = engine.cache
-    assert all(e.tensors and e.loading is None and e.pins == 0 for e in cache._entries.values())
-    slots = [e.slot for e in cache._entries.values()] + cache._free + [slot for _, slot in engine._stalled]
+    assert all(e.tensors and e.state is State.READY and e.read is None and e.pins == 0 for e in cache.entries())
+    slots = [e.slot for e in cache.entries()] + cache.free_slots() + [e.slot for e in cache.parked]
     assert sorted(slots) == list(range(cache.capacity))
 
 
@@ -255,14 +256,14 @@ def test_a_stalled_read_times_out_and_its_slot_is_not_reused_until_it_ends(prist
     with pytest.raises(ExpertReadError, match=r"no read of layer 1's experts \[20, 21\] finished within 0.5 s"):
         _run_expert(engine, model, 1, 20)
     assert time.perf_counter() - start < 5
-    assert len(engine._stalled) == 2  # their slots are parked, not free: the reads may still write into them
+    assert len(engine.cache.parked) == 2  # their slots are parked, not free: the reads may still write into them
     _assert_cache_consistent(engine)
     monkeypatch.setattr(RecordFile, "read_at", real)
     release.set()
-    for future, _ in engine._stalled:
-        future.result(timeout=30)  # the disk answers again: the abandoned reads end
+    for entry in engine.cache.parked:
+        entry.read.result(timeout=30)  # the disk answers again: the abandoned reads end
     engine.read_timeout = 60  # a loaded CI machine must not time out the healthy reads that follow
     assert torch.equal(_run_expert(engine, model, 1, 20), expected)
-    assert not engine._stalled  # reclaimed once the reads ended
+    assert not engine.cache.parked  # reclaimed once the reads ended
     _assert_cache_consistent(engine)
     engine.close()

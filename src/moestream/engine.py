@@ -12,6 +12,7 @@ One decode step, as a reader follows it:
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import asdict, dataclass
@@ -20,12 +21,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
-from .cache import Entry, ExpertCache
-from .policies import DEFAULT_POLICY, make_policy
-from .errors import ExpertReadError, StoreError, UsageError
+from . import scheduler
+from .cache import Entry, ExpertCache, State
+from .errors import ExpertReadError, UsageError
 from .kernels import expert_linear
 from .memory import peak_rss_bytes
+from .policies import DEFAULT_POLICY, make_policy
 from .reader import RecordReader
+from .sizes import routed_top_k
 from .store import DTYPES, Store
 from .units import format_bytes
 
@@ -55,7 +58,10 @@ class LayerStats:
 
 
 class ExpertEngine:
-    """The streaming side of a loaded model: store, reader, cache and statistics."""
+    """The streaming side of a loaded model: store, reader, cache, statistics; runs every experts call.
+
+    Every method runs on the thread that runs the model, except `stats`, which any thread may call: it
+    takes the same lock as each experts call, so it never sees a call half done."""
 
     def __init__(
         self,
@@ -72,12 +78,11 @@ class ExpertEngine:
         self.store = store
         self.verify = verify
         self.read_timeout = read_timeout
+        self.lock = threading.Lock()
         self._verified: set[tuple[int, int]] = set()  # records whose checksum matched since load
-        self._stalled: list[tuple] = []  # (future, slot) of reads abandoned while still running
         self.layers = store.manifest.layers
         slot = store.manifest.max_record_stride
-        config = store.manifest.model_config
-        top_k = int(config.get("num_experts_per_tok") or config.get("moe_topk") or 1)
+        top_k = routed_top_k(store.manifest.model_config)
         minimum = top_k * slot
         if budget_bytes < minimum:
             raise UsageError(
@@ -85,189 +90,112 @@ class ExpertEngine:
                 f"in one layer ({format_bytes(slot)} each); the minimum is {format_bytes(minimum)} "
                 f"({minimum} bytes). Pass --memory {format_bytes(minimum).replace(' ', '')} or more."
             )
-        self.cache = ExpertCache(budget_bytes, slot, make_policy(policy), on_evict=self._count_eviction)
+        self.cache = ExpertCache(budget_bytes, slot, make_policy(policy), on_evict=self._evicted)
         self.reader = RecordReader([store.path(layer.file) for layer in self.layers], io_threads, direct_io)
         self.layer_stats = [LayerStats() for _ in self.layers]
         self.trace = None  # a trace.TraceRecorder while routing is being recorded
         self.prefetcher = None  # a prefetch.Prefetcher, set by load()
-        self._speculative: dict = {}  # future -> Entry of speculative reads in flight
-        self._unused_prefetch: set = set()  # keys loaded speculatively and not used yet
-        self._prefill_bar = None
+        # Told when a forward pass starts (`start_step(tokens)`) and when an experts call ends
+        # (`end_layer(layer)`): the prefetcher's clock, the prefill progress bar.
+        self.step_hooks: list = [PrefillProgress(len(self.layers))]
+        self._ahead: list[Entry] = []  # reads ahead of need that may still be READING_AHEAD
 
-    def _count_eviction(self, key) -> None:
-        self.layer_stats[key[0]].evictions += 1
-        if key in self._unused_prefetch:
-            self._unused_prefetch.discard(key)
-            self.prefetcher.record_use(key[0], False)
+    def _evicted(self, entry: Entry) -> None:
+        self.layer_stats[entry.key[0]].evictions += 1
+        if entry.state is State.UNUSED:
+            self.prefetcher.record_use(entry.key[0], False)
 
-    # -- one experts call -------------------------------------------------------------------------------
+    # -- one forward pass -------------------------------------------------------------------------------
+
+    def start_step(self, input_ids: torch.Tensor) -> None:
+        """A forward pass begins (the input embedding's pre-hook): tell the hooks, and read the experts of
+        hash-routed layers, which the ids alone determine, before any layer runs."""
+        with self.lock:
+            for hook in self.step_hooks:
+                hook.start_step(input_ids.numel())
+            if self.prefetcher is not None:
+                for layer, experts in self.prefetcher.exact(input_ids).items():
+                    self._read_ahead(layer, experts, exact=True)
 
     def run(self, module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        if self.trace is not None:
-            self.trace.record(layer, top_k_index, top_k_weights)
-        tokens, k = top_k_index.shape
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        rows, start = {}, 0
-        for e, c in zip(ids.tolist(), counts.tolist()):
-            rows[e] = order[start : start + c]  # positions t*k + j routed to expert e
-            start += c
-        out = hidden.new_zeros(tokens * k, hidden.shape[-1])
-        weights = top_k_weights.reshape(-1)
-        stats = self.layer_stats[layer]
-        self._reclaim_stalled_slots()
-        self._collect_speculative()
-        if layer == 0 and tokens >= PREFILL_PROGRESS_TOKENS:
-            self._prefill_bar = tqdm(total=len(self.layers), desc=f"prefill {tokens} tokens", unit="layer", disable=None, leave=False)
-
-        ready: list[Entry] = []
-        waiting: list[int] = []
-        in_flight: dict = {}
-        for e in rows:
-            entry = self.cache.lookup((layer, e))
-            if entry is not None:
-                stats.hits += 1
-                if entry.loading is not None:  # a speculative read still in flight: now a demand read, pinned
-                    del self._speculative[entry.loading]
-                    in_flight[entry.loading] = entry
+        """One experts call: `hidden` [T, H], the router's `top_k_index` and `top_k_weights` [T, k] -> [T, H]."""
+        with self.lock:
+            if self.trace is not None:
+                self.trace.record(layer, top_k_index, top_k_weights)
+            tokens, k = top_k_index.shape
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+            rows, start = {}, 0
+            for e, c in zip(ids.tolist(), counts.tolist()):
+                rows[e] = order[start : start + c]  # positions t*k + j routed to expert e
+                start += c
+            self.cache.reclaim()
+            self._collect_ahead()
+            call = scheduler.lookup(self.cache, layer, rows)
+            stats = self.layer_stats[layer]
+            stats.hits += call.hits
+            stats.misses += call.misses
+            if self.prefetcher is not None:
+                for _ in call.used_ahead:
                     self.prefetcher.record_use(layer, True)
-                    continue
-                if entry.key in self._unused_prefetch:
-                    self._unused_prefetch.discard(entry.key)
-                    self.prefetcher.record_use(layer, True)
-                entry.pins += 1
-                ready.append(entry)
-            else:
-                stats.misses += 1
-                waiting.append(e)
-        if self.prefetcher is not None:
-            if layer == 0:
-                self.prefetcher.start_step(tokens)
-            self.prefetcher.observe(layer, list(rows))
-        # The order of lookups, allocations and unpinning below decides what the policy sees and what is
-        # evicted; simulate.replay repeats it step for step, so that the offline simulator's hit counts
-        # equal these exactly. Change both together (tests/test_simulate.py checks they agree).
-        try:
-            self._issue_reads(layer, waiting, in_flight)
-            if not waiting and self.prefetcher is not None:  # demand first: speculate only once it is all issued
-                self._speculate(layer + 1, self.prefetcher.predict(layer, hidden))
-            while ready:  # hits compute while the misses are read
-                self._compute(module, ready[-1], hidden, rows, weights, k, out)
-                ready.pop().pins -= 1
-            self._issue_reads(layer, waiting, in_flight)  # the hits' slots are evictable now
-            while in_flight or waiting:
-                if not in_flight:
-                    raise UsageError(
-                        f"the expert cache ({self.cache.capacity} slots) has no free slot for layer {layer}; "
-                        "raise --memory"
-                    )
-                t0 = time.perf_counter()
-                if waiting:
-                    # Reads still wait for slots: the slots they get depend on which experts are computed
-                    # (unpinned) by then, so take completions in issue order to make evictions independent of
-                    # I/O timing (reads of equal size finish nearly in order anyway).
-                    done, _ = wait([next(iter(in_flight))], timeout=self.read_timeout)
-                else:
-                    done, _ = wait(in_flight, timeout=self.read_timeout, return_when=FIRST_COMPLETED)
-                stats.wait_seconds += time.perf_counter() - t0
-                if not done:
-                    stalled = sorted(entry.key[1] for entry in in_flight.values())
-                    raise ExpertReadError(
-                        f"no read of layer {layer}'s experts {stalled} finished within {self.read_timeout:g} s "
-                        f"from {self.store.path(self.layers[layer].file)}: the disk is stalled or failing"
-                    )
-                for future in done:
-                    entry = in_flight.pop(future)
-                    self._finish_read(layer, entry, future)
-                    self._compute(module, entry, hidden, rows, weights, k, out)
-                    entry.pins -= 1
-                # Slots freed by the experts just computed take the reads that did not fit before.
-                self._issue_reads(layer, waiting, in_flight)
-        finally:
-            # Only reached with work left after an error: never leave a half-read slot in the cache, and
-            # never hand out a slot that a still-running read may yet write into.
-            for future, entry in in_flight.items():
-                future.cancel()
-                if future.done():
-                    self.cache.discard(entry.key)
-                else:
-                    self._stalled.append((future, self.cache.discard(entry.key, reuse_slot=False)))
-            for entry in ready:
-                entry.pins -= 1
-            if self._prefill_bar is not None:
-                self._prefill_bar.update(1)
-                if layer == len(self.layers) - 1:
-                    self._prefill_bar.close()
-                    self._prefill_bar = None
-        return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+                self.prefetcher.observe(layer, list(rows))
+            out = hidden.new_zeros(tokens * k, hidden.shape[-1])
+            try:
+                call.run(_LayerCall(self, module, layer, hidden, rows, top_k_weights.reshape(-1), k, out))
+            finally:
+                for hook in self.step_hooks:
+                    hook.end_layer(layer)
+            return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
-    def _issue_reads(self, layer: int, waiting: list[int], in_flight: dict) -> None:
+    # -- reads ------------------------------------------------------------------------------------------
+
+    def submit(self, entry: Entry, priority: bool = True) -> None:
+        """The one path of every read: fill `entry`'s slot with its record, checked against its checksum
+        when --verify asks. priority=False puts it on the reader's speculative queue."""
+        layer, e = entry.key
         spec = self.layers[layer]
-        while waiting:
-            entry = self.cache.allocate((layer, waiting[0]))
-            if entry is None:
-                return  # every slot is pinned by this call: wait for a computation to release one
-            e = waiting.pop(0)
-            entry.pins = 1
-            check = self.verify == "always" or (self.verify == "first" and (layer, e) not in self._verified)
-            expected = (spec.layout.nbytes, spec.checksums[e]) if check else None
-            memory = self.cache.slot_memory(entry.slot)
-            entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected)
-            in_flight[entry.loading] = entry
+        check = self.verify == "always" or (self.verify == "first" and entry.key not in self._verified)
+        expected = (spec.layout.nbytes, spec.checksums[e]) if check else None
+        memory = self.cache.slot_memory(entry.slot)
+        entry.read = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected, speculative=not priority)
 
-    def prefetch_exact(self, input_ids: torch.Tensor) -> None:
-        """A forward pass begins: read the experts of hash-routed layers, known from the ids alone."""
-        if self.prefetcher is not None:
-            for layer, experts in self.prefetcher.exact(input_ids).items():
-                self._speculate(layer, experts, exact=True)
-
-    def _speculate(self, layer: int, experts: list[int], exact: bool = False) -> None:
-        """Start reads of `layer`'s likely experts into slots the policy gives up; low-priority unless
-        `exact` (the experts are certain to be used: a hash-routed layer)."""
-        spec = self.layers[layer] if layer < len(self.layers) else None
+    def _read_ahead(self, layer: int, experts: list[int], exact: bool = False) -> None:
+        """Start reads of `layer`'s likely experts into slots the policy gives up (never a pinned or loading
+        one); on the speculative queue unless `exact` (certain to be used: a hash-routed layer)."""
         for e in experts:
             if (layer, e) in self.cache:
                 continue
-            entry = self.cache.allocate((layer, e))  # never a pinned or loading slot
+            entry = self.cache.allocate((layer, e), State.READING_AHEAD)
             if entry is None:
                 return
-            entry.pins = 1  # until the read lands: nobody may evict a slot that is being written
-            check = self.verify == "always" or (self.verify == "first" and (layer, e) not in self._verified)
-            expected = (spec.layout.nbytes, spec.checksums[e]) if check else None
-            memory = self.cache.slot_memory(entry.slot)
-            entry.loading = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected, speculative=not exact)
-            self._speculative[entry.loading] = entry
+            self.submit(entry, priority=exact)
+            self._ahead.append(entry)
             self.prefetcher.stats[layer].issued += 1
 
-    def _collect_speculative(self) -> None:
-        """Book the speculative reads that have landed (cache bookkeeping happens on this thread only)."""
-        for future in [f for f in self._speculative if f.done()]:
-            entry = self._speculative.pop(future)
+    def _collect_ahead(self) -> None:
+        """Book the reads ahead of need that have landed (cache bookkeeping happens on this thread only)."""
+        pending = []
+        for entry in self._ahead:
+            if entry.state is not State.READING_AHEAD:
+                continue  # claimed by a call that needed it, which finishes the read itself
+            if not entry.read.done():
+                pending.append(entry)
+                continue
             try:
-                self._finish_read(entry.key[0], entry, future)
+                self.finish_read(entry)
             except ExpertReadError:
                 self.prefetcher.record_use(entry.key[0], False)  # discarded; a demand read will retry and report
-                continue
-            entry.pins -= 1
-            self._unused_prefetch.add(entry.key)
+        self._ahead = pending
 
-    def _reclaim_stalled_slots(self) -> None:
-        if self._stalled:
-            still = []
-            for future, slot in self._stalled:
-                if future.done():
-                    self.cache.release_slot(slot)
-                else:
-                    still.append((future, slot))
-            self._stalled = still
-
-    def _finish_read(self, layer: int, entry: Entry, future) -> None:
+    def finish_read(self, entry: Entry) -> None:
+        """A read is over: book it and make the slot's tensors, or discard the entry and raise."""
+        layer = entry.key[0]
         spec = self.layers[layer]
         try:
-            result = future.result()
+            result = entry.read.result()
         except BaseException as error:
-            self.cache.discard(entry.key)  # its bytes are partial or damaged: they must never be computed with
+            self.cache.discard(entry)  # its bytes are partial or damaged: they must never be computed with
             if isinstance(error, ExpertReadError):
                 where = f"layer {layer} ({spec.module}), expert {entry.key[1]}"
                 raise type(error)(f"{where}: {error}") from error
@@ -282,9 +210,37 @@ class ExpertEngine:
         entry.tensors = {
             t.name: raw[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in spec.layout.tensors
         }
-        entry.loading = None
+        entry.read = None
+        entry.state = State.UNUSED if entry.state is State.READING_AHEAD else State.READY
 
-    def _compute(self, module, entry: Entry, hidden, rows, weights, k: int, out: torch.Tensor) -> None:
+    def landed(self, layer: int, in_flight: list[Entry], oldest_only: bool) -> list[Entry]:
+        t0 = time.perf_counter()
+        if oldest_only:
+            done, _ = wait([in_flight[0].read], timeout=self.read_timeout)
+        else:
+            done, _ = wait([entry.read for entry in in_flight], timeout=self.read_timeout, return_when=FIRST_COMPLETED)
+        self.layer_stats[layer].wait_seconds += time.perf_counter() - t0
+        if not done:
+            stalled = sorted(entry.key[1] for entry in in_flight)
+            raise ExpertReadError(
+                f"no read of layer {layer}'s experts {stalled} finished within {self.read_timeout:g} s "
+                f"from {self.store.path(self.layers[layer].file)}: the disk is stalled or failing"
+            )
+        return [entry for entry in in_flight if entry.read in done]
+
+    def abandon(self, in_flight: list[Entry]) -> None:
+        """Never leave a half-read slot in the cache, and never hand out a slot that a still-running read
+        may yet write into."""
+        for entry in in_flight:
+            entry.read.cancel()
+            if entry.read.done():
+                self.cache.discard(entry)
+            else:
+                self.cache.park(entry)
+
+    # -- compute ----------------------------------------------------------------------------------------
+
+    def compute(self, module, entry: Entry, hidden, rows, weights, k: int, out: torch.Tensor) -> None:
         """One expert on the tokens routed to it, with the module's own gate/activation semantics."""
         idx = rows[entry.key[1]]
         w = entry.tensors
@@ -306,6 +262,10 @@ class ExpertEngine:
     # -- reporting --------------------------------------------------------------------------------------
 
     def stats(self) -> dict:
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         layers = [asdict(s) for s in self.layer_stats]
         hits = sum(s["hits"] for s in layers)
         misses = sum(s["misses"] for s in layers)
@@ -330,10 +290,61 @@ class ExpertEngine:
         }
 
     def reset_stats(self) -> None:
-        self.layer_stats = [LayerStats() for _ in self.layers]
+        with self.lock:
+            self.layer_stats = [LayerStats() for _ in self.layers]
 
     def close(self) -> None:
         self.reader.close()
+
+
+class _LayerCall:
+    """The engine side of one experts call, as the scheduler drives it (scheduler.CallIO)."""
+
+    __slots__ = ("engine", "module", "layer", "hidden", "rows", "weights", "k", "out")
+
+    def __init__(self, engine: ExpertEngine, module, layer: int, hidden, rows, weights, k: int, out):
+        self.engine, self.module, self.layer = engine, module, layer
+        self.hidden, self.rows, self.weights, self.k, self.out = hidden, rows, weights, k, out
+
+    def start_read(self, entry: Entry) -> None:
+        self.engine.submit(entry)
+
+    def demand_issued(self) -> None:
+        prefetcher = self.engine.prefetcher
+        if prefetcher is not None:
+            self.engine._read_ahead(self.layer + 1, prefetcher.predict(self.layer, self.hidden))
+
+    def landed(self, in_flight: list[Entry], oldest_only: bool) -> list[Entry]:
+        return self.engine.landed(self.layer, in_flight, oldest_only)
+
+    def finish_read(self, entry: Entry) -> None:
+        self.engine.finish_read(entry)
+
+    def compute(self, entry: Entry) -> None:
+        self.engine.compute(self.module, entry, self.hidden, self.rows, self.weights, self.k, self.out)
+
+    def abandon(self, in_flight: list[Entry]) -> None:
+        self.engine.abandon(in_flight)
+
+
+class PrefillProgress:
+    """A progress bar over the MoE layers for a long prompt (on a terminal only): its reads can take
+    seconds per layer when little of it is cached."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self.bar = None
+
+    def start_step(self, tokens: int) -> None:
+        if tokens >= PREFILL_PROGRESS_TOKENS:
+            self.bar = tqdm(total=self.layers, desc=f"prefill {tokens} tokens", unit="layer", disable=None, leave=False)
+
+    def end_layer(self, layer: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if layer == self.layers - 1:
+                self.bar.close()
+                self.bar = None
 
 
 def streaming_experts_forward(self, hidden_states, top_k_index, top_k_weights):

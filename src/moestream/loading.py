@@ -20,6 +20,7 @@ from .errors import StoreError, UsageError
 from .policies import DEFAULT_POLICY
 from .prefetch import Prefetcher, find_router
 from .quant import expert_record_specs, int4_packing
+from .sizes import routed_top_k
 from .skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
 from .store import DTYPES, Store, file_checksum
 from .units import parse_bytes
@@ -87,12 +88,13 @@ def load(
         module._moestream_layer = index
     engine.prefetcher = Prefetcher(
         [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules],
-        int(manifest.model_config.get("num_experts_per_tok") or 1),
+        routed_top_k(manifest.model_config),
         prefetch,
     )
-    if any(router is not None for router in engine.prefetcher.hash_routers):
-        # The embedding sees the step's input ids first: hash-routed layers' experts can be read from here.
-        model.get_input_embeddings().register_forward_pre_hook(lambda module, args: engine.prefetch_exact(args[0]))
+    engine.step_hooks.append(engine.prefetcher)
+    # The embedding sees each forward pass's input ids first: the engine's step start (the prefetcher's
+    # clock, hash-routed layers' exact reads) hangs off it, not off the experts calls.
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: engine.start_step(args[0]))
 
     state = {}
     for f in manifest.resident_files:

@@ -147,9 +147,12 @@ class Prefetcher:
         return self.mode == "on" or (self.auto is not None and self.auto.speculating)
 
     def start_step(self, tokens: int) -> None:
-        """A forward pass of `tokens` tokens begins (called at the first MoE layer)."""
+        """A forward pass of `tokens` tokens begins (an engine step hook)."""
         if self.auto is not None:
             self.auto.step(tokens)
+
+    def end_layer(self, layer: int) -> None:
+        """Nothing per layer: the clock times whole forward passes."""
 
     def exact(self, input_ids: torch.Tensor) -> dict[int, list[int]]:
         """For a decode step's input ids: each hash-routed layer's experts, known before the layers run."""

@@ -1,16 +1,12 @@
 """Replay a routing trace through the expert cache offline: hit rate and bytes read per token, per policy
 and budget, next to Belady's optimum.
 
-The replay drives the runtime's own ExpertCache (without slot memory) and its own policy objects, and
-makes, per experts call, the same cache operations in the same order as ExpertEngine.run:
-  1. look up every distinct expert of the call in ascending id order; pin the hits;
-  2. allocate slots for the misses in that order, while a slot can be had (pinned entries are never
-     evicted); the hits are then computed and unpinned, and allocation resumes;
-  3. if misses are still waiting (the call needs more experts than the cache has slots), the reads in
-     flight complete in issue order, each unpinning its expert and letting the next miss allocate.
-So for the same trace, budget and policy, the replay's hits equal the runtime's exactly
-(tests/test_simulate.py). That is for demand reads: a speculative prefetch reads experts from predictions
-that a trace does not hold, so runs with prefetch on are compared with prefetch off.
+The replay drives the runtime's own ExpertCache (without slot memory), its own policy objects and its
+own scheduler (scheduler.py), which alone decides the order of cache operations in an experts call; only
+the reads differ: here they land at once, in issue order. So for the same trace, budget and policy, the
+replay's hits equal the runtime's exactly (tests/test_simulate.py). That is for demand reads: a
+speculative prefetch reads experts from predictions that a trace does not hold, so runs with prefetch on
+are compared with prefetch off.
 
 Belady's MIN (evict the entry whose next use is farthest away) needs the future, so it exists only here.
 It runs under the same rules (demand reads, the call's experts pinned), which makes it the optimum for
@@ -21,12 +17,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import ExpertCache
+from . import scheduler
+from .cache import Entry, ExpertCache, State
 from .errors import UsageError
 from .policies import POLICIES, make_policy
 from .trace import Trace
@@ -147,6 +143,28 @@ def next_uses(calls: list[tuple[int, tuple[int, ...]]]) -> list[dict[int, float]
     return out
 
 
+class InstantReads:
+    """The scheduler's I/O side for a replay: every read lands at once, in issue order; no compute."""
+
+    def start_read(self, entry: Entry) -> None:
+        pass
+
+    def demand_issued(self) -> None:
+        pass
+
+    def landed(self, in_flight: list[Entry], oldest_only: bool) -> list[Entry]:
+        return [in_flight[0]]
+
+    def finish_read(self, entry: Entry) -> None:
+        entry.state = State.READY
+
+    def compute(self, entry: Entry) -> None:
+        pass
+
+    def abandon(self, in_flight: list[Entry]) -> None:
+        pass
+
+
 def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarray | None = None) -> SimResult:
     """Replay `trace` through a cache of `slots` records under `policy` (a POLICIES name or "belady").
 
@@ -164,52 +182,23 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
     else:
         pol = make_policy(policy)
     cache = ExpertCache(slots * slot_bytes, slot_bytes, pol, arena=False)
+    io = InstantReads()
     hits = decode_hits = 0
     misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
     decode_misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
     decode = (trace.call_rows == 1).tolist()
     miss_calls = [0] * (int(trace.layer_experts.max()) + 1)
-
-    def issue(layer: int, waiting: deque, in_flight: deque) -> None:
-        while waiting:
-            entry = cache.allocate((layer, waiting[0]))
-            if entry is None:
-                return
-            waiting.popleft()
-            entry.pins = 1
-            in_flight.append(entry)
-
     for c, (layer, experts) in enumerate(calls):
         if belady is not None:
             belady.now = c
-        ready, waiting = [], deque()
-        for e in experts:
-            entry = cache.lookup((layer, e))
-            if entry is not None:
-                entry.pins += 1
-                ready.append(entry)
-            else:
-                waiting.append(e)
-        hits += len(ready)
+        call = scheduler.lookup(cache, layer, experts)
+        call.run(io)
+        hits += call.hits
+        misses_per_layer[layer] += call.misses
         if decode[c]:
-            decode_hits += len(ready)
-            decode_misses_per_layer[layer] += len(waiting)
-            miss_calls[len(waiting)] += 1
-        if waiting:
-            misses_per_layer[layer] += len(waiting)
-            in_flight: deque = deque()
-            issue(layer, waiting, in_flight)
-            for entry in ready:  # the hits are computed while the first reads are in flight
-                entry.pins -= 1
-            issue(layer, waiting, in_flight)
-            while in_flight or waiting:
-                if not in_flight:
-                    raise UsageError(f"a cache of {slots} slots cannot run a call of layer {layer}; use a larger budget")
-                in_flight.popleft().pins -= 1  # the oldest read lands and its expert is computed
-                issue(layer, waiting, in_flight)
-        else:
-            for entry in ready:
-                entry.pins -= 1
+            decode_hits += call.hits
+            decode_misses_per_layer[layer] += call.misses
+            miss_calls[call.misses] += 1
     misses = int(misses_per_layer.sum())
     return SimResult(
         policy=policy,
