@@ -116,6 +116,26 @@ def test_models_health_and_help(server):
     assert "chat" in out and "serve" in out
 
 
+def test_the_serve_verb_builds_and_checks_its_options_without_fastapi(tmp_path):
+    """`moestream --help` builds every verb's parser, and the server extra is optional: the verb module
+    imports without FastAPI and uvicorn, and bad options or the missing extra are one-line errors."""
+    code = """
+import sys
+sys.modules["fastapi"] = sys.modules["uvicorn"] = None  # as if `moestream[server]` were not installed
+from moestream.cli import main
+assert "serve" in __import__("moestream.cli").cli.build_parser().format_help()
+for extra in (["--port", "70000"], ["--max-queue", "0"], ["--request-timeout", "nan"], ["--default-max-tokens", "-1"], []):
+    print(main(["serve", "no-such-store", *extra]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2"] * 5
+    errors = [line for line in done.stderr.splitlines() if line.startswith("moestream: error:")]
+    assert len(errors) == 5, done.stderr
+    assert "--port" in errors[0] and "--max-queue" in errors[1] and "--request-timeout" in errors[2]
+    assert "--default-max-tokens" in errors[3] and "pip install 'moestream[server]'" in errors[4]
+
+
 def test_chat_streamed_equals_non_streamed_with_usage(server):
     whole = _chat(server, max_tokens=20, seed=7, temperature=1.0)
     text, finish, usage = _streamed_chat(server, max_tokens=20, seed=7, temperature=1.0)
@@ -276,7 +296,7 @@ def slow_server(store, monkeypatch):
     import uvicorn
 
     import moestream
-    from moestream import server as srv
+    from moestream import http_app, worker
     from moestream.generate import GenerationResult
 
     def slow_stream(model, tokenizer, prompt_ids, max_new_tokens, *, on_text, cancel, deadline, **kwargs):
@@ -291,12 +311,12 @@ def slow_server(store, monkeypatch):
                 break
         return GenerationResult("A" * len(ids), len(prompt_ids), ids, time.perf_counter() - start, 0.05, 20.0, reason)
 
-    monkeypatch.setattr(srv, "stream", slow_stream)
+    monkeypatch.setattr(worker, "stream", slow_stream)
     model, tokenizer = moestream.load(store, BUDGET)
     running = []
 
     def start(**config):
-        app = srv.create_app(model, tokenizer, srv.ServerConfig(MODEL, **config))
+        app = http_app.create_app(model, tokenizer, http_app.ServerConfig(MODEL, **config))
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
