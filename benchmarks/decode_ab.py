@@ -1,0 +1,94 @@
+"""Decode tokens/s of two source trees of moestream side by side, in alternating rounds of one run.
+
+    git worktree add /tmp/moestream-old <old commit>
+    python benchmarks/decode_ab.py --tree old=/tmp/moestream-old --tree new=. \\
+        --store tiny-code-int4.moe --store tiny-code-bf16.moe --memory 8MiB --text heldout.txt
+
+Each measurement is a fresh process that imports moestream from its tree's src/, loads the store through
+the public API only (`moestream.load`, which every version has), decodes a warm-up pass, then times a greedy
+generation of --tokens tokens after the first --prompt-tokens tokens of the text. Decode tokens/s is
+(tokens - 1) / (time of the last token - time of the first), so the prompt is not in it. Rounds alternate
+the trees (A B, B A, A B, ...) so that a noisy neighbour slows both alike; the medians are compared.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import json, sys, time
+import torch
+import moestream
+from transformers.generation.streamers import BaseStreamer
+
+store, memory, text, prompt_tokens, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+torch.set_num_threads(int(sys.argv[6]))
+model, tokenizer = moestream.load(store, memory, prefetch=sys.argv[7])
+ids = tokenizer(open(text).read(), return_tensors="pt").input_ids[:, :prompt_tokens]
+
+class Times(BaseStreamer):
+    def __init__(self):
+        self.at = []
+    def put(self, value):
+        self.at.append(time.perf_counter())
+    def end(self):
+        pass
+
+def decode(n):
+    times = Times()
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=times, pad_token_id=0)
+    first, last = times.at[1], times.at[-1]  # put 0 is the prompt, put 1 the first new token
+    return (n - 1) / (last - first)
+
+decode(16)  # warm-up: the first pass pays for lazy initialisation
+rate = decode(tokens)
+print(json.dumps({"rate": rate, "hit_rate": moestream.stats(model)["hit_rate"]}))
+"""
+
+
+def measure(tree: str, store: str, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"))
+    cmd = [sys.executable, "-c", CHILD, store, args.memory, args.text, str(args.prompt_tokens), str(args.tokens), str(args.threads), args.prefetch]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{tree} on {store} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", action="append", required=True, metavar="NAME=PATH", help="a source tree (give two)")
+    parser.add_argument("--store", action="append", required=True, help="a store to decode (repeatable)")
+    parser.add_argument("--memory", default="8MiB")
+    parser.add_argument("--text", required=True, help="the prompt's text (its first --prompt-tokens tokens)")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefetch", default="auto", help="auto (the default users get), on or off (hit rates then equal)")
+    args = parser.parse_args()
+    trees = [t.split("=", 1) for t in args.tree]
+    for store in args.store:
+        rates: dict[str, list[float]] = {name: [] for name, _ in trees}
+        hit_rates = {}
+        for r in range(args.rounds):
+            order = trees if r % 2 == 0 else trees[::-1]
+            for name, path in order:
+                result = measure(path, store, args)
+                rates[name].append(result["rate"])
+                hit_rates[name] = result["hit_rate"]
+        medians = {name: statistics.median(v) for name, v in rates.items()}
+        print(f"{store} at {args.memory}, prefetch {args.prefetch}, {args.tokens} greedy tokens, {args.rounds} alternating rounds:")
+        for name, _ in trees:
+            values = " ".join(f"{v:.1f}" for v in rates[name])
+            print(f"  {name:>6}: median {medians[name]:6.2f} tok/s  (rounds: {values})  hit rate {hit_rates[name]:.1%}")
+        (a, _), (b, _) = trees[0], trees[1]
+        print(f"  {b} / {a}: {medians[b] / medians[a]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
