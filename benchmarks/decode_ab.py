@@ -52,7 +52,18 @@ print(json.dumps({"rate": rate, "hit_rate": moestream.stats(model)["hit_rate"]})
 
 def measure(tree: str, store: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"))
-    cmd = [sys.executable, "-c", CHILD, store, args.memory, args.text, str(args.prompt_tokens), str(args.tokens), str(args.threads), args.prefetch]
+    cmd = [
+        sys.executable,
+        "-c",
+        CHILD,
+        store,
+        args.memory,
+        args.text,
+        str(args.prompt_tokens),
+        str(args.tokens),
+        str(args.threads),
+        args.prefetch,
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{tree} on {store} failed:\n{out.stderr[-2000:]}")
@@ -82,7 +93,9 @@ def main() -> None:
                 rates[name].append(result["rate"])
                 hit_rates[name] = result["hit_rate"]
         medians = {name: statistics.median(v) for name, v in rates.items()}
-        print(f"{store} at {args.memory}, prefetch {args.prefetch}, {args.tokens} greedy tokens, {args.rounds} alternating rounds:")
+        print(
+            f"{store} at {args.memory}, prefetch {args.prefetch}, {args.tokens} greedy tokens, {args.rounds} alternating rounds:"
+        )
         for name, _ in trees:
             values = " ".join(f"{v:.1f}" for v in rates[name])
             print(f"  {name:>6}: median {medians[name]:6.2f} tok/s  (rounds: {values})  hit rate {hit_rates[name]:.1%}")

@@ -117,7 +117,9 @@ class ExpertEngine:
                 for layer, experts in self.prefetcher.exact(input_ids).items():
                     self._read_ahead(layer, experts, exact=True)
 
-    def run(self, module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """One experts call: `hidden` [T, H], the router's `top_k_index` and `top_k_weights` [T, k] -> [T, H]."""
         with self.lock:
             if self.trace is not None:

@@ -81,7 +81,7 @@ def load(
     for layer, (_, module) in zip(manifest.layers, modules):
         _check_record_layout(layer, module)
     engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy)
-    for index, (name, module) in enumerate(modules):
+    for index, (_, module) in enumerate(modules):
         for pname, _ in expert_parameters(module):
             del module._parameters[pname]  # served from the store, never materialized
         module._moestream_engine = engine
