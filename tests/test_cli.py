@@ -20,7 +20,9 @@ def store(tmp_path_factory):
 
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "moestream.cli", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("convert", "generate", "inspect", "verify", "eval", "demo"):
+    from moestream.cli import VERBS
+
+    for command in VERBS:
         assert command in out
 
 
@@ -56,3 +58,109 @@ def test_layer_dtype_counts_from_the_end_as_written(tmp_path):
     assert main(["convert", str(ckpt), str(tmp_path / "store"), "--experts-dtype", "fp32", "--layer-dtype", "-1=int8"]) == 0
     layers = Store(tmp_path / "store").manifest.layers
     assert [layer.quantization.name if layer.quantization else None for layer in layers] == [None, "int8"]
+
+
+def _subcommands():
+    """Every subcommand the parser has, found by walking it (not a list kept here)."""
+    import argparse
+
+    from moestream.cli import build_parser
+
+    parser = build_parser()
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return parser, action.choices
+
+
+def test_every_subcommand_formats_its_help():
+    parser, commands = _subcommands()
+    assert len(commands) >= 12
+    top = parser.format_help()
+    for name, sub in commands.items():
+        assert name in top
+        text = sub.format_help()  # raises on a bad help string, e.g. a bare % in it
+        assert text.startswith(f"usage: moestream {name}"), name
+
+
+def test_every_subcommand_help_runs_from_the_command_line():
+    _, commands = _subcommands()
+    # All at once: each one imports torch and transformers.
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "moestream.cli", name, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name in commands
+    }
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{name} --help: {err}"
+        assert out.startswith(f"usage: moestream {name}"), f"{name} --help printed: {out[:200]!r}"
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moestream: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_empty_prompt_is_a_one_line_error_from_the_command_line(store):
+    argv = [sys.executable, "-m", "moestream.cli", "generate", str(store), "--prompt", ""]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("moestream: error: --prompt is empty"), done.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens must be positive"),
+        (["--temperature", "-1"], "--temperature cannot be negative"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--io-threads", "0"], "--io-threads must be positive"),
+        (["--memory=-1GiB"], "-1GiB"),
+        (["--trace-out", "routing.txt"], ".npz"),
+    ],
+)
+def test_bad_generate_options_are_one_line_errors(store, capsys, extra, expected):
+    assert main(["generate", str(store), "--prompt", "x", *extra]) == 2
+    assert expected in _one_line_error(capsys)
+
+
+def test_unreadable_text_files_are_one_line_errors(store, tmp_path, capsys):
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00 not utf-8 \xc3")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    cases = {
+        str(tmp_path / "missing.txt"): "no such file",
+        str(tmp_path): "is a directory",
+        str(binary): "is not UTF-8",
+        str(empty): "is empty",
+    }
+    for text, expected in cases.items():
+        for argv in (
+            ["trace", str(store), "--text", text, "-o", str(tmp_path / "t.npz")],
+            ["eval", str(store), "--reference", str(store), "--text", text],
+            ["bench", str(store), "--text", text],
+        ):
+            assert main(argv) == 2, argv
+            line = _one_line_error(capsys)
+            assert f"--text {text}" in line and expected in line, line
+
+
+def test_bad_paths_and_sizes_are_one_line_errors(store, tmp_path, capsys):
+    for argv, expected in (
+        (["simulate", str(tmp_path / "none.npz")], "no such file"),
+        (["simulate", str(tmp_path)], "is a directory"),
+        (["plan", str(tmp_path / "none.json"), "--trace", str(tmp_path)], "is a directory"),
+        (["inspect", str(store), "--memory", "0"], "--memory must be positive"),
+        (["convert", str(tmp_path / "none"), str(tmp_path / "out")], "does not exist"),
+        (["bench", str(store), "--new-tokens", "1"], "--new-tokens must be at least 2"),
+        (["bench", str(store), "--json", str(tmp_path)], "is a directory"),
+        (["trace", str(store), "--text", str(tmp_path), "-o", str(tmp_path / "no" / "dir.npz")], "does not exist"),
+        (["demo", "--tokens", "0"], "--tokens must be positive"),
+    ):
+        assert main(argv) == 2, argv
+        assert expected in _one_line_error(capsys), argv

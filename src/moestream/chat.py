@@ -9,6 +9,7 @@ reminds how to leave. /stats, /reset and /exit are commands.
 
 from __future__ import annotations
 
+import argparse
 import re
 import signal
 import sys
@@ -21,6 +22,7 @@ import torch
 from .generate import GenerationResult, chat_prompt, context_length, encode, has_chat_template, stream
 from .memory import current_rss_bytes, peak_rss_bytes
 from .loading import engine_of
+from .options import add_sampling_arguments, add_store_arguments, check_sampling, load_model
 from .units import format_bytes
 
 COMMANDS = {"/stats": "hit rate, MB read, tokens/s, memory", "/reset": "start a new conversation", "/exit": "leave, as Ctrl-D does"}
@@ -189,3 +191,42 @@ def run_chat(session: ChatSession, read: Callable[[str], str] = input, out: Text
             result = session.ask(line, on_text=show, cancel=cancel, notice=say)
         if result is not None:
             say("" if result.finish_reason != "cancelled" else "\n(stopped)")
+
+
+# ---- CLI: `moestream chat` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "talk with a store in the terminal, through the checkpoint's chat template"
+DESCRIPTION = (
+    "A conversation in the terminal. Each message goes through the checkpoint's chat template "
+    "(a plain 'User: ... Assistant:' format when it has none) with the conversation so far; the answer "
+    "streams as it is generated. When the conversation outgrows the model's context, the oldest exchanges "
+    "are dropped. Commands: /stats (hit rate, MB read, tokens/s, RSS), /reset (new conversation), /exit "
+    "(or Ctrl-D). Ctrl-C stops the current answer, not the program."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--system", default=None, help="a system message that opens every conversation")
+    add_sampling_arguments(
+        parser, max_new_tokens=512, seed_help="seed the conversation's sampling: the same messages give the same answers"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    check_sampling(args)
+    model, tokenizer = load_model(args)
+    session = ChatSession(
+        model,
+        tokenizer,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    print(banner(session, Path(args.store).name), flush=True)
+    return run_chat(session)

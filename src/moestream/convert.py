@@ -12,6 +12,7 @@ place at the end: an interrupted conversion never leaves a directory that loads.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -413,3 +414,62 @@ def _first_source_key(sources: dict[str, _ExpertSource]) -> str:
     if src.fused_key is not None:
         return src.fused_key
     return next(iter(src.per_expert[0].keys.values()))[0]
+
+
+# ---- CLI: `moestream convert` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "convert a Hugging Face MoE checkpoint directory into a store"
+DESCRIPTION = (
+    "Convert a Hugging Face MoE checkpoint directory (safetensors) into a moestream store, reading one tensor "
+    "at a time, then print the store's sizes as `moestream inspect` does. The store appears only when complete."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .quant import GROUP_SIZES
+
+    parser.add_argument("src", help="checkpoint directory: config.json, *.safetensors, tokenizer files")
+    parser.add_argument("dst", help="store directory to create")
+    parser.add_argument(
+        "--experts-dtype",
+        choices=EXPERT_FORMATS,
+        default=None,
+        help="how expert weights are stored: bf16/fp16/fp32, or int8 (per channel), int4, int3, int2 (per "
+        "group, affine); default: the checkpoint's float dtype (bf16 for FP8/MXFP4 sources). Fewer bits "
+        "read less from disk and cache more experts; `moestream eval` shows what they cost in quality",
+    )
+    parser.add_argument(
+        "--layer-dtype",
+        action="append",
+        default=[],
+        metavar="LAYERS=DTYPE",
+        help="override --experts-dtype for some MoE layers (counted from 0 over the MoE layers, negative from "
+        "the end), e.g. --layer-dtype 0-3=int3 --layer-dtype -1=int4; repeatable, later rules win",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        choices=GROUP_SIZES,
+        help=f"weights per scale for int4/int3/int2 (default {DEFAULT_GROUP_SIZE})",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow a config that names custom modeling code")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .inspect_store import print_inspect
+
+    if not Path(args.src).is_dir():
+        what = "does not exist" if not Path(args.src).exists() else "is not a directory"
+        raise UsageError(f"{args.src} {what}; pass a Hugging Face checkpoint directory (config.json, *.safetensors)")
+    dst = convert(
+        args.src,
+        args.dst,
+        args.experts_dtype,
+        layer_dtypes=args.layer_dtype,
+        group_size=args.group_size,
+        overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code,
+    )
+    return print_inspect(dst, None)

@@ -9,6 +9,9 @@ chat template (or a documented fallback). `generate()` is the `moestream generat
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,7 +20,9 @@ from typing import Callable, Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from .errors import UsageError
 from .loading import engine_of
+from .options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
 
 # Used when a checkpoint ships no chat template (base models, the byte-level test tokenizer): plain
 # "Role: text" paragraphs ending in "Assistant:", the format base models have seen most in their data.
@@ -267,3 +272,67 @@ def generate(
         print(flush=True)
     result.stats = engine.stats()
     return result
+
+
+# ---- CLI: `moestream generate` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "generate text, streaming experts under a memory budget"
+DESCRIPTION = (
+    "Generate a continuation of --prompt, streaming the text as it comes, then print tokens/s, time to first "
+    "token, expert hit rate, MB read from disk and peak RSS (or, with --json, one JSON object with all of them)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    add_sampling_arguments(parser, max_new_tokens=64)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming")
+    parser.add_argument(
+        "--trace-out",
+        default=None,
+        metavar="FILE.npz",
+        help="record this run's routing (expert ids and weights per token and layer) for `moestream simulate`",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from .trace import start_recording, stop_recording
+
+    if not args.prompt:
+        raise UsageError("--prompt is empty; generation needs some text to continue, e.g. --prompt 'Once upon a time'")
+    check_sampling(args)
+    if args.trace_out:
+        trace_output(args.trace_out, "--trace-out")
+    model, tokenizer = load_model(args)
+    if not encode(tokenizer, args.prompt):
+        raise UsageError(f"--prompt {args.prompt!r} has no tokens for this tokenizer; pass some text")
+    recorder = start_recording(model) if args.trace_out else None  # routing recorded through the engine
+    result = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        echo=not args.json,
+    )
+    if args.json:
+        out = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_tokens": result.prompt_tokens,
+            "seconds": result.seconds,
+            "time_to_first_token": result.time_to_first_token,
+            "decode_tokens_per_second": result.decode_tokens_per_second,
+            "stats": result.stats,
+        }
+        print(json.dumps(out))
+    else:
+        print(result.summary(), file=sys.stderr)
+    if recorder is not None:
+        stop_recording(model)
+        print(f"wrote {recorder.trace(prompt=args.prompt).save(args.trace_out)}", file=sys.stderr)
+    return 0

@@ -22,6 +22,7 @@ bandwidth, which makes the forecast an upper bound on tokens/s.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import mmap
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from .errors import UsageError
+from .options import add_io_threads_argument, add_policy_argument, existing_file, positive
 from .policies import DEFAULT_POLICY
 from .quant import DEFAULT_GROUP_SIZE, QuantFormat, expert_record_specs
 from .skeleton import build_skeleton, expert_parameters, experts_modules, model_dtype
@@ -624,3 +626,73 @@ def plan_from_args(
     plan.miss_seconds = miss_seconds
     plan.notes += notes
     return plan, title
+
+
+# ---- CLI: `moestream plan` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "sizes, cache and expected speed of a model from its config.json alone, before downloading it"
+DESCRIPTION = (
+    "From a config.json (or a checkpoint or store directory) alone, no weights: the exact resident "
+    "and expert bytes moestream would store (the model is built on the meta device), bytes per expert and "
+    "per token, the expert cache that --memory leaves, the expected hit rate (replayed from --trace, else a "
+    "stated prior) and a tokens/s forecast, or that the model does not fit and the minimum --memory. "
+    "Example configs are in examples/configs/."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .quant import GROUP_SIZES
+
+    parser.add_argument("config", help="config.json, or a Hugging Face checkpoint directory, or a store")
+    parser.add_argument(
+        "--memory", default="16GiB", help="all the memory moestream may use: resident weights + runtime + expert cache (default 16GiB)"
+    )
+    parser.add_argument(
+        "--cache",
+        default=None,
+        metavar="SIZE",
+        help="give the expert cache budget itself (what generate/bench call --memory) instead of deriving it from --memory",
+    )
+    parser.add_argument(
+        "--bits", type=int, default=16, choices=[16, 8, 4, 3, 2], help="expert format: 16 = bf16, 8 = int8, 4/3/2 = int4/int3/int2 (default 16)"
+    )
+    parser.add_argument(
+        "--group-size", type=int, default=DEFAULT_GROUP_SIZE, choices=GROUP_SIZES, help=f"weights per scale for 4/3/2 bits (default {DEFAULT_GROUP_SIZE})"
+    )
+    parser.add_argument("--overhead", default=DEFAULT_OVERHEAD, help=f"memory for the Python/torch runtime, activations and KV cache (default {DEFAULT_OVERHEAD})")
+    parser.add_argument("--trace", default=None, metavar="FILE.npz", help="a routing trace of this model: hit rate replayed through the cache")
+    add_policy_argument(parser)
+    parser.add_argument(
+        "--disk-bandwidth",
+        default=None,
+        metavar="BW",
+        help="the disk's read speed, e.g. 3GB/s (reads then cost bytes / speed, no latency), or auto: time 1..top_k random "
+        "records read at once, as a decode step's misses are, O_DIRECT, from a temporary file in --disk-dir (writes "
+        "and deletes about 256 MiB). Without it, no tokens/s forecast",
+    )
+    parser.add_argument("--disk-dir", default=".", help="where --disk-bandwidth auto probes (default: the current directory)")
+    add_io_threads_argument(parser)
+    parser.add_argument(
+        "--compute",
+        default="bandwidth",
+        metavar="HOW",
+        help="per-token compute with every expert cached: measure (build the model cut to 1 and 4 MoE layers with "
+        "random weights, convert and time it here; takes memory and time for big models), bandwidth (default: the "
+        "active weights at this machine's memory bandwidth, a lower bound), none, or milliseconds per token",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    positive(args.io_threads, "--io-threads")
+    if args.disk_bandwidth == "auto" and not Path(args.disk_dir).is_dir():
+        raise UsageError(f"--disk-dir {args.disk_dir} is not a directory; pass the directory on the disk to measure")
+    if args.trace:
+        existing_file(args.trace, "--trace", "trace file (.npz) from `moestream trace`")
+    plan, title = plan_from_args(
+        args.config, args.memory, cache=args.cache, bits=args.bits, group_size=args.group_size, overhead=args.overhead,
+        trace_path=args.trace, policy=args.policy, disk_bandwidth=args.disk_bandwidth, disk_dir=args.disk_dir,
+        compute=args.compute, io_threads=args.io_threads,
+    )
+    print(json.dumps(plan.to_json()) if args.json else plan.table(title))
+    return 0

@@ -20,6 +20,7 @@ a whole text instead would cost vocab x tokens x 4 bytes (151k x 1024 x 4 = 620 
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import time
@@ -351,3 +352,74 @@ def compare(
         store_cache={"hit_rate": cache["hit_rate"], "bytes_read": cache["bytes_read"]},
         **metrics,
     )
+
+
+# ---- CLI: `moestream eval` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "how far a store's next-token predictions are from a reference's: perplexity, KL, top-1 agreement"
+DESCRIPTION = (
+    "Run a store and a reference model on the same text and compare their next-token "
+    "distributions: perplexity of each, the store's perplexity change in percent, KL(reference || store) mean "
+    "and 99th percentile over positions, and top-1 agreement. The text is tokenized by the store's "
+    "tokenizer and cut into non-overlapping windows of --context tokens; each window is one "
+    "teacher-forced forward of each model. Use it to measure what a conversion or an expert format costs."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", help="store directory made by `moestream convert`")
+    parser.add_argument(
+        "--reference",
+        required=True,
+        metavar="REF",
+        help="the Hugging Face checkpoint directory the store was converted from (loaded by transformers in "
+        "its own dtype, safetensors only, no custom code), or another store",
+    )
+    parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to evaluate on, ideally text the model was not trained on")
+    parser.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N", help=f"evaluate the first N tokens of the text (default {DEFAULT_MAX_TOKENS})"
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=DEFAULT_CONTEXT,
+        metavar="C",
+        help=f"tokens per window (default {DEFAULT_CONTEXT}); the first token of each window is context only, so a window "
+        "of C tokens scores C-1 predictions",
+    )
+    parser.add_argument(
+        "--memory",
+        default=DEFAULT_MEMORY,
+        metavar="M",
+        help=f"expert cache budget of the store, and of REF if it is a store (default {DEFAULT_MEMORY}); a smaller budget "
+        "makes the evaluation slower but never changes its numbers",
+    )
+    parser.add_argument(
+        "--reference-dtype",
+        choices=list(REFERENCE_DTYPES),
+        default=None,
+        help="load a checkpoint REF in this dtype instead of its own: float32 compares against full "
+        "precision (a bf16 store then shows what bf16 arithmetic alone costs)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from .options import read_text_file
+
+    if not Path(args.reference).exists():
+        raise UsageError(f"--reference {args.reference} does not exist; pass the checkpoint directory or store to compare against")
+    report = compare(
+        args.store,
+        args.reference,
+        read_text_file(args.text, "--text"),
+        max_tokens=args.max_tokens,
+        context=args.context,
+        memory=args.memory,
+        reference_dtype=args.reference_dtype,
+        progress=not args.json,
+    )
+    print(json.dumps(report.to_json()) if args.json else report.table())
+    return 0
