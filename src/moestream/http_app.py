@@ -92,7 +92,8 @@ class Service:
         self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens)
         self.completion = Completions(tokenizer, config.model_name, context)
         self.created = int(time.time())
-        self.requests: dict[tuple[str, str], int] = {}  # (endpoint, outcome) -> requests answered
+        # (endpoint, outcome) -> requests answered; touched only on the event loop, so it needs no lock.
+        self.requests: dict[tuple[str, str], int] = {}
 
     # -- generation requests -------------------------------------------------------------------------------
 
