@@ -18,7 +18,7 @@ import statistics
 import torch
 
 import moestream
-from moestream.bench import timed_generate
+from moestream.generate import timed
 from moestream.loading import engine_of
 
 
@@ -46,7 +46,7 @@ def main() -> None:
             else:
                 ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
             engine = engine_of(model)
-            _, rate = timed_generate(model, ids, args.new_tokens)
+            rate = timed(model, ids, args.new_tokens).decode_tokens_per_second
             s = engine.stats()
             p = s["prefetch"]
             rates[mode].append(rate)

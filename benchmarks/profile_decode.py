@@ -12,7 +12,7 @@ import cProfile
 import pstats
 
 import moestream
-from moestream.bench import timed_generate
+from moestream.generate import timed
 
 
 def main() -> None:
@@ -26,10 +26,10 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = moestream.load(args.store, args.memory, prefetch="off")
     ids = tokenizer(open(args.text).read(), return_tensors="pt").input_ids[:, : args.prompt_tokens]
-    timed_generate(model, ids, 16)  # warm-up
+    timed(model, ids, 16)  # warm-up
     profile = cProfile.Profile()
     profile.enable()
-    _, rate = timed_generate(model, ids, args.tokens)
+    rate = timed(model, ids, args.tokens).decode_tokens_per_second
     profile.disable()
     print(f"decode {rate:.2f} tok/s, hit rate {moestream.stats(model)['hit_rate']:.1%} (under the profiler)")
     pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)

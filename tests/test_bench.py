@@ -7,7 +7,7 @@ import torch
 from tiny import tiny_checkpoint
 
 import moestream
-from moestream.bench import _run_moestream, bench, replay_reads
+from moestream.bench import bench, replay_reads, run_moestream
 from moestream.cli import main
 from moestream.store import Store
 
@@ -37,7 +37,7 @@ def test_report_is_consistent_with_its_own_measurements(store):
 def test_bandwidth_is_timed_on_the_runs_own_decode_reads(store):
     opened = Store(store)
     ids = torch.randint(0, 200, (1, 8), generator=torch.Generator().manual_seed(3))
-    run, reads = _run_moestream(store, opened.manifest.max_record_stride * 4, ids, 5, "moestream")
+    run, reads = run_moestream(store, opened.manifest.max_record_stride * 4, ids, 5, "moestream")
     assert reads and sum(length for _, _, length in reads) == run.decode_bytes_read
     files = {layer.file for layer in opened.manifest.layers}
     for file_index, offset, length in reads:  # each is one of the store's records

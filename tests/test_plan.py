@@ -12,10 +12,10 @@ from tiny import TINY, tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.errors import UsageError
-from moestream.plan import make_plan, measure_compute, plan_sizes, read_config
+from moestream.plan import make_plan, measure_compute, read_config
 from moestream.policies import DEFAULT_POLICY
 from moestream.simulate import replay
-from moestream.sizes import StoreSizes
+from moestream.sizes import ModelSizes
 from moestream.store import Store
 from moestream.synthetic import make_model, save_checkpoint
 from moestream.trace import Trace
@@ -46,20 +46,20 @@ def test_plan_counts_equal_the_converted_store(tmp_path, family, experts_dtype, 
     else:
         _, ckpt = tiny_checkpoint(family, tmp_path / "hf", seed=2)
     store = moestream.convert(ckpt, tmp_path / "store", experts_dtype=experts_dtype, progress=False)
-    planned = plan_sizes(read_config(ckpt), bits)  # from config.json only
+    planned = ModelSizes.of_config(read_config(ckpt), bits)  # from config.json only
     manifest = Store(store).manifest
-    stored = StoreSizes.of(manifest)  # what `inspect` prints
-    assert planned.expert_bytes == stored.expert_bytes
+    stored = ModelSizes.of_store(manifest)  # what `inspect` prints
+    assert planned.expert_payload_bytes == stored.expert_payload_bytes == manifest.expert_bytes
     assert planned.experts == stored.experts and planned.moe_layers == stored.moe_layers
-    assert planned.record_bytes == stored.record_bytes
+    assert planned.stride_bytes == stored.stride_bytes
     assert planned.worst_case_bytes_per_token == stored.worst_case_bytes_per_token
-    assert planned.minimum_cache == stored.minimum_budget
-    assert planned.layer_strides == [layer.layout.stride for layer in manifest.layers]
+    assert planned.minimum_budget == stored.minimum_budget
+    assert list(planned.layer_stride_bytes) == [layer.layout.stride for layer in manifest.layers]
     # inspect's resident figure is the files' size; the tensors in them are exactly the planned bytes.
     assert planned.resident_bytes == _resident_payload(store)
     assert 0 < manifest.resident_bytes - planned.resident_bytes < 64 * 1024 * len(manifest.resident_files)
     # A store directory plans the same as its checkpoint.
-    assert plan_sizes(read_config(store), bits).expert_bytes == planned.expert_bytes
+    assert ModelSizes.of_config(read_config(store), bits).expert_payload_bytes == planned.expert_payload_bytes
 
 
 # Published totals (model cards), in billions of parameters; the MTP layers of DeepSeek are not part of the
@@ -72,20 +72,20 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_example_configs_build_the_published_models(name):
-    sizes = plan_sizes(read_config(CONFIGS / f"{name}.json"), 16)  # bf16 everywhere: 2 bytes per parameter
-    params = (sizes.resident_bytes + sizes.expert_bytes) / 2 / 1e9
+    sizes = ModelSizes.of_config(read_config(CONFIGS / f"{name}.json"), 16)  # bf16 everywhere: 2 bytes per parameter
+    params = (sizes.resident_bytes + sizes.expert_payload_bytes) / 2 / 1e9
     assert params == pytest.approx(PUBLISHED[name], rel=0.02)
 
 
 def test_v4_pro_arithmetic():
-    sizes = plan_sizes(read_config(CONFIGS / "DeepSeek-V4-Pro.json"), 4)
-    assert sizes.reads_per_token == 366  # 6 of 384 experts in each of 61 layers
+    sizes = ModelSizes.of_config(read_config(CONFIGS / "DeepSeek-V4-Pro.json"), 4)
+    assert sizes.experts_per_token == 366  # 6 of 384 experts in each of 61 layers
     assert sizes.weights_per_expert == 3 * 7168 * 3072
     assert sizes.nominal_bytes_per_expert == pytest.approx(31.5 * MiB)  # 4 bits per weight, no scales
     assert sizes.nominal_bytes_per_expert * 366 / 2**30 == pytest.approx(11.26, abs=0.01)
     # As stored (int4, group 32: 4 bits + a bf16 scale and zero per 32 weights = 5 bits), 4 KiB aligned.
     per_matrix = 7168 * 3072 // 2 + (3072 // 32) * 7168 * 4
-    assert sizes.record_bytes == 3 * per_matrix == 39.375 * MiB
+    assert sizes.stride_bytes == 3 * per_matrix == 39.375 * MiB
     assert sizes.worst_case_bytes_per_token == 366 * 39.375 * MiB
 
 
@@ -113,13 +113,13 @@ def _trace(layers: int, experts: int, top_k: int, tokens: int = 50) -> Trace:
 
 def test_plan_with_a_trace_replays_it_at_the_planned_record_size(tmp_path, capsys):
     config = read_config(CONFIGS / "Qwen3-30B-A3B.json")
-    sizes = plan_sizes(config, 4)
+    sizes = ModelSizes.of_config(config, 4)
     trace = _trace(48, 128, 8)
-    memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.record_bytes
+    memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.stride_bytes
     plan = make_plan(sizes, memory, overhead=512 * MiB, trace=trace, policy="lfu", disk_bandwidth=2e9,
                      compute_seconds=0.05)
     assert plan.cache_slots == 600
-    expected = replay(trace, 600, "lfu", np.array(sizes.layer_strides))
+    expected = replay(trace, 600, "lfu", np.array(sizes.layer_stride_bytes))
     assert plan.hit_rates["lfu"] == expected.hit_rate and plan.bytes_missed_per_token == expected.bytes_per_token
     assert plan.hit_rates["belady"] >= plan.hit_rates["lfu"]
     serial, overlapped = plan.tokens_per_second()
@@ -140,12 +140,12 @@ def test_plan_with_a_trace_replays_it_at_the_planned_record_size(tmp_path, capsy
 
 
 def test_measured_reads_cost_each_layer_call_its_batch():
-    sizes = plan_sizes(read_config(CONFIGS / "Qwen3-30B-A3B.json"), 4)
+    sizes = ModelSizes.of_config(read_config(CONFIGS / "Qwen3-30B-A3B.json"), 4)
     trace = _trace(48, 128, 8)
-    memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.record_bytes
+    memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.stride_bytes
     batches = {m: 1e-3 * (0.5 + 0.2 * m) for m in range(1, 9)}  # latency + per-record time
     plan = make_plan(sizes, memory, overhead=512 * MiB, trace=trace, read_batches=batches, compute_seconds=0.01)
-    r = replay(trace, 600, DEFAULT_POLICY, np.array(sizes.layer_strides))
+    r = replay(trace, 600, DEFAULT_POLICY, np.array(sizes.layer_stride_bytes))
     calls = {m: n / r.decode_tokens for m, n in enumerate(r.decode_miss_calls)}
     assert plan.miss_calls_per_token == calls and sum(calls.values()) == pytest.approx(48)
     assert plan.read_seconds == pytest.approx(sum(n * batches[m] for m, n in calls.items() if m))
@@ -157,13 +157,13 @@ def test_measured_reads_cost_each_layer_call_its_batch():
 
 
 def test_each_miss_adds_its_measured_cpu_cost_to_the_forecast():
-    sizes = plan_sizes(read_config(CONFIGS / "Qwen3-30B-A3B.json"), 4)
+    sizes = ModelSizes.of_config(read_config(CONFIGS / "Qwen3-30B-A3B.json"), 4)
     trace = _trace(48, 128, 8)
-    memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.record_bytes
+    memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.stride_bytes
     batches = {m: 1e-3 * (0.5 + 0.2 * m) for m in range(1, 9)}
     plan = make_plan(sizes, memory, overhead=512 * MiB, trace=trace, read_batches=batches, compute_seconds=0.05)
     # Misses per token, counted two ways: from the per-call histogram and from the bytes the replay read.
-    assert plan.misses_per_token == pytest.approx(plan.bytes_missed_per_token / sizes.record_bytes)
+    assert plan.misses_per_token == pytest.approx(plan.bytes_missed_per_token / sizes.stride_bytes)
     without = plan.tokens_per_second()
     plan.miss_seconds = 0.4e-3
     serial, overlapped = plan.tokens_per_second()

@@ -36,12 +36,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from .errors import UsageError
+from .generate import Timing, timed
 from .memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
 from .options import add_store_arguments, engine_options, existing_file, positive, read_text_file, trace_output, writable_file
 from .reader import RecordReader
+from .sizes import ModelSizes
 from .store import Store
 from .units import format_bytes, parse_bytes
 
@@ -63,6 +64,12 @@ class RunResult:
     @property
     def seconds_per_token(self) -> float:
         return 1.0 / self.decode_tokens_per_second if self.decode_tokens_per_second else float("inf")
+
+    @staticmethod
+    def of(name: str, prompt_tokens: int, timing: Timing, peak_rss: int, **measured) -> "RunResult":
+        """A run's speeds as generate.Timing defines them (the same for moestream and every peer)."""
+        return RunResult(name, prompt_tokens, timing.new_tokens, timing.time_to_first_token,
+                         timing.decode_tokens_per_second, peak_rss, **measured)
 
 
 @dataclass
@@ -109,37 +116,6 @@ class BenchReport:
             if peer.decode_tokens_per_second:
                 lines.append(f"moestream / {peer.name}: {r.decode_tokens_per_second / peer.decode_tokens_per_second:.2f}x decode tokens/s")
         return "\n".join(lines)
-
-
-class _Clock(BaseStreamer):
-    """Notes when the prompt is done and the first new token exists, and calls `at_first` right then."""
-
-    def __init__(self, at_first=None):
-        self.calls = 0
-        self.first_at: float | None = None
-        self.at_first = at_first
-
-    def put(self, value):
-        self.calls += 1
-        if self.calls == 2:  # the first put is the prompt, the second the first new token
-            self.first_at = time.perf_counter()
-            if self.at_first:
-                self.at_first()
-
-    def end(self):
-        pass
-
-
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, at_first=None) -> tuple[float, float]:
-    """Greedy generation of exactly `new_tokens`; returns (TTFT seconds, decode tokens/s)."""
-    clock = _Clock(at_first)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock,
-                       pad_token_id=0)
-    end = time.perf_counter()
-    first = clock.first_at or end
-    return first - start, (new_tokens - 1) / (end - first) if new_tokens > 1 and end > first else 0.0
 
 
 def replay_reads(store: Store, reads: list[tuple[int, int, int]], threads: int = 4) -> float:
@@ -212,9 +188,11 @@ def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, text: str | None) -> 
     return torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
 
 
-def _run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, **load_kwargs):
-    """One timed generation; returns (RunResult, the (file, offset, length) of every decode read)."""
-    from .loading import engine_of, load
+def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, **load_kwargs):
+    """Load the store under `memory` and time one greedy generation of exactly `new_tokens` after `ids`
+    (generate.timed); returns (RunResult with the decode part's hit rate, bytes read and read waits, the
+    (file, offset, length) of every decode read). `load_kwargs` go to moestream.load."""
+    from .loading import close, engine_of, load
     from .trace import start_recording, stop_recording
 
     reset_peak_rss()
@@ -227,22 +205,20 @@ def _run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trac
         engine.reader.log = []  # from here on the reads are decode's
 
     recorder = start_recording(model) if trace_out else None  # this run's routing, for simulate/plan --trace
-    ttft, rate = timed_generate(model, ids, new_tokens, at_first=first_token)
+    result = timed(model, ids, new_tokens, on_first_token=first_token)
     reads = engine.reader.log or []
     if recorder is not None:
         stop_recording(model)
         recorder.trace(prompt_tokens=int(ids.shape[1])).save(trace_out)
     stats = engine.stats()
-    engine.close()
+    close(model)
     decode_hits = stats["hits"] - at_first.get("hits", 0)
     decode_misses = stats["misses"] - at_first.get("misses", 0)
-    run = RunResult(
-        name=name,
-        prompt_tokens=int(ids.shape[1]),
-        new_tokens=new_tokens,
-        ttft_seconds=ttft,
-        decode_tokens_per_second=rate,
-        peak_rss_bytes=peak_rss_bytes(),
+    run = RunResult.of(
+        name,
+        int(ids.shape[1]),
+        result.timing,
+        peak_rss_bytes(),
         hit_rate=decode_hits / max(1, decode_hits + decode_misses),
         decode_bytes_read=stats["bytes_read"] - at_first.get("bytes_read", 0),
         decode_wait_seconds=stats["wait_seconds"] - at_first.get("wait_seconds", 0.0),
@@ -250,8 +226,9 @@ def _run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trac
     return run, reads
 
 
-def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int) -> tuple[float, float]:
-    """llama.cpp (llama-cpp-python) on a GGUF file, mmap'd, greedy from the same prompt ids: (TTFT, tok/s)."""
+def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int) -> Timing:
+    """llama.cpp (llama-cpp-python) on a GGUF file, mmap'd, greedy from the same prompt ids. Its own loop
+    (llama.cpp is not a transformers model), timed by the same definition as generate.stream."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=gguf_path, n_ctx=len(ids[0]) + new_tokens + 8, n_threads=torch.get_num_threads(),
@@ -263,8 +240,7 @@ def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int) -> tuple[float
     for _ in range(new_tokens - 1):
         llm.eval([token])
         token = llm.sample(temp=0.0)
-    end = time.perf_counter()
-    return first - start, (new_tokens - 1) / (end - first)
+    return Timing(start, first, time.perf_counter(), new_tokens)
 
 
 def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, queue) -> None:
@@ -272,8 +248,8 @@ def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, q
     try:
         reset_peak_rss()
         if kind == "llama.cpp":
-            ttft, rate = _llama_cpp_decode(checkpoint, ids, new_tokens)
-            queue.put({"ttft": ttft, "rate": rate, "rss": peak_rss_bytes()})
+            timing = _llama_cpp_decode(checkpoint, ids, new_tokens)
+            queue.put({"timing": timing, "rss": peak_rss_bytes()})
             return
         from transformers import AutoModelForCausalLM
 
@@ -284,8 +260,7 @@ def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, q
             model = AutoModelForCausalLM.from_pretrained(
                 checkpoint, local_files_only=True, device_map="auto", max_memory={"cpu": memory}, offload_folder=offload
             ).eval()
-        ttft, rate = timed_generate(model, torch.tensor(ids), new_tokens)
-        queue.put({"ttft": ttft, "rate": rate, "rss": peak_rss_bytes()})
+        queue.put({"timing": timed(model, ids, new_tokens).timing, "rss": peak_rss_bytes()})
     except Exception as e:  # a peer that cannot run is reported, not fatal
         queue.put({"error": f"{type(e).__name__}: {e}"})
 
@@ -301,7 +276,7 @@ def _run_peer(kind: str, checkpoint: str, memory: int, ids: torch.Tensor, new_to
             "llama.cpp": "llama.cpp (GGUF, mmap)"}[kind]
     if "error" in result:
         return RunResult(name, int(ids.shape[1]), new_tokens, 0.0, 0.0, 0, note=f"did not run: {result['error'][:120]}")
-    return RunResult(name, int(ids.shape[1]), new_tokens, result["ttft"], result["rate"], result["rss"])
+    return RunResult.of(name, int(ids.shape[1]), result["timing"], result["rss"])
 
 
 def _memory_available() -> int:
@@ -334,13 +309,13 @@ def bench(
     with Squeeze(squeeze_bytes):
         tokenizer = load_tokenizer(store.directory) if text else None
         ids = _prompt_ids(tokenizer, int(store.manifest.model_config["vocab_size"]), prompt_tokens, text)
-        run, reads = _run_moestream(store_dir, budget, ids, new_tokens, "moestream", trace_out, **load_kwargs)
+        run, reads = run_moestream(store_dir, budget, ids, new_tokens, "moestream", trace_out, **load_kwargs)
         bandwidth = replay_reads(store, reads, load_kwargs.get("io_threads", 4))
         missed_per_token = run.decode_bytes_read / max(1, new_tokens - 1)
         # All-hits compute: measured with every expert cached when that fits comfortably, else estimated.
-        expert_bytes = sum(layer.layout.stride * layer.num_experts for layer in store.manifest.layers)
-        if expert_bytes < 0.5 * _memory_available():
-            all_hits_budget = expert_bytes + store.manifest.max_record_stride
+        sizes = ModelSizes.of_store(store.manifest)
+        if sizes.expert_stride_bytes < 0.5 * _memory_available():
+            all_hits_budget = sizes.all_experts_budget
             warm = _run_all_hits(store_dir, all_hits_budget, ids, new_tokens)
             all_hits, measured = warm.seconds_per_token, True
         else:
@@ -377,13 +352,13 @@ def bench(
 
 def _run_all_hits(store_dir, budget: int, ids, new_tokens: int) -> RunResult:
     """All-hits decode: one load, a pass that fills the cache, then the timed pass on the same prompt."""
-    from .loading import engine_of, load
+    from .loading import close, load
 
     model, _ = load(store_dir, budget)
-    timed_generate(model, ids, new_tokens)  # fills the cache with every expert this prompt and decode need
-    ttft, rate = timed_generate(model, ids, new_tokens)
-    engine_of(model).close()
-    return RunResult("all hits", int(ids.shape[1]), new_tokens, ttft, rate, peak_rss_bytes())
+    timed(model, ids, new_tokens)  # fills the cache with every expert this prompt and decode need
+    result = timed(model, ids, new_tokens)
+    close(model)
+    return RunResult.of("all hits", int(ids.shape[1]), result.timing, peak_rss_bytes())
 
 
 def write_json(report: BenchReport, path: str) -> None:

@@ -1,10 +1,19 @@
-"""Text generation on a loaded model: the one generation core that `generate`, `chat` and `serve` share.
+"""Every loop over a model's forward: the one generation core of `generate`, `chat`, `serve`, `bench`
+(moestream and its transformers/accelerate peers), `demo` and `plan --compute measure`, and the
+teacher-forced pass of `trace`. It works on any transformers causal LM, moestream's or not.
 
-`stream()` runs transformers' `generate` on prompt token ids and hands each new piece of text to a
-callback as soon as it is final; it honours stop sequences, max tokens, greedy or temperature/top-p
-sampling with a seed, a cancel flag and a deadline (both checked between tokens), and reports the
-timings users ask about. `chat_prompt()` turns chat messages into prompt text with the checkpoint's
-chat template (or a documented fallback). `generate()` is the `moestream generate` command's call.
+Three layers, as in mlx-lm:
+- `generate_step()` yields new token ids, one forward pass each (the prompt in one pass, then each new
+  token alone with the KV cache), chosen by a sampler (`make_sampler`: greedy or temperature/top-p with
+  transformers' own warpers);
+- `stream()` drives it: max tokens, end of sequence (or exactly N tokens with `ignore_eos`), stop
+  sequences, final text per token to a callback, a callback at the first token, a seed, a cancel flag
+  and a deadline checked between tokens; it returns a `GenerationResult` with its `Timing`;
+- `generate()` is the `moestream generate` command's call.
+`teacher_forced()` feeds a given text through the model token by token (routing traces), and
+`chat_prompt()` turns chat messages into prompt text with the checkpoint's chat template (or a fallback).
+
+`Timing` is the one definition of the speeds moestream reports, see there.
 """
 
 from __future__ import annotations
@@ -17,8 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import inspect
+
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from .errors import UsageError
 from .loading import engine_of
@@ -110,37 +121,41 @@ class IncrementalText:
         return delta
 
 
-class _Steps(StoppingCriteria):
-    """Called by transformers' generate loop once per new token, before it decides whether to go on:
-    hands the token's final text out, and ends generation right after a stop sequence, the cancel flag
-    or the deadline. (A streamer sees each token only after that decision, one forward pass too late.)"""
+@dataclass(frozen=True)
+class Timing:
+    """When a generation started (the call), when its first new token existed and when its last did
+    (time.perf_counter() seconds), and how many new tokens it made.
 
-    def __init__(self, text: IncrementalText, on_text, cancel: threading.Event | None, deadline: float | None):
-        self.text = text
-        self.on_text = on_text
-        self.cancel = cancel
-        self.deadline = deadline
-        self.ids: list[int] = []
-        self.first_token_at: float | None = None
-        self.reason: str | None = None
+    The one definition of the speeds moestream reports, wherever it reports them (generate, chat, serve,
+    bench and its peers, demo): time to first token is from the call to the first new token, i.e. the
+    prefill plus one sampling; decode tokens/s is (new tokens - 1) / (time from the first new token to
+    the last), so the prefill never counts in it, and it is 0 with fewer than two tokens."""
 
-    def __call__(self, input_ids, scores, **kwargs):
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        self.ids.append(int(input_ids[0, -1]))
-        self.emit(self.text.update(self.ids))
-        if self.reason is None:
-            if self.text.stopped:
-                self.reason = "stop"
-            elif self.cancel is not None and self.cancel.is_set():
-                self.reason = "cancelled"
-            elif self.deadline is not None and time.monotonic() >= self.deadline:
-                self.reason = "timeout"
-        return torch.full((input_ids.shape[0],), self.reason is not None, dtype=torch.bool, device=input_ids.device)
+    start: float
+    first: float
+    last: float
+    new_tokens: int
 
-    def emit(self, delta: str) -> None:
-        if delta and self.on_text is not None:
-            self.on_text(delta)
+    @property
+    def seconds(self) -> float:
+        return self.last - self.start
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.first - self.start
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.last - self.first
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return decode_rate(self.new_tokens - 1, self.decode_seconds)
+
+
+def decode_rate(decoded_tokens: int, seconds: float) -> float:
+    """Tokens after the first per second of decoding (Timing's definition; also for sums of runs)."""
+    return decoded_tokens / seconds if decoded_tokens > 0 and seconds > 0 else 0.0
 
 
 @dataclass
@@ -153,6 +168,12 @@ class GenerationResult:
     decode_tokens_per_second: float
     finish_reason: str = "length"
     stats: dict = field(default_factory=dict)
+    timing: Timing | None = None
+
+    @staticmethod
+    def of(text: str, prompt_tokens: int, token_ids: list[int], timing: Timing, finish_reason: str) -> "GenerationResult":
+        return GenerationResult(text, prompt_tokens, token_ids, timing.seconds, timing.time_to_first_token,
+                                timing.decode_tokens_per_second, finish_reason, timing=timing)
 
     def summary(self) -> str:
         s = self.stats
@@ -163,11 +184,88 @@ class GenerationResult:
         )
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
+def eos_ids(model, tokenizer=None) -> set[int]:
+    """The model's end-of-sequence ids (its generation config's, else the tokenizer's)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+Sampler = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [1, vocab] -> token id [1]
+
+
+def make_sampler(greedy: bool = False, temperature: float = 0.7, top_p: float = 0.95) -> Sampler:
+    """greedy (or temperature 0): the most likely token. Otherwise a token drawn from torch's global
+    generator at `temperature` from the smallest set whose probability reaches `top_p`, with the warpers
+    (and the order, and the skipping of no-op ones) that transformers' `generate(do_sample=True, top_k=0)`
+    uses, so a seed gives the tokens transformers would give."""
+    if greedy or temperature == 0:
+        return lambda logits: logits.argmax(dim=-1)
+    warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + (
+        [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    )
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        for warp in warpers:
+            logits = warp(None, logits)
+        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+
+    return sample
+
+
+class _Forward:
+    """A causal LM's forward pass with its KV cache, across transformers versions: the cache argument is
+    `cache` since 5.24 and `past_key_values` before; only the last position's logits are asked for where
+    the model takes `logits_to_keep` (a long prompt's full [T, vocab] logits would be computed for nothing)."""
+
+    def __init__(self, model):
+        params = inspect.signature(model.forward).parameters
+        self.model = model
+        self.cache_name = "cache" if "cache" in params else "past_key_values"
+        self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.cache = None
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [1, positions, vocab] of the ids fed after everything fed so far."""
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.extra)
+        self.cache = getattr(out, self.cache_name)
+        return out.logits
+
+
+def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = None, *, suppress: Sequence[int] = ()):
+    """Yield new token ids after `prompt_ids`, without end: the prompt goes in as one forward pass (the
+    prefill), then each new token alone with the KV cache. The caller decides when to stop (closing the
+    generator frees the cache). `suppress`: token ids never chosen (their logits set to -inf before
+    sampling, as transformers' min_new_tokens does with end-of-sequence ids)."""
+    prompt_ids = _token_list(prompt_ids)
+    sampler = sampler or make_sampler(greedy=True)
+    banned = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
+    forward = _Forward(model)
+    step = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    while True:
+        # Not around the yield: inference mode is thread state, and the caller's code runs between tokens.
+        with torch.inference_mode():
+            logits = forward(step)[:, -1, :].to(dtype=torch.float32, copy=True)
+            if banned is not None:
+                logits[:, banned] = float("-inf")
+            token = sampler(logits)
+            step = token.view(1, 1).to(torch.long)
+        yield int(token[0])
+
+
+def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> int:
+    """Feed the given token ids through the model as generating exactly them would: the first `prefill`
+    ids in one forward pass (a prompt), every later id alone with the KV cache (teacher forcing). Only the
+    model's side effects matter (a routing trace); returns the number of forward passes."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+    prefill = min(max(0, prefill), ids.shape[1])
+    steps = ([ids[:, :prefill]] if prefill else []) + [ids[:, i : i + 1] for i in range(prefill, ids.shape[1])]
+    forward = _Forward(model)
+    with torch.inference_mode():
+        for step in steps:
+            forward(step)
+    return len(steps)
 
 
 def stream(
@@ -182,60 +280,81 @@ def stream(
     seed: int | None = None,
     stop: Sequence[str] = (),
     on_text: Callable[[str], None] | None = None,
+    on_first_token: Callable[[], None] | None = None,
+    ignore_eos: bool = False,
     cancel: threading.Event | None = None,
     deadline: float | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` after `prompt_ids`, calling `on_text` with each final piece of text.
 
-    greedy (or temperature 0) takes the most likely token; otherwise tokens are sampled at `temperature`
-    from the smallest set whose probability reaches `top_p`. `seed` seeds torch's global generator first:
-    callers run one generation at a time (the model is not thread-safe), so a seeded request gets the
-    same answer whatever ran before it. `cancel` (a threading.Event) and `deadline` (time.monotonic())
-    are checked after every token. The model is not touched otherwise: statistics keep accumulating.
+    Sampling as `make_sampler` says. `seed` seeds torch's global generator first: callers run one
+    generation at a time (the model is not thread-safe), so a seeded request gets the same answer
+    whatever ran before it. `ignore_eos`: exactly `max_new_tokens` tokens, end-of-sequence never chosen
+    (benchmarks time a fixed length). `on_first_token` is called as soon as the first new token exists,
+    before the second forward pass (what comes after it is decoding). `cancel` (a threading.Event) and
+    `deadline` (time.monotonic()) are checked after every token. `tokenizer` may be None (token ids
+    only: no text, no stop sequences). The model is not touched otherwise: statistics keep accumulating.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: generation needs at least one token to start from")
+    prompt_ids = _token_list(prompt_ids)
     if seed is not None:
         torch.manual_seed(seed)
-    text = IncrementalText(tokenizer, stop)
-    steps = _Steps(text, on_text, cancel, deadline)
-    if greedy or temperature == 0:
-        sampling = {"do_sample": False}
-    else:
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    text = IncrementalText(tokenizer, stop) if tokenizer is not None else None
+    eos = eos_ids(model, tokenizer)
+    sampler = make_sampler(greedy, temperature, top_p)
+    new: list[int] = []
+    reason = None
     start = time.perf_counter()
-    with torch.inference_mode():
-        output = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            stopping_criteria=StoppingCriteriaList([steps]),
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            **sampling,
-        )
-    end = time.perf_counter()
-    new = output[0, ids.shape[1] :].tolist()
-    steps.emit(text.finish(new))
-    if steps.reason is not None:
-        reason = steps.reason
-    elif len(new) < max_new_tokens or (new and new[-1] in _eos_ids(model, tokenizer)):
-        reason = "stop"
-    else:
-        reason = "length"
-    first = steps.first_token_at or end
-    decode_rate = (len(new) - 1) / (end - first) if len(new) > 1 and end > first else 0.0
-    return GenerationResult(
-        text=text.text,
-        prompt_tokens=len(prompt_ids),
-        token_ids=new,
-        seconds=end - start,
-        time_to_first_token=first - start,
-        decode_tokens_per_second=decode_rate,
-        finish_reason=reason,
-    )
+    first = last = start
+    steps = generate_step(model, prompt_ids, sampler, suppress=sorted(eos) if ignore_eos else ())
+    try:
+        for token in steps:
+            last = time.perf_counter()
+            new.append(token)
+            if len(new) == 1:
+                first = last
+                if on_first_token is not None:
+                    on_first_token()
+            if text is not None:
+                _emit(on_text, text.update(new))
+            if text is not None and text.stopped:
+                reason = "stop"
+            elif cancel is not None and cancel.is_set():
+                reason = "cancelled"
+            elif deadline is not None and time.monotonic() >= deadline:
+                reason = "timeout"
+            elif token in eos and not ignore_eos:
+                reason = "stop"
+            elif len(new) >= max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+    finally:
+        steps.close()
+    if text is not None:
+        _emit(on_text, text.finish(new))
+    timing = Timing(start, first, last, len(new))
+    return GenerationResult.of(text.text if text is not None else "", len(prompt_ids), new, timing, reason)
+
+
+def timed(model, prompt_ids, new_tokens: int, *, on_first_token: Callable[[], None] | None = None) -> GenerationResult:
+    """Greedy, exactly `new_tokens` tokens, no text: the run that `bench` (and its peers), `plan
+    --compute measure` and the benchmarks time."""
+    return stream(model, None, prompt_ids, new_tokens, greedy=True, ignore_eos=True, on_first_token=on_first_token)
+
+
+def _token_list(ids) -> list[int]:
+    """Prompt ids as a list, from a list or a [1, T] / [T] tensor; never empty."""
+    ids = torch.as_tensor(ids).reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    if not ids:
+        raise ValueError("the prompt is empty: generation needs at least one token to start from")
+    return ids
+
+
+def _emit(on_text, delta: str) -> None:
+    if delta and on_text is not None:
+        on_text(delta)
 
 
 def generate(

@@ -39,12 +39,11 @@ import torch
 from .errors import UsageError
 from .options import add_io_threads_argument, add_policy_argument, existing_file, positive
 from .policies import DEFAULT_POLICY
-from .quant import DEFAULT_GROUP_SIZE, QuantFormat, expert_record_specs
-from .skeleton import build_skeleton, expert_parameters, experts_modules, model_dtype
-from .store import RecordLayout
+from .quant import DEFAULT_GROUP_SIZE
+from .sizes import ModelSizes, expert_format
+from .skeleton import build_skeleton, experts_modules, model_dtype
 from .units import format_bytes
 
-BITS = (16, 8, 4, 3, 2)
 # Besides resident weights and the expert cache a process holds the Python/torch/transformers runtime
 # (330-370 MiB measured, docs/BENCHMARKS.md), activations and the KV cache of a short context.
 DEFAULT_OVERHEAD = "512MiB"
@@ -83,106 +82,10 @@ def read_config(path: str | os.PathLike):
         raise UsageError(f"{path} is not a valid {model_type} config ({e})") from None
 
 
-def expert_format(bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[QuantFormat | None, torch.dtype | None, str]:
-    """--bits -> (quantized format or None, float dtype or None, name as `inspect` shows it)."""
-    if bits not in BITS:
-        raise UsageError(f"--bits must be one of {', '.join(map(str, BITS))} (16: bf16 experts, 8: int8, 4/3/2: int4/int3/int2)")
-    if bits == 16:
-        return None, torch.bfloat16, "bfloat16"
-    fmt = QuantFormat.make(f"int{bits}", group_size)
-    return fmt, None, fmt.name if bits == 8 else f"{fmt.name}-g{group_size}"
-
-
-@dataclass
-class PlanSizes:
-    model_type: str
-    dtype: str  # resident weights' dtype
-    expert_format: str
-    resident_bytes: int  # tensor bytes of every resident weight (the store's resident payload)
-    layer_record_bytes: list[int]  # payload of one record, per MoE layer
-    layer_strides: list[int]  # as stored (4 KiB aligned), per MoE layer
-    layer_experts: list[int]
-    top_k: int
-    weights_per_expert: int  # matrix elements of one expert (largest layer)
-    bits: int
-    embedding_bytes: int = 0  # the input embedding, when it is not tied to the LM head: one row read per token
-
-    @property
-    def moe_layers(self) -> int:
-        return len(self.layer_strides)
-
-    @property
-    def experts(self) -> int:
-        return sum(self.layer_experts)
-
-    @property
-    def expert_bytes(self) -> int:
-        return sum(b * e for b, e in zip(self.layer_record_bytes, self.layer_experts))
-
-    @property
-    def record_bytes(self) -> int:
-        """The cache slot: the largest record as stored."""
-        return max(self.layer_strides)
-
-    @property
-    def reads_per_token(self) -> int:
-        return self.top_k * self.moe_layers
-
-    @property
-    def worst_case_bytes_per_token(self) -> int:
-        return self.reads_per_token * self.record_bytes
-
-    @property
-    def minimum_cache(self) -> int:
-        return self.top_k * self.record_bytes
-
-    @property
-    def nominal_bytes_per_expert(self) -> float:
-        """The paper arithmetic: weights x bits / 8, without scales, biases or alignment."""
-        return self.weights_per_expert * self.bits / 8
-
-
-def plan_sizes(config, bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE) -> PlanSizes:
-    fmt, float_dtype, name = expert_format(bits, group_size)
-    dtype = model_dtype(config)
-    model = build_skeleton(config, dtype)
-    modules = experts_modules(model)
-    expert_names, strides, payloads, counts, weights = set(), [], [], [], 0
-    for mname, module in modules:
-        params = expert_parameters(module)
-        expert_names |= {f"{mname}.{p}" for p, _ in params}
-        shapes = {p: tuple(t.shape[1:]) for p, t in params}
-        # Biases (and every parameter of a float layer) keep a float dtype: the checkpoint's, as convert does.
-        specs = expert_record_specs(shapes, float_dtype or dtype, fmt, module.is_transposed, mname)
-        layout = RecordLayout.pack(specs)
-        strides.append(layout.stride)
-        payloads.append(layout.nbytes)
-        counts.append(module.num_experts)
-        weights = max(weights, sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2))
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    resident = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n not in expert_names and n not in tied)
-    embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings()
-    untied = output is None or output.weight is not embedding
-    return PlanSizes(
-        model_type=config.model_type,
-        dtype=str(dtype).removeprefix("torch."),
-        expert_format=name,
-        resident_bytes=resident,
-        layer_record_bytes=payloads,
-        layer_strides=strides,
-        layer_experts=counts,
-        top_k=int(getattr(config, "num_experts_per_tok", None) or 1),
-        weights_per_expert=weights,
-        bits=bits,
-        embedding_bytes=embedding.numel() * embedding.element_size() if untied else 0,
-    )
-
-
 # -- machine measurements ---------------------------------------------------------------------------------
 
 
-def measure_disk_reads(directory: str | os.PathLike, record_bytes: int, top_k: int, threads: int = 4,
+def measure_disk_reads(directory: str | os.PathLike, stride_bytes: int, top_k: int, threads: int = 4,
                        probe_bytes: int = DISK_PROBE_BYTES, rounds: int = 40) -> dict[int, float]:
     """Seconds to read m random records issued together and all waited for, m = 1..top_k: what one decode
     call with m misses waits for (the engine's reader, `threads` I/O threads, O_DIRECT).
@@ -194,7 +97,7 @@ def measure_disk_reads(directory: str | os.PathLike, record_bytes: int, top_k: i
     that refuses O_DIRECT (tmpfs) would measure memory, so it is refused."""
     from .reader import RecordReader
 
-    record = max(4096, min(record_bytes, 64 * 2**20))
+    record = max(4096, min(stride_bytes, 64 * 2**20))
     count = max(4 * top_k, probe_bytes // record)
     fd, name = tempfile.mkstemp(prefix=".moestream-disk-probe-", dir=directory)
     try:
@@ -292,9 +195,9 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
     reads themselves (docs/BENCHMARKS.md, "Forecast against measurement")."""
     from transformers import AutoModelForCausalLM
 
-    from .bench import timed_generate
     from .convert import convert
-    from .loading import engine_of, load
+    from .generate import timed
+    from .loading import close, load
     from .synthetic import save_checkpoint
 
     _, _, name = expert_format(bits, group_size)
@@ -309,13 +212,12 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
             ckpt = save_checkpoint(model, Path(tmp) / f"hf{m}")
             del model
             store = convert(ckpt, Path(tmp) / f"store{m}", "bf16" if bits == 16 else f"int{bits}", group_size=group_size, progress=False)
-            sizes = plan_sizes(small, bits, group_size)
-            every_expert = sum(st * e for st, e in zip(sizes.layer_strides, sizes.layer_experts)) + sizes.record_bytes
-            loaded, _ = load(store, every_expert)
+            sizes = ModelSizes.of_config(small, bits, group_size)
+            loaded, _ = load(store, sizes.all_experts_budget)
             ids = torch.randint(0, int(small.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
-            timed_generate(loaded, ids, tokens)  # fills the cache with every expert these tokens need
-            seconds[m] = min(1.0 / timed_generate(loaded, ids, tokens)[1] for _ in range(3))
-            engine_of(loaded).close()
+            timed(loaded, ids, tokens)  # fills the cache with every expert these tokens need
+            seconds[m] = min(1.0 / timed(loaded, ids, tokens).decode_tokens_per_second for _ in range(3))
+            close(loaded)
             if m == depths[-1]:
                 miss_cost = _miss_cost(store, sizes, ids, tokens, seconds[m])
     first, last = depths[0], depths[-1]
@@ -329,15 +231,15 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
     }
 
 
-def _miss_cost(store, sizes: PlanSizes, ids, tokens: int, all_hits_seconds: float) -> float:
+def _miss_cost(store, sizes: ModelSizes, ids, tokens: int, all_hits_seconds: float) -> float:
     """Model-thread seconds a miss costs besides the wait for its read (best of three decodes)."""
-    from .bench import _run_moestream
+    from .bench import run_moestream
 
     best = float("inf")
     for _ in range(3):
-        run, _ = _run_moestream(store, sizes.minimum_cache, ids, tokens, "misses", prefetch="off")
+        run, _ = run_moestream(store, sizes.minimum_budget, ids, tokens, "misses", prefetch="off")
         steps = max(1, tokens - 1)
-        misses = run.decode_bytes_read / sizes.record_bytes / steps
+        misses = run.decode_bytes_read / sizes.stride_bytes / steps
         if misses:
             best = min(best, (run.seconds_per_token - run.decode_wait_seconds / steps - all_hits_seconds) / misses)
     return max(0.0, best) if best != float("inf") else 0.0
@@ -348,7 +250,7 @@ def _miss_cost(store, sizes: PlanSizes, ids, tokens: int, all_hits_seconds: floa
 
 @dataclass
 class Plan:
-    sizes: PlanSizes
+    sizes: ModelSizes
     memory_bytes: int
     overhead_bytes: int
     cache_bytes: int  # what the budget leaves for the expert cache (may be negative: does not fit)
@@ -367,15 +269,15 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.cache_bytes >= self.sizes.minimum_cache
+        return self.cache_bytes >= self.sizes.minimum_budget
 
     @property
     def minimum_memory(self) -> int:
-        return self.sizes.resident_bytes + self.overhead_bytes + self.sizes.minimum_cache
+        return self.sizes.resident_bytes + self.overhead_bytes + self.sizes.minimum_budget
 
     @property
     def cache_slots(self) -> int:
-        return max(0, self.cache_bytes) // self.sizes.record_bytes
+        return self.sizes.cache_slots(self.cache_bytes)
 
     @property
     def read_seconds(self) -> float | None:
@@ -409,14 +311,14 @@ class Plan:
             "model_type": s.model_type,
             "expert_format": s.expert_format,
             "resident_bytes": s.resident_bytes,
-            "expert_bytes": s.expert_bytes,
+            "expert_bytes": s.expert_payload_bytes,
             "experts": s.experts,
             "moe_layers": s.moe_layers,
             "top_k": s.top_k,
-            "record_bytes": s.record_bytes,
+            "record_bytes": s.stride_bytes,
             "weights_per_expert": s.weights_per_expert,
             "nominal_bytes_per_expert": s.nominal_bytes_per_expert,
-            "reads_per_token": s.reads_per_token,
+            "reads_per_token": s.experts_per_token,
             "worst_case_bytes_per_token": s.worst_case_bytes_per_token,
             "memory_bytes": self.memory_bytes,
             "overhead_bytes": self.overhead_bytes,
@@ -447,17 +349,17 @@ class Plan:
         rows = [
             ("model", f"{title} ({s.model_type}), resident weights in {s.dtype}, experts as {s.expert_format}"),
             ("resident weights", format_bytes(s.resident_bytes)),
-            ("experts", f"{format_bytes(s.expert_bytes)} in {s.experts} records ({s.moe_layers} MoE layers x {max(s.layer_experts)})"),
+            ("experts", f"{format_bytes(s.expert_payload_bytes)} in {s.experts} records ({s.moe_layers} MoE layers x {s.experts_per_layer})"),
             (
                 "per expert",
-                f"{format_bytes(s.record_bytes)} as stored ({s.weights_per_expert / 1e6:.1f}M weights; "
+                f"{format_bytes(s.stride_bytes)} as stored ({s.weights_per_expert / 1e6:.1f}M weights; "
                 f"{format_bytes(gib)} at {s.bits} bits without scales)",
             ),
-            ("expert reads per token", f"{s.reads_per_token} ({s.top_k} per layer x {s.moe_layers} layers)"),
+            ("expert reads per token", f"{s.experts_per_token} ({s.top_k} per layer x {s.moe_layers} layers)"),
             (
                 "worst case per token",
                 f"{format_bytes(s.worst_case_bytes_per_token)} read (every expert a miss; "
-                f"{format_bytes(gib * s.reads_per_token)} at {s.bits} bits without scales)",
+                f"{format_bytes(gib * s.experts_per_token)} at {s.bits} bits without scales)",
             ),
             ("memory", f"{format_bytes(self.memory_bytes)} = resident + {format_bytes(self.overhead_bytes)} runtime overhead + expert cache"),
         ]
@@ -466,7 +368,7 @@ class Plan:
                 (
                     "DOES NOT FIT",
                     f"the resident weights and the runtime take {format_bytes(s.resident_bytes + self.overhead_bytes)}, "
-                    f"and the cache needs at least {format_bytes(s.minimum_cache)} ({s.top_k} experts): "
+                    f"and the cache needs at least {format_bytes(s.minimum_budget)} ({s.top_k} experts): "
                     f"the minimum is --memory {format_bytes(self.minimum_memory).replace(' ', '')}",
                 )
             )
@@ -502,7 +404,7 @@ def _rows(rows) -> str:
 
 
 def make_plan(
-    sizes: PlanSizes,
+    sizes: ModelSizes,
     memory: int,
     *,
     overhead: int,
@@ -523,12 +425,12 @@ def make_plan(
         from .simulate import BELADY, replay
 
         shape = (trace.layers, int(trace.layer_experts.max()), trace.top_k)
-        if shape != (sizes.moe_layers, max(sizes.layer_experts), sizes.top_k):
+        if shape != (sizes.moe_layers, sizes.experts_per_layer, sizes.top_k):
             raise UsageError(
                 f"the trace is of a model with {shape[0]} MoE layers x {shape[1]} experts, top-{shape[2]}; this config has "
-                f"{sizes.moe_layers} x {max(sizes.layer_experts)}, top-{sizes.top_k}: record a trace of this model"
+                f"{sizes.moe_layers} x {sizes.experts_per_layer}, top-{sizes.top_k}: record a trace of this model"
             )
-        strides = np.array(sizes.layer_strides, dtype=np.int64)
+        strides = np.array(sizes.layer_stride_bytes, dtype=np.int64)
         results = {p: replay(trace, max(slots, trace.top_k), p, strides) for p in dict.fromkeys([policy, "lru", "lfu", "arc", BELADY])}
         decode = results[policy].decode_tokens > 0  # the forecast is of decoding: prompt calls are left out
         plan.hit_rates = {p: r.decode_hit_rate if decode else r.hit_rate for p, r in results.items()}
@@ -545,17 +447,17 @@ def make_plan(
         share = min(1.0, slots / sizes.experts)
         plan.hit_rates = {"prior": share}
         plan.hit_source = "prior: uniform routing, hit rate = cached share of experts; trained models route more concentrated, pass --trace"
-        plan.bytes_missed_per_token = (1 - share) * sizes.reads_per_token * sizes.record_bytes
+        plan.bytes_missed_per_token = (1 - share) * sizes.experts_per_token * sizes.stride_bytes
         k = sizes.top_k  # each of a layer's k experts misses independently: binomial misses per call
         plan.miss_calls_per_token = {m: sizes.moe_layers * math.comb(k, m) * (1 - share) ** m * share ** (k - m) for m in range(k + 1)}
     return plan
 
 
-def bandwidth_compute_bound(sizes: PlanSizes, memory_bandwidth: float) -> float:
+def bandwidth_compute_bound(sizes: ModelSizes, memory_bandwidth: float) -> float:
     """Seconds per token to stream the weights one token touches once: the resident weights but the input
     embedding (one row of it is read), and its experts. A lower bound on compute for large models; small
     models spend far longer in per-layer overheads."""
-    active = sizes.resident_bytes - sizes.embedding_bytes + sizes.top_k * sum(sizes.layer_record_bytes)
+    active = sizes.resident_bytes - sizes.embedding_bytes + sizes.top_k * sum(sizes.layer_payload_bytes)
     return active / memory_bandwidth
 
 
@@ -582,20 +484,20 @@ def plan_from_args(
     if policy not in POLICIES:
         raise UsageError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
     config = read_config(path)
-    sizes = plan_sizes(config, bits, group_size)
+    sizes = ModelSizes.of_config(config, bits, group_size)
     title = Path(path).parent.name if Path(path).name == "config.json" else Path(path).name.removesuffix(".json")
     memory_bytes, overhead_bytes = parse_bytes(memory), parse_bytes(overhead)
     if cache is not None:  # the cache budget itself: the memory is what it implies
         memory_bytes = sizes.resident_bytes + overhead_bytes + parse_bytes(cache)
-    if memory_bytes - sizes.resident_bytes - overhead_bytes < sizes.minimum_cache:  # nothing to measure
+    if memory_bytes - sizes.resident_bytes - overhead_bytes < sizes.minimum_budget:  # nothing to measure
         return make_plan(sizes, memory_bytes, overhead=overhead_bytes, policy=policy), title
     notes = []
     disk, disk_source, batches = None, "", None
     if disk_bandwidth == "auto":
-        batches = measure_disk_reads(disk_dir, sizes.record_bytes, sizes.top_k, io_threads)
-        disk = sizes.top_k * min(sizes.record_bytes, 64 * 2**20) / batches[sizes.top_k]
+        batches = measure_disk_reads(disk_dir, sizes.stride_bytes, sizes.top_k, io_threads)
+        disk = sizes.top_k * min(sizes.stride_bytes, 64 * 2**20) / batches[sizes.top_k]
         disk_source = (
-            f"measured: {sizes.top_k} random {format_bytes(min(sizes.record_bytes, 64 * 2**20))} O_DIRECT reads at once "
+            f"measured: {sizes.top_k} random {format_bytes(min(sizes.stride_bytes, 64 * 2**20))} O_DIRECT reads at once "
             f"on {io_threads} threads, temporary file in {Path(disk_dir).resolve()}"
         )
     elif disk_bandwidth:
