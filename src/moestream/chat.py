@@ -19,7 +19,7 @@ from typing import Callable, TextIO
 
 import torch
 
-from .generate import GenerationResult, chat_prompt, context_length, encode, has_chat_template, stream
+from .generate import GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template, stream
 from .memory import current_rss_bytes, peak_rss_bytes
 from .loading import engine_of
 from .options import add_sampling_arguments, add_store_arguments, check_sampling, load_model
@@ -52,7 +52,8 @@ class ChatSession:
         self.context = context_length(model)
         self.answers = 0
         self.tokens = 0
-        self.seconds = 0.0
+        self.decoded = 0  # tokens after each answer's first, and the seconds they took (generate.Timing)
+        self.decode_seconds = 0.0
         self.last: GenerationResult | None = None
         self.messages: list[dict] = []
         self.reset()
@@ -81,7 +82,9 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": result.text})
         self.answers += 1
         self.tokens += len(result.token_ids)
-        self.seconds += result.seconds
+        if result.timing is not None:
+            self.decoded += max(0, result.timing.new_tokens - 1)
+            self.decode_seconds += result.timing.decode_seconds
         self.last = result
         return result
 
@@ -114,9 +117,9 @@ class ChatSession:
                 f"last answer: {len(r.token_ids)} tokens in {r.seconds:.2f} s, {r.decode_tokens_per_second:.1f} tok/s decode, "
                 f"first token after {r.time_to_first_token:.2f} s"
             )
-        rate = self.tokens / self.seconds if self.seconds else 0.0
+        rate = decode_rate(self.decoded, self.decode_seconds)
         lines.append(
-            f"this session: {self.answers} answer{'s' if self.answers != 1 else ''}, {self.tokens} tokens, {rate:.1f} tok/s overall; experts: hit rate "
+            f"this session: {self.answers} answer{'s' if self.answers != 1 else ''}, {self.tokens} tokens, {rate:.1f} tok/s decode; experts: hit rate "
             f"{s['hit_rate']:.1%}, {s['bytes_read'] / 1e6:.1f} MB read from disk"
         )
         lines.append(

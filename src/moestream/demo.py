@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 
 from .convert import convert
+from .generate import encode, stream
 from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from .loading import close, load, stats
+from .sizes import ModelSizes
 from .store import Store
 from .synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
 from .units import format_bytes
@@ -64,17 +66,9 @@ def _run(store: Path, budget: int, tokens: int) -> dict:
     reset_peak_rss()
     baseline = current_rss_bytes()  # the Python/torch/transformers runtime, before the model exists
     model, tokenizer = load(store, budget)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    start = time.perf_counter()
     # Sampling, not greedy: a random model's greedy output repeats one token, which would route every
     # step to the same experts and make any budget look good.
-    torch.manual_seed(0)
-    with torch.inference_mode():
-        out = model.generate(
-            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    seconds = time.perf_counter() - start
+    result = stream(model, tokenizer, encode(tokenizer, PROMPT), tokens, temperature=1.0, top_p=1.0, seed=0, ignore_eos=True)
     s = stats(model)
     close(model)
     del model
@@ -85,16 +79,20 @@ def _run(store: Path, budget: int, tokens: int) -> dict:
         "mb_read": s["bytes_read"] / 1e6,
         "peak_rss": peak_rss_bytes(),
         "rss_growth": peak_rss_bytes() - baseline,
-        "tokens_per_s": (out.shape[1] - ids.shape[1]) / seconds,
+        "ttft_s": result.time_to_first_token,
+        "decode_tokens_per_s": result.decode_tokens_per_second,
     }
 
 
 def _table(rows: list[dict], label) -> None:
-    print(f"  {'budget':>10} {'of experts':>10} {'hit rate':>9} {'MB read':>9} {'peak RSS':>10} {'of which model':>14} {'tok/s':>7}")
+    print(
+        f"  {'budget':>10} {'of experts':>10} {'hit rate':>9} {'MB read':>9} {'peak RSS':>10} {'of which model':>14} "
+        f"{'TTFT s':>7} {'decode tok/s':>12}"
+    )
     for r in rows:
         print(
             f"  {format_bytes(r['budget']):>10} {label(r):>10} {r['hit_rate']:>9.1%} {r['mb_read']:>9.1f} "
-            f"{format_bytes(r['peak_rss']):>10} {format_bytes(r['rss_growth']):>14} {r['tokens_per_s']:>7.1f}"
+            f"{format_bytes(r['peak_rss']):>10} {format_bytes(r['rss_growth']):>14} {r['ttft_s']:>7.2f} {r['decode_tokens_per_s']:>12.1f}"
         )
 
 
@@ -106,12 +104,12 @@ def run_demo(workdir: str | None = None, tokens: int = 24, quick: bool = False) 
         print("moestream demo: a synthetic Qwen3-MoE with RANDOM weights (the generated text is noise).")
         uniform, skewed = _build_stores(root, quick)
         manifest = Store(uniform).manifest
-        experts_total = sum(layer.layout.stride * layer.num_experts for layer in manifest.layers)
-        cfg = manifest.model_config
+        sizes = ModelSizes.of_store(manifest)
+        experts_total = sizes.expert_stride_bytes  # the budgets below are shares of the experts as stored
         print(
-            f"built and converted in {time.perf_counter() - t0:.1f}s: {cfg['num_hidden_layers']} layers x "
-            f"{manifest.layers[0].num_experts} experts, top-{cfg['num_experts_per_tok']}, experts {format_bytes(experts_total)}, "
-            f"resident {format_bytes(manifest.resident_bytes)}"
+            f"built and converted in {time.perf_counter() - t0:.1f}s: {manifest.model_config['num_hidden_layers']} layers x "
+            f"{sizes.experts_per_layer} experts, top-{sizes.top_k}, experts {format_bytes(experts_total)}, "
+            f"resident {format_bytes(sizes.resident_bytes)}"
         )
         print(f"\nrouting as randomly initialized, {tokens} sampled tokens after the prompt {PROMPT!r} per budget:")
         fractions = (0.05, 0.10, 0.25, 0.50, 1.0)

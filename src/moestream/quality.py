@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .errors import SourceError, UsageError
+from .errors import SourceError, StoreError, UsageError
 from .store import MANIFEST
 
 DEFAULT_MAX_TOKENS = 1024
@@ -245,13 +245,12 @@ def _load_checkpoint(path: Path, progress: bool, dtype_name: str | None = None):
 
 
 def _checkpoint_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    """The reference checkpoint's tokenizer, or None when it has none or it cannot be loaded."""
+    from .loading import load_tokenizer
 
-    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (ValueError, OSError):
+        return load_tokenizer(path)
+    except StoreError:
         # The tokenizer is only used to cross-check the store's; an unloadable one cannot be cross-checked.
         return None
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .errors import UsageError
+from .sizes import ModelSizes
 from .options import add_memory_argument, non_negative, positive, read_text_file, trace_output
 
 TRACE_FORMAT = "moestream-trace"
@@ -168,8 +169,9 @@ class TraceRecorder:
             "model_type": manifest.model_config.get("model_type"),
             "experts_dtype": manifest.experts_dtype,
         }
-        self.record_bytes = np.array([layer.layout.stride for layer in manifest.layers], dtype=np.int64)
-        self.layer_experts = np.array([layer.num_experts for layer in manifest.layers], dtype=np.int32)
+        sizes = ModelSizes.of_store(manifest)
+        self.record_bytes = np.array(sizes.layer_stride_bytes, dtype=np.int64)  # what a replay's reads cost: strides
+        self.layer_experts = np.array(sizes.layer_experts, dtype=np.int32)
         self._experts: list[np.ndarray] = []
         self._weights: list[np.ndarray] = []
         self._layers: list[int] = []
@@ -223,26 +225,27 @@ def record_text(store, text: str, *, max_tokens: int = 1024, prefill: int = 0, m
     """Route `text` through the model the way generation would see it and return the trace.
 
     The first `prefill` tokens go in as one call per layer (a prompt); every later token is fed alone with
-    the KV cache, as decoding does (teacher forcing: the routing of generating exactly this text).
+    the KV cache, as decoding does (teacher forcing: the routing of generating exactly this text;
+    generate.teacher_forced).
     """
-    from .loading import load
+    from .generate import teacher_forced
+    from .loading import close, load
 
     if max_tokens < 1 or prefill < 0:
         raise UsageError("--max-tokens must be at least 1 and --prefill at least 0")
     model, tokenizer = load(store, memory, io_threads=io_threads)
-    if tokenizer is None:
-        raise UsageError(f"{store} has no tokenizer files; convert from a checkpoint that includes them")
-    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :max_tokens]
-    if ids.shape[1] == 0:
-        raise UsageError("the text has no tokens; pass a non-empty UTF-8 file")
-    prefill = min(prefill, ids.shape[1])
-    with torch.inference_mode(), recording(model) as recorder:
-        past = None
-        steps = ([ids[:, :prefill]] if prefill else []) + [ids[:, i : i + 1] for i in range(prefill, ids.shape[1])]
-        for step in steps:
-            out = model(input_ids=step, past_key_values=past, use_cache=True, logits_to_keep=1)
-            past = out.past_key_values
-    return recorder.trace(prefill_tokens=prefill, text_tokens=int(ids.shape[1]))
+    try:
+        if tokenizer is None:
+            raise UsageError(f"{store} has no tokenizer files; convert from a checkpoint that includes them")
+        ids = tokenizer(text)["input_ids"][:max_tokens]
+        if not ids:
+            raise UsageError("the text has no tokens; pass a non-empty UTF-8 file")
+        prefill = min(prefill, len(ids))
+        with recording(model) as recorder:
+            teacher_forced(model, ids, prefill)
+        return recorder.trace(prefill_tokens=prefill, text_tokens=len(ids))
+    finally:
+        close(model)
 
 
 def popularity(trace: Trace) -> np.ndarray:

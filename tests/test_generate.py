@@ -1,0 +1,76 @@
+"""The generation core (generate.py) on a plain transformers model: the tokens transformers' generate
+would give, exactly N tokens on request, the first-token callback, one timing definition, teacher forcing."""
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from moestream.generate import Timing, decode_rate, generate_step, stream, teacher_forced, timed
+
+PROMPT = [5, 17, 99, 3, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3_moe", seed=4).eval()  # a transformers model, not loaded through moestream
+
+
+def _transformers(model, new_tokens, **sampling):
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0, **sampling)
+    return out[0, len(PROMPT):].tolist()
+
+
+def test_stream_gives_the_tokens_of_transformers_generate(model):
+    assert timed(model, PROMPT, 12).token_ids == _transformers(model, 12, do_sample=False)
+    sampled = stream(model, None, PROMPT, 12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True).token_ids
+    torch.manual_seed(3)
+    assert sampled == _transformers(model, 12, do_sample=True, temperature=0.8, top_p=0.9, top_k=0)
+
+
+def test_ignore_eos_gives_exactly_n_tokens(model):
+    first = next(generate_step(model, PROMPT))
+    model.generation_config.eos_token_id = first  # the greedy first token is now end of sequence
+    try:
+        ended = stream(model, None, PROMPT, 8, greedy=True)
+        assert ended.token_ids == [first] and ended.finish_reason == "stop"
+        exact = stream(model, None, PROMPT, 8, greedy=True, ignore_eos=True)
+        assert len(exact.token_ids) == 8 and first not in exact.token_ids and exact.finish_reason == "length"
+    finally:
+        model.generation_config.eos_token_id = None
+
+
+def test_first_token_callback_runs_once_before_decoding(model):
+    passes, seen = [], []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: passes.append(args[0].shape[1]))
+    try:
+        result = stream(model, None, PROMPT, 5, greedy=True, ignore_eos=True, on_first_token=lambda: seen.append(len(passes)))
+    finally:
+        hook.remove()
+    assert seen == [1]  # called once, after the prefill pass and before the first decode pass
+    assert passes == [len(PROMPT), 1, 1, 1, 1] and len(result.token_ids) == 5
+    timing = result.timing
+    assert timing.start <= timing.first <= timing.last and timing.new_tokens == 5
+    assert result.time_to_first_token == timing.first - timing.start
+    assert result.decode_tokens_per_second == pytest.approx(4 / (timing.last - timing.first))
+
+
+def test_one_definition_of_ttft_and_decode_rate():
+    t = Timing(start=10.0, first=12.0, last=14.0, new_tokens=5)
+    assert t.time_to_first_token == 2.0  # prefill + one sampling
+    assert t.decode_tokens_per_second == 2.0  # 4 tokens after the first, in 2 s: the prefill does not count
+    assert t.seconds == 4.0
+    assert Timing(0.0, 1.0, 1.0, 1).decode_tokens_per_second == 0.0  # one token: no decode rate
+    assert decode_rate(0, 0.0) == 0.0
+
+
+def test_teacher_forced_feeds_prefill_then_one_token_per_pass(model):
+    calls = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
+    try:
+        assert teacher_forced(model, PROMPT, prefill=3) == 4
+    finally:
+        hook.remove()
+    assert calls == [3, 1, 1, 1]
