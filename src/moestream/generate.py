@@ -6,7 +6,7 @@ Three layers, as in mlx-lm:
 - `generate_step()` yields new token ids, one forward pass each (the prompt in one pass, then each new
   token alone with the KV cache), chosen by a sampler (`make_sampler`: greedy or temperature/top-p with
   transformers' own warpers);
-- `stream()` drives it: max tokens, end of sequence (or exactly N tokens with `ignore_eos`), stop
+- `stream()` (mlx-lm's stream_generate) drives it: max tokens, end of sequence (or exactly N tokens with `ignore_eos`), stop
   sequences, final text per token to a callback, a callback at the first token, a seed, a cancel flag
   and a deadline checked between tokens; it returns a `GenerationResult` with its `Timing`;
 - `generate()` is the `moestream generate` command's call.
@@ -19,14 +19,13 @@ Three layers, as in mlx-lm:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
-
-import inspect
 
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper

@@ -119,7 +119,9 @@ class ModelSizes:
             counts.append(module.num_experts)
             weights = max(weights, sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-        resident = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n not in expert_names and n not in tied)
+        resident = sum(
+            t.numel() * t.element_size() for n, t in model.state_dict().items() if n not in expert_names and n not in tied
+        )
         embedding = model.get_input_embeddings().weight
         output = model.get_output_embeddings()
         untied = output is None or output.weight is not embedding

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from .errors import UsageError
-from .sizes import ModelSizes
 from .options import add_memory_argument, non_negative, positive, read_text_file, trace_output
+from .sizes import ModelSizes
 
 TRACE_FORMAT = "moestream-trace"
 TRACE_VERSION = 1
