@@ -116,7 +116,7 @@ def test_empty_prompt_is_a_one_line_error_from_the_command_line(store):
     [
         (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
         (["--max-new-tokens", "-3"], "--max-new-tokens must be positive"),
-        (["--temperature", "-1"], "--temperature cannot be negative"),
+        (["--temperature", "-1"], "--temperature must be 0 or more"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--io-threads", "0"], "--io-threads must be positive"),
         (["--memory=-1GiB"], "-1GiB"),
@@ -161,6 +161,9 @@ def test_bad_paths_and_sizes_are_one_line_errors(store, tmp_path, capsys):
         (["bench", str(store), "--json", str(tmp_path)], "is a directory"),
         (["trace", str(store), "--text", str(tmp_path), "-o", str(tmp_path / "no" / "dir.npz")], "does not exist"),
         (["demo", "--tokens", "0"], "--tokens must be positive"),
+        (["verify", str(tmp_path / "none")], "does not exist"),
+        (["convert", str(store), str(store / "manifest.json"), "--overwrite"], "is a file"),
+        (["plan", str(store), "--compute=-5"], "--compute"),
     ):
         assert main(argv) == 2, argv
         assert expected in _one_line_error(capsys), argv

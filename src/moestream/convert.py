@@ -463,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.src).is_dir():
         what = "does not exist" if not Path(args.src).exists() else "is not a directory"
         raise UsageError(f"{args.src} {what}; pass a Hugging Face checkpoint directory (config.json, *.safetensors)")
+    if Path(args.dst).exists() and not Path(args.dst).is_dir():
+        raise UsageError(f"{args.dst} is a file; pass the path of a store directory to create (--overwrite replaces only a directory)")
     dst = convert(
         args.src,
         args.dst,

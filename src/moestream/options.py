@@ -127,7 +127,7 @@ def positive(value: int | float, option: str) -> int | float:
 
 def non_negative(value: int | float, option: str) -> int | float:
     if value is None or not value >= 0:
-        raise UsageError(f"{option} cannot be negative, not {value}")
+        raise UsageError(f"{option} must be 0 or more, not {value}")
     return value
 
 

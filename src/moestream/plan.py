@@ -591,6 +591,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--disk-dir {args.disk_dir} is not a directory; pass the directory on the disk to measure")
     if args.trace:
         existing_file(args.trace, "--trace", "trace file (.npz) from `moestream trace`")
+    try:
+        milliseconds = float(args.compute)
+    except ValueError:
+        milliseconds = None  # a word (measure, bandwidth, none): plan_from_args checks it
+    if milliseconds is not None:
+        positive(milliseconds, "--compute (milliseconds per token)")
     plan, title = plan_from_args(
         args.config, args.memory, cache=args.cache, bits=args.bits, group_size=args.group_size, overhead=args.overhead,
         trace_path=args.trace, policy=args.policy, disk_bandwidth=args.disk_bandwidth, disk_dir=args.disk_dir,

@@ -209,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    if not Path(args.store).is_dir():
+        what = "does not exist" if not Path(args.store).exists() else "is not a directory"
+        raise StoreError(f"{args.store} {what}; pass a store directory made by `moestream convert`")
     report = verify_store(args.store, quick=args.quick, progress=not args.json)
     print(json.dumps(report.to_json()) if args.json else report.summary())
     return 0 if report.ok else 1
