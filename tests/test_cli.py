@@ -167,3 +167,19 @@ def test_bad_paths_and_sizes_are_one_line_errors(store, tmp_path, capsys):
     ):
         assert main(argv) == 2, argv
         assert expected in _one_line_error(capsys), argv
+
+
+def test_every_help_works_without_the_optional_extras():
+    """Verb modules import FastAPI, uvicorn and matplotlib only when they run."""
+    code = """
+import argparse, sys
+sys.modules["fastapi"] = sys.modules["uvicorn"] = sys.modules["matplotlib"] = None  # as if not installed
+from moestream.cli import build_parser
+parser = build_parser()
+(action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+for name, sub in action.choices.items():
+    print(sub.format_help().splitlines()[0])
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "usage: moestream serve" in done.stdout and "usage: moestream simulate" in done.stdout, done.stdout
