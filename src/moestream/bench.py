@@ -124,9 +124,9 @@ def replay_reads(store: Store, reads: list[tuple[int, int, int]], threads: int =
     call's misses) go out together and are all waited for, then the next batch, as in decoding.
 
     Replaying the run's own reads, not a synthetic probe, matters twice over: small records are bound by
-    latency (a deep queue of 192 KiB reads is about twice as fast as the 1..top_k reads of a decode step),
-    and virtual disks cache recently read blocks on the host (a cold read here ran at 0.3-0.4 GB/s, the
-    same bytes read again at 0.9), so only the same bytes in the same order make a fair yardstick. The
+    latency (a deep queue of small reads is much faster than the 1..top_k reads of a decode step), and
+    virtual disks cache recently read blocks on the host (the same bytes read again come faster than
+    cold ones; docs/BENCHMARKS.md), so only the same bytes in the same order make a fair yardstick. The
     replay comes right after the run, so any host cache favours it: the floor errs low, efficiency with it.
     """
     batches: list[list[tuple[int, int, int]]] = []

@@ -45,7 +45,7 @@ from .skeleton import build_skeleton, experts_modules, model_dtype
 from .units import format_bytes
 
 # Besides resident weights and the expert cache a process holds the Python/torch/transformers runtime
-# (330-370 MiB measured, docs/BENCHMARKS.md), activations and the KV cache of a short context.
+# (its measured size is in docs/BENCHMARKS.md), activations and the KV cache of a short context.
 DEFAULT_OVERHEAD = "512MiB"
 DISK_PROBE_BYTES = 256 * 2**20
 
@@ -91,9 +91,9 @@ def measure_disk_reads(directory: str | os.PathLike, stride_bytes: int, top_k: i
     call with m misses waits for (the engine's reader, `threads` I/O threads, O_DIRECT).
 
     Measured on a temporary file written in `directory`, flushed to disk and dropped from the page cache
-    first, so the reads come from the device. Small records are dominated by latency, not bandwidth: on
-    the development VM one 192 KiB read takes 0.5 ms and four in parallel 1.7 ms, about 0.45 GB/s, while a
-    deep queue of the same reads reaches 0.9 GB/s; decoding never has that deep a queue. A filesystem
+    first, so the reads come from the device. Small records are dominated by latency, not bandwidth: a
+    few reads issued together run far below what a deep queue of the same reads reaches, and decoding
+    never has that deep a queue (docs/BENCHMARKS.md). A filesystem
     that refuses O_DIRECT (tmpfs) would measure memory, so it is refused."""
     from .reader import RecordReader
 
@@ -191,7 +191,7 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
     Also measured, on the deeper cut: what a miss costs the model thread beyond waiting for its read
     (submitting it, the I/O threads' CPU and GIL time on a two-core box, allocating and evicting a slot,
     viewing the bytes), by decoding again with a cache of one layer's experts: (time per token - time
-    waiting for reads - all-hits time) / misses per token. With 192 KiB experts this is as large as the
+    waiting for reads - all-hits time) / misses per token. For small experts this is of the order of the
     reads themselves (docs/BENCHMARKS.md, "Forecast against measurement")."""
     from transformers import AutoModelForCausalLM
 
