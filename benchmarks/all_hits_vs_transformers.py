@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         store = moestream.convert(args.checkpoint, f"{tmp}/store", progress=False)
-        streamed, _ = moestream.load(store, moestream.store.Store(store).manifest.expert_bytes * 2)
+        streamed, _ = moestream.load(store, moestream.conversion.store.Store(store).manifest.expert_bytes * 2)
         reference = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
         ids = AutoTokenizer.from_pretrained(args.checkpoint)(args.prompt, return_tensors="pt").input_ids
         decode_rate(streamed, ids, args.tokens)  # warm-up: reads every expert the prompt needs once
@@ -45,8 +45,10 @@ def main() -> None:
             assert torch.equal(a, b), "greedy tokens differ"
         best = {k: max(v) for k, v in rates.items()}
         print(f"transformers fully loaded: {best['transformers']:.1f} tok/s (best of {args.repeats})")
-        print(f"moestream, all experts cached: {best['moestream']:.1f} tok/s (best of {args.repeats}), "
-              f"hit rate {moestream.stats(streamed)['hit_rate']:.1%}")
+        print(
+            f"moestream, all experts cached: {best['moestream']:.1f} tok/s (best of {args.repeats}), "
+            f"hit rate {moestream.stats(streamed)['hit_rate']:.1%}"
+        )
         print(f"ratio moestream / transformers: {best['moestream'] / best['transformers']:.2f}; greedy tokens identical")
 
 

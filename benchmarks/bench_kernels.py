@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from moestream.kernels import expert_linear
-from moestream.quant import QuantFormat, pack, quantize
+from moestream.conversion.quant import QuantFormat, pack, quantize
+from moestream.core.kernels import expert_linear
 
 SHAPES = {"Qwen3-30B-A3B (2048 -> 768 -> 2048)": (2048, 768), "DeepSeek-V3 (7168 -> 2048 -> 7168)": (7168, 2048)}
 FORMATS = ["bf16", "fp32", "int8", "int4", "int3", "int2"]
@@ -72,7 +72,9 @@ def main() -> None:
                 nbytes = sum(t.numel() * t.element_size() for t in record.values())
                 seconds = _time_expert(record, fmt, dtype, hidden, inter, batch, args.repeats)
                 base = base or seconds
-                print(f"{f:>6} {nbytes / 2**20:>10.2f} | {batch:>5} {seconds * 1e3:>9.3f} {nbytes / seconds / 1e9:>11.2f} {base / seconds:>6.2f}x")
+                print(
+                    f"{f:>6} {nbytes / 2**20:>10.2f} | {batch:>5} {seconds * 1e3:>9.3f} {nbytes / seconds / 1e9:>11.2f} {base / seconds:>6.2f}x"
+                )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,24 @@ def status_bytes(pid: int, field: str) -> int:
 
 def generate_cli(store: str, memory: str, prompt: str, tokens: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "moestream.cli", "generate", store, "--memory", memory, "--prompt", prompt,
-         "--max-new-tokens", str(tokens), "--greedy", "--json"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "moestream.cli",
+            "generate",
+            store,
+            "--memory",
+            memory,
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            str(tokens),
+            "--greedy",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return json.loads(out)
 
@@ -74,9 +89,23 @@ def main() -> None:
 
     log = Path(tempfile.mkdtemp()) / "serve.log"
     server = subprocess.Popen(
-        [sys.executable, "-m", "moestream.cli", "serve", args.store, "--memory", args.memory, "--port", "0",
-         "--model-name", "m", "--log-level", "warning"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "moestream.cli",
+            "serve",
+            args.store,
+            "--memory",
+            args.memory,
+            "--port",
+            "0",
+            "--model-name",
+            "m",
+            "--log-level",
+            "warning",
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
     )
     try:
         while not (match := re.search(r"at (http://\S+)/v1", log.read_text())):
@@ -94,7 +123,9 @@ def main() -> None:
             load_before = os.getloadavg()[0]
             cli = generate_cli(args.store, args.memory, args.prompt, args.tokens)
             text, ttft, decode, total = timed_stream(
-                lambda: client.completions.create(model="m", prompt=args.prompt, max_tokens=args.tokens, temperature=0, stream=True),
+                lambda: client.completions.create(
+                    model="m", prompt=args.prompt, max_tokens=args.tokens, temperature=0, stream=True
+                ),
                 lambda c: c.choices[0].text if c.choices else "",
             )
             n = len(cli["token_ids"])
@@ -126,8 +157,13 @@ def main() -> None:
         def ask(i: int):
             return timed_stream(
                 lambda: client.chat.completions.create(
-                    model="m", messages=[{"role": "user", "content": questions[i]}], max_tokens=args.tokens,
-                    temperature=1.0, seed=i, stream=True, stream_options={"include_usage": True},
+                    model="m",
+                    messages=[{"role": "user", "content": questions[i]}],
+                    max_tokens=args.tokens,
+                    temperature=1.0,
+                    seed=i,
+                    stream=True,
+                    stream_options={"include_usage": True},
                 ),
                 lambda c: c.choices[0].delta.content if c.choices else "",
             )
@@ -144,12 +180,16 @@ def main() -> None:
         totals = sorted(t[3] for t in together)
         peak = status_bytes(server.pid, "VmHWM")
         print(f"{args.concurrent} concurrent streamed chat requests, {args.tokens} tokens max, seeded sampling:")
-        print(f"  all complete: {len(together)}; each equals its solo answer: {all(a[0] == b[0] for a, b in zip(together, solo))}")
+        print(
+            f"  all complete: {len(together)}; each equals its solo answer: {all(a[0] == b[0] for a, b in zip(together, solo))}"
+        )
         print(f"  wall {wall:.1f} s, {generated:.0f} tokens, {generated / wall:.1f} tok/s over all requests")
         print(f"  first text after: min {ttfts[0]:.2f} s, median {statistics.median(ttfts):.2f} s, max {ttfts[-1]:.2f} s")
         print(f"  request latency: min {totals[0]:.2f} s, median {statistics.median(totals):.2f} s, max {totals[-1]:.2f} s")
         print(f"  load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
-        print(f"  server RSS at ready {rss_ready / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{(peak - rss_ready) / 2**20:.0f} MiB)")
+        print(
+            f"  server RSS at ready {rss_ready / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{(peak - rss_ready) / 2**20:.0f} MiB)"
+        )
     finally:
         server.terminate()
         server.wait(timeout=60)

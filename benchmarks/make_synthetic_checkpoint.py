@@ -2,7 +2,7 @@
 
     python benchmarks/make_synthetic_checkpoint.py OUT [--layers 16] [--experts 64] [--hidden 1024] [--expert-width 512] [--zipf 1.2]
 
---zipf skews expert popularity (router biases, moestream.synthetic.skew_router) so that a cache has
+--zipf skews expert popularity (router biases, moestream.conversion.synthetic.skew_router) so that a cache has
 something to find; without it random routers pick experts almost uniformly.
 """
 
@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from moestream.synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
+from moestream.conversion.synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
 
 
 def main() -> None:
@@ -25,10 +25,20 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=0.0, help="Zipf exponent of expert popularity (0: no skew)")
     args = parser.parse_args()
     model = make_model(
-        "qwen3_moe", seed=0, vocab_size=VOCAB_SIZE, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        moe_intermediate_size=args.expert_width, num_hidden_layers=args.layers, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=args.hidden // 8, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        max_position_embeddings=512, dtype=torch.bfloat16,
+        "qwen3_moe",
+        seed=0,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.expert_width,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        max_position_embeddings=512,
+        dtype=torch.bfloat16,
     )
     if args.zipf:
         skew_router(model, args.zipf)

@@ -18,8 +18,8 @@ import statistics
 import torch
 
 import moestream
-from moestream.generate import timed
-from moestream.loading import engine_of
+from moestream.core.loading import engine_of
+from moestream.frontends.generate import timed
 
 
 def main() -> None:
@@ -44,7 +44,9 @@ def main() -> None:
             if args.text:
                 ids = tokenizer(open(args.text).read(), return_tensors="pt").input_ids[:, : args.prompt_tokens]
             else:
-                ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+                ids = torch.randint(
+                    0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0)
+                )
             engine = engine_of(model)
             rate = timed(model, ids, args.new_tokens).decode_tokens_per_second
             s = engine.stats()
@@ -59,7 +61,11 @@ def main() -> None:
             engine.close()
     medians = {mode: statistics.median(r) for mode, r in rates.items()}
     best = max(medians["on"], medians["off"])
-    print("median tok/s: " + ", ".join(f"{m} {v:.2f}" for m, v in medians.items()) + f"; auto / best of on,off = {medians['auto'] / best:.3f}")
+    print(
+        "median tok/s: "
+        + ", ".join(f"{m} {v:.2f}" for m, v in medians.items())
+        + f"; auto / best of on,off = {medians['auto'] / best:.3f}"
+    )
 
 
 if __name__ == "__main__":

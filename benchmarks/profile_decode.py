@@ -12,7 +12,7 @@ import cProfile
 import pstats
 
 import moestream
-from moestream.generate import timed
+from moestream.frontends.generate import timed
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import moestream
-from moestream.generate import generate
+from moestream.frontends.generate import generate
 
 
 def main() -> None:

@@ -7,9 +7,9 @@ import torch
 from tiny import tiny_checkpoint
 
 import moestream
-from moestream.bench import bench, replay_reads, run_moestream
 from moestream.cli import main
-from moestream.store import Store
+from moestream.conversion.store import Store
+from moestream.tools.bench import bench, replay_reads, run_moestream
 
 
 @pytest.fixture(scope="module")

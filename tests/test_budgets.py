@@ -5,8 +5,8 @@ import torch
 from tiny import tiny_checkpoint
 
 import moestream
+from moestream.conversion.store import Store
 from moestream.errors import UsageError
-from moestream.store import Store
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_tiny_budget_and_full_budget_give_identical_tokens(store):
     prompt = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(3))
 
     small, small_stats = _greedy(store, top_k * slot, prompt)  # the minimum: one token's experts
-    full, full_stats = _greedy(store, sum(l.num_experts for l in manifest.layers) * slot, prompt)
+    full, full_stats = _greedy(store, sum(layer.num_experts for layer in manifest.layers) * slot, prompt)
     assert torch.equal(small, full)
     # The small budget evicted experts of every layer; the full one never evicted anything.
     assert all(layer["evictions"] > 0 for layer in small_stats["layers"])

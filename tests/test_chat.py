@@ -12,10 +12,10 @@ import pytest
 from tiny import tiny_checkpoint
 
 import moestream
-from moestream.chat import ChatSession, run_chat
 from moestream.cli import main
-from moestream.generate import FALLBACK_CHAT_TEMPLATE, IncrementalText, chat_prompt, encode, stream
-from moestream.synthetic import byte_tokenizer
+from moestream.conversion.synthetic import byte_tokenizer
+from moestream.frontends.chat import ChatSession, run_chat
+from moestream.frontends.generate import FALLBACK_CHAT_TEMPLATE, IncrementalText, chat_prompt, encode, stream
 
 BUDGET = 40 * 2**10
 
@@ -57,7 +57,9 @@ def test_chat_prompt_uses_the_template_or_the_documented_fallback():
     tok = byte_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert chat_prompt(tok, messages) == "System: Be brief.\n\nUser: Hi\n\nAssistant:"
-    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     assert chat_prompt(tok, messages) == "<system>Be brief.<user>Hi<assistant>"
     assert "Assistant:" in FALLBACK_CHAT_TEMPLATE
 
@@ -116,7 +118,9 @@ def test_chat_keeps_the_conversation_and_ctrl_c_stops_only_the_answer(loaded):
     assert next(lines) == "never read"
     # After /reset the conversation is the last exchange alone, and its answer is the first one again.
     assert [m["role"] for m in session.messages] == ["user", "assistant"]
-    first = stream(model, tok, encode(tok, chat_prompt(tok, [{"role": "user", "content": "Hello"}]), templated=True), 24, greedy=True)
+    first = stream(
+        model, tok, encode(tok, chat_prompt(tok, [{"role": "user", "content": "Hello"}]), templated=True), 24, greedy=True
+    )
     assert session.messages[1]["content"] == first.text
     assert session.answers == 3
 
@@ -126,8 +130,12 @@ def test_chat_sends_the_whole_conversation_and_drops_the_oldest_when_full(loaded
     session = ChatSession(model, tok, system="Be brief.", max_new_tokens=16, greedy=True)
     one = session.ask("first question")
     two = session.ask("second question")
-    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first question"},
-               {"role": "assistant", "content": one.text}, {"role": "user", "content": "second question"}]
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": one.text},
+        {"role": "user", "content": "second question"},
+    ]
     expected = stream(model, tok, encode(tok, chat_prompt(tok, history), templated=True), 16, greedy=True)
     assert two.text == expected.text and two.prompt_tokens == expected.prompt_tokens
     notes = []
@@ -141,7 +149,10 @@ def test_chat_command_line(store):
     """The command end to end: banner, an answer, /stats, /exit; Ctrl-D works as /exit."""
     run = subprocess.run(
         [sys.executable, "-m", "moestream.cli", "chat", str(store), "--memory", str(BUDGET), "--greedy", "--max-new-tokens", "8"],
-        input="Hello\n/stats\n", capture_output=True, text=True, timeout=300,
+        input="Hello\n/stats\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     assert "moestream chat" in run.stdout and "hit rate" in run.stdout and "no chat template" in run.stdout

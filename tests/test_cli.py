@@ -51,7 +51,7 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
 
 
 def test_layer_dtype_counts_from_the_end_as_written(tmp_path):
-    from moestream.store import Store
+    from moestream.conversion.store import Store
 
     _, ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", seed=4)
     # "-1=int8" as its own argument: argparse alone would take it for an unknown option.

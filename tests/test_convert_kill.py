@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 import moestream
+from moestream.conversion.store import MANIFEST, Store
+from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.errors import StoreError, UsageError
-from moestream.store import MANIFEST, Store
-from moestream.synthetic import make_model, save_checkpoint
 from moestream.units import format_bytes
 
 # fork, SIGKILL and the converter's posix_fadvise: POSIX only, like moestream itself.
@@ -32,8 +32,17 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and 
 LAYERS = 4
 # A Mixtral small enough to convert in about a second, with experts big enough that each experts file
 # takes a visible time to write.
-CONFIG = dict(vocab_size=258, hidden_size=128, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=4,
-              num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+CONFIG = dict(
+    vocab_size=258,
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
 # The converter copies the model config into manifest.json, and json.dump with indent= encodes in pure
 # Python: a long list in the config keeps manifest.json.partial on disk for a few hundred milliseconds,
 # long enough to be seen and killed. A real config is small, so that window is otherwise microseconds.
@@ -238,7 +247,7 @@ def test_full_disk_is_a_clear_error_naming_the_space_needed(tmp_path, monkeypatc
     experts = sum(layer.layout.stride * layer.num_experts for layer in manifest.layers)
     need = resident + experts + 64 * 2**20
 
-    converter_module = sys.modules["moestream.convert"]  # the package's `convert` attribute is the function
+    converter_module = sys.modules["moestream.conversion.convert"]  # the package's `convert` attribute is the function
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(converter_module.shutil, "disk_usage", lambda path: usage(2**40, 2**40 - 5 * 2**20, 5 * 2**20))
     with pytest.raises(UsageError) as info:

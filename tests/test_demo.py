@@ -1,6 +1,6 @@
 """`moestream demo` (the README's main job) runs end to end on its quick model."""
 
-from moestream.demo import run_demo
+from moestream.tools.demo import run_demo
 
 
 def test_quick_demo_runs_and_skew_raises_the_hit_rate(tmp_path, capsys):

@@ -6,7 +6,7 @@ from tiny import TINY, tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 import moestream
-from moestream.store import Store
+from moestream.conversion.store import Store
 
 
 def _budget_below_half(store) -> int:

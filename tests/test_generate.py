@@ -5,7 +5,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from moestream.generate import Timing, decode_rate, generate_step, stream, teacher_forced, timed
+from moestream.frontends.generate import Timing, decode_rate, generate_step, stream, teacher_forced, timed
 
 PROMPT = [5, 17, 99, 3, 42, 7]
 
@@ -18,9 +18,15 @@ def model():
 def _transformers(model, new_tokens, **sampling):
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=0, **sampling)
-    return out[0, len(PROMPT):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+            **sampling,
+        )
+    return out[0, len(PROMPT) :].tolist()
 
 
 def test_stream_gives_the_tokens_of_transformers_generate(model):

@@ -17,14 +17,14 @@ from tiny import TINY
 
 import moestream
 from moestream.cli import main
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import make_model, save_checkpoint
+from moestream.conversion.verify import verify_store
+from moestream.core.cache import State
+from moestream.core.engine import ExpertEngine
+from moestream.core.reader import RecordFile
+from moestream.core.skeleton import experts_modules
 from moestream.errors import ExpertReadError, RecordChecksumError, StoreError
-from moestream.reader import RecordFile
-from moestream.cache import State
-from moestream.engine import ExpertEngine
-from moestream.skeleton import experts_modules
-from moestream.store import Store
-from moestream.synthetic import make_model, save_checkpoint
-from moestream.verify import verify_store
 
 EXPERTS, TOP_K = 32, 2
 
@@ -111,7 +111,7 @@ def test_fifty_flipped_records_are_found_by_verify_and_at_run_time(pristine, sto
             assert engine.cache.lookup((layer, e)) is None  # damaged bytes never stay cached
             _assert_cache_consistent(engine)
         # The engine keeps working for records that are intact, with the right numbers.
-        layer, e = next((l, e) for l, e in _records(store) if (l, e) not in damaged and (l, (e + 1) % EXPERTS) not in damaged)
+        layer, e = next((i, e) for i, e in _records(store) if (i, e) not in damaged and (i, (e + 1) % EXPERTS) not in damaged)
         assert torch.equal(_run_expert(engine, model, layer, e), _run_expert(reference, model, layer, e))
     finally:
         engine.close()

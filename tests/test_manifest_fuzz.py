@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from tiny import TINY, tiny_checkpoint
 
 import moestream
+from moestream.conversion.store import MANIFEST, Store, parse_manifest
+from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.errors import StoreError
-from moestream.store import MANIFEST, Store, parse_manifest
-from moestream.synthetic import make_model, save_checkpoint
 
 # Explicit so that CI runs this many examples whatever the hypothesis profile says. No example database:
 # runs do not depend on earlier ones, and a failure prints the falsifying input anyway. (Hypothesis still
@@ -189,8 +189,14 @@ def seeds(tmp_path_factory):
     float_store = moestream.convert(ckpt, root / "float", progress=False)
     # int4 needs every experts matrix's inputs to be a multiple of its group size.
     model = make_model("mixtral", seed=7, **dict(TINY["mixtral"], intermediate_size=32))
-    quantized = moestream.convert(save_checkpoint(model, root / "hf-quantized"), root / "quantized", "int4",
-                                  layer_dtypes=["1=int8"], group_size=32, progress=False)
+    quantized = moestream.convert(
+        save_checkpoint(model, root / "hf-quantized"),
+        root / "quantized",
+        "int4",
+        layer_dtypes=["1=int8"],
+        group_size=32,
+        progress=False,
+    )
     return {"float": float_store, "quantized": quantized}
 
 
@@ -317,9 +323,30 @@ def _edit(data: bytes, pos: int, kind: str, token: bytes) -> bytes:
 # Tokens that break a JSON decoder in ways other than a syntax error: nesting deeper than the recursion
 # limit, integers longer than Python's int/str conversion limit, non-finite numbers, escaped NUL and
 # lone surrogates, bytes that are not UTF-8; and ordinary tokens that shift a structure.
-JSON_TOKENS = [b"[" * 100_000, b'{"a":' * 50_000, b"1" * 5000, b"-" + b"9" * 4301, b"NaN", b"-Infinity", b"1e999",
-               b'"\\u0000"', b'"\\ud800"', b"\xff", b"\xc3", b"\x00", b"}", b"]", b",", b'"', b"null", b"true", b"0",
-               b"4096", b"-1", b'"../../etc/passwd"']
+JSON_TOKENS = [
+    b"[" * 100_000,
+    b'{"a":' * 50_000,
+    b"1" * 5000,
+    b"-" + b"9" * 4301,
+    b"NaN",
+    b"-Infinity",
+    b"1e999",
+    b'"\\u0000"',
+    b'"\\ud800"',
+    b"\xff",
+    b"\xc3",
+    b"\x00",
+    b"}",
+    b"]",
+    b",",
+    b'"',
+    b"null",
+    b"true",
+    b"0",
+    b"4096",
+    b"-1",
+    b'"../../etc/passwd"',
+]
 EDIT_KINDS = st.sampled_from(["insert", "replace", "truncate", "delete"])
 TOKENS = st.one_of(st.sampled_from(JSON_TOKENS), st.binary(max_size=4))
 SMALL_BINARY = st.binary(max_size=200)
@@ -401,7 +428,7 @@ NOT_INTS = [
     (("experts", "layers", 0, "tensors", 1, "offset"), 1024.0),
     (("experts", "layers", 0, "record_bytes"), 2048.0),
     (("resident", "files", 0, "size"), 1.0e3),
-    (("format_version", ), 2.0),
+    (("format_version",), 2.0),
 ]
 
 

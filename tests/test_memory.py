@@ -5,9 +5,9 @@ import os
 import torch
 
 import moestream
-from moestream.memory import current_rss_bytes, page_cache_bytes, peak_rss_bytes, reset_peak_rss
-from moestream.store import Store
-from moestream.synthetic import VOCAB_SIZE, make_model, save_checkpoint
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import VOCAB_SIZE, make_model, save_checkpoint
+from moestream.core.memory import current_rss_bytes, page_cache_bytes, peak_rss_bytes, reset_peak_rss
 
 # What a process needs beyond resident weights + expert budget while decoding this small model:
 # activations, the KV cache, transformers' generate bookkeeping and allocator slack.
@@ -16,9 +16,20 @@ STATED_OVERHEAD = 64 * 2**20
 
 def test_peak_rss_stays_within_resident_plus_budget(tmp_path):
     model = make_model(
-        "qwen3_moe", seed=11, vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=128,
-        num_experts_per_tok=4, max_position_embeddings=256, dtype=torch.bfloat16,
+        "qwen3_moe",
+        seed=11,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=128,
+        num_experts_per_tok=4,
+        max_position_embeddings=256,
+        dtype=torch.bfloat16,
     )
     ckpt = save_checkpoint(model, tmp_path / "hf")
     del model

@@ -11,14 +11,14 @@ from tiny import TINY, tiny_checkpoint
 
 import moestream
 from moestream.cli import main
+from moestream.conversion.sizes import ModelSizes
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import make_model, save_checkpoint
+from moestream.core.policies import DEFAULT_POLICY
 from moestream.errors import UsageError
-from moestream.plan import make_plan, measure_compute, read_config
-from moestream.policies import DEFAULT_POLICY
-from moestream.simulate import replay
-from moestream.sizes import ModelSizes
-from moestream.store import Store
-from moestream.synthetic import make_model, save_checkpoint
-from moestream.trace import Trace
+from moestream.tools.plan import make_plan, measure_compute, read_config
+from moestream.tools.simulate import replay
+from moestream.tools.trace import Trace
 
 CONFIGS = Path(__file__).parent.parent / "examples" / "configs"
 MiB = 2**20
@@ -36,8 +36,15 @@ def _resident_payload(store: Path) -> int:
 
 @pytest.mark.parametrize(
     "family, experts_dtype, bits",
-    [("qwen3_moe", "bf16", 16), ("qwen3_moe", "int8", 8), ("qwen3_moe", "int4", 4), ("qwen3_moe", "int2", 2),
-     ("gpt_oss", "int8", 8), ("deepseek_v3", "bf16", 16), ("deepseek_v4", "int8", 8)],
+    [
+        ("qwen3_moe", "bf16", 16),
+        ("qwen3_moe", "int8", 8),
+        ("qwen3_moe", "int4", 4),
+        ("qwen3_moe", "int2", 2),
+        ("gpt_oss", "int8", 8),
+        ("deepseek_v3", "bf16", 16),
+        ("deepseek_v4", "int8", 8),
+    ],
 )
 def test_plan_counts_equal_the_converted_store(tmp_path, family, experts_dtype, bits):
     if experts_dtype in ("int4", "int2"):  # expert widths the int4 kernel takes: inputs a multiple of the group
@@ -65,8 +72,13 @@ def test_plan_counts_equal_the_converted_store(tmp_path, family, experts_dtype, 
 # Published totals (model cards), in billions of parameters; the MTP layers of DeepSeek are not part of the
 # model transformers builds and are not counted in these totals either.
 PUBLISHED = {
-    "DeepSeek-V3": 671, "DeepSeek-V4-Flash": 284, "DeepSeek-V4-Pro": 1600, "Qwen3-235B-A22B": 235,
-    "Qwen3-30B-A3B": 30.5, "Mixtral-8x22B": 141, "gpt-oss-120b": 116.8,
+    "DeepSeek-V3": 671,
+    "DeepSeek-V4-Flash": 284,
+    "DeepSeek-V4-Pro": 1600,
+    "Qwen3-235B-A22B": 235,
+    "Qwen3-30B-A3B": 30.5,
+    "Mixtral-8x22B": 141,
+    "gpt-oss-120b": 116.8,
 }
 
 
@@ -105,9 +117,13 @@ def _trace(layers: int, experts: int, top_k: int, tokens: int = 50) -> Trace:
     rng = np.random.default_rng(0)
     rows = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens * layers)]).astype(np.int32)
     return Trace(
-        experts=rows, weights=np.ones(rows.shape, np.float32), call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens),
-        call_rows=np.ones(tokens * layers, np.int32), record_bytes=np.full(layers, 4096, np.int64),
-        layer_experts=np.full(layers, experts, np.int32), meta={},
+        experts=rows,
+        weights=np.ones(rows.shape, np.float32),
+        call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens),
+        call_rows=np.ones(tokens * layers, np.int32),
+        record_bytes=np.full(layers, 4096, np.int64),
+        layer_experts=np.full(layers, experts, np.int32),
+        meta={},
     )
 
 
@@ -116,8 +132,7 @@ def test_plan_with_a_trace_replays_it_at_the_planned_record_size(tmp_path, capsy
     sizes = ModelSizes.of_config(config, 4)
     trace = _trace(48, 128, 8)
     memory = sizes.resident_bytes + 512 * MiB + 600 * sizes.stride_bytes
-    plan = make_plan(sizes, memory, overhead=512 * MiB, trace=trace, policy="lfu", disk_bandwidth=2e9,
-                     compute_seconds=0.05)
+    plan = make_plan(sizes, memory, overhead=512 * MiB, trace=trace, policy="lfu", disk_bandwidth=2e9, compute_seconds=0.05)
     assert plan.cache_slots == 600
     expected = replay(trace, 600, "lfu", np.array(sizes.layer_stride_bytes))
     assert plan.hit_rates["lfu"] == expected.hit_rate and plan.bytes_missed_per_token == expected.bytes_per_token
@@ -130,8 +145,22 @@ def test_plan_with_a_trace_replays_it_at_the_planned_record_size(tmp_path, capsy
     prior = make_plan(sizes, memory, overhead=512 * MiB)
     assert prior.hit_rates == {"prior": 600 / sizes.experts} and "prior" in prior.hit_source
     path = trace.save(tmp_path / "t.npz")
-    args = ["plan", str(CONFIGS / "Qwen3-30B-A3B.json"), "--memory", str(memory), "--bits", "4", "--trace", str(path),
-            "--disk-bandwidth", "2GB/s", "--compute", "50", "--policy", "lfu"]
+    args = [
+        "plan",
+        str(CONFIGS / "Qwen3-30B-A3B.json"),
+        "--memory",
+        str(memory),
+        "--bits",
+        "4",
+        "--trace",
+        str(path),
+        "--disk-bandwidth",
+        "2GB/s",
+        "--compute",
+        "50",
+        "--policy",
+        "lfu",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "600 experts" in out and f"lfu {expected.hit_rate:.1%}" in out and "expected decode" in out

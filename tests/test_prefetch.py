@@ -5,7 +5,9 @@ import torch
 from tiny import TINY, tiny_checkpoint
 
 import moestream
-from moestream.prefetch import (
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import make_model, save_checkpoint, skew_router
+from moestream.core.prefetch import (
     AUTO_HOLD_STEPS,
     AUTO_MARGIN,
     AUTO_PROBE_BLOCK,
@@ -13,8 +15,6 @@ from moestream.prefetch import (
     AUTO_WARMUP_STEPS,
     Prefetcher,
 )
-from moestream.store import Store
-from moestream.synthetic import make_model, save_checkpoint, skew_router
 
 
 def test_prefetch_changes_no_tokens_and_is_accounted(tmp_path):

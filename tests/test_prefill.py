@@ -5,9 +5,9 @@ import torch
 from tiny import TINY
 
 import moestream
-from moestream.skeleton import experts_modules
-from moestream.store import Store
-from moestream.synthetic import make_model, save_checkpoint
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import make_model, save_checkpoint
+from moestream.core.skeleton import experts_modules
 
 
 def test_prefill_reads_each_needed_expert_once_per_layer(tmp_path):
@@ -23,7 +23,9 @@ def test_prefill_reads_each_needed_expert_once_per_layer(tmp_path):
         routed = {}
         for layer, (_, module) in enumerate(experts_modules(model)):
             module.register_forward_hook(
-                lambda mod, args, out, layer=layer: routed.setdefault(layer, set()).update(args[1].reshape(-1).tolist())
+                lambda mod, args, out, layer=layer, routed=routed: routed.setdefault(layer, set()).update(
+                    args[1].reshape(-1).tolist()
+                )
             )
         with torch.no_grad():
             logits[slots] = model(prompt).logits

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 import moestream
 from moestream.cli import main
+from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.errors import UsageError
-from moestream.quality import compare, compare_models, token_windows
-from moestream.synthetic import make_model, save_checkpoint
+from moestream.tools.quality import compare, compare_models, token_windows
 
 FAMILY = "qwen3_moe"
 
@@ -120,9 +120,24 @@ def test_cli_json_has_every_field(models, tmp_path, capsys):
     assert main(args + ["--max-tokens", "80", "--context", "40", "--memory", "64KiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     fields = {
-        "store", "reference", "reference_kind", "experts_dtype", "reference_dtype", "tokens", "windows", "context",
-        "store_perplexity", "reference_perplexity", "perplexity_change_percent", "kl_mean", "kl_p99",
-        "top1_agreement", "store_seconds", "reference_seconds", "store_load_seconds", "reference_load_seconds",
+        "store",
+        "reference",
+        "reference_kind",
+        "experts_dtype",
+        "reference_dtype",
+        "tokens",
+        "windows",
+        "context",
+        "store_perplexity",
+        "reference_perplexity",
+        "perplexity_change_percent",
+        "kl_mean",
+        "kl_p99",
+        "top1_agreement",
+        "store_seconds",
+        "reference_seconds",
+        "store_load_seconds",
+        "reference_load_seconds",
         "store_cache",
     }
     assert fields <= set(out) and out["tokens"] == 78 and out["windows"] == 2

@@ -9,12 +9,19 @@ from tiny import TINY
 from transformers import AutoModelForCausalLM
 
 import moestream
+from moestream.conversion.quant import (
+    QuantFormat,
+    compress_kernel_bytes,
+    expand_kernel_bytes,
+    pack,
+    quantize,
+    reference_dequantize,
+)
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import make_model, save_checkpoint
+from moestream.core.kernels import expert_linear
+from moestream.core.skeleton import expert_parameters, experts_modules
 from moestream.errors import StoreError, UsageError
-from moestream.kernels import expert_linear
-from moestream.quant import QuantFormat, compress_kernel_bytes, expand_kernel_bytes, pack, quantize, reference_dequantize
-from moestream.skeleton import expert_parameters, experts_modules
-from moestream.store import Store
-from moestream.synthetic import make_model, save_checkpoint
 
 FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("int3", 32), ("int2", 32), ("int2", 64)]
 
@@ -39,7 +46,9 @@ def test_quantization_error_is_within_half_a_step(name, group):
         # Half a quantization step, plus the rounding of the stored zero (bf16).
         offset_rounding = 0 if q.offsets is None else q.offsets.double().abs().repeat_interleave(fmt.group_size, dim=1) * 2**-7
         assert (error <= 0.5 * step + offset_rounding + 1e-7).all()
-        assert int(q.codes.min()) >= (-127 if name == "int8" else 0) and int(q.codes.max()) <= (127 if name == "int8" else 2**fmt.bits - 1)
+        assert int(q.codes.min()) >= (-127 if name == "int8" else 0) and int(q.codes.max()) <= (
+            127 if name == "int8" else 2**fmt.bits - 1
+        )
 
 
 @pytest.mark.parametrize("bits", [2, 3])
@@ -89,7 +98,7 @@ def _dequantized_reference(ckpt, fmt):
     model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     with torch.no_grad():
         for _, module in experts_modules(model):
-            for name, param in expert_parameters(module):
+            for _name, param in expert_parameters(module):
                 if param.dim() != 3:
                     continue
                 for e in range(param.shape[0]):
@@ -158,7 +167,9 @@ def test_a_store_packed_for_other_cpu_kernels_is_refused(checkpoint, tmp_path):
     for layer in raw["experts"]["layers"]:
         layer["quantization"]["packing"] = "torch-cpu-some-other-isa"
     (store / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(StoreError, match="packed for torch's torch-cpu-some-other-isa kernels.*convert the model again on this machine"):
+    with pytest.raises(
+        StoreError, match="packed for torch's torch-cpu-some-other-isa kernels.*convert the model again on this machine"
+    ):
         moestream.load(store, "1MiB")
 
 

@@ -17,8 +17,8 @@ import pytest
 from tiny import tiny_checkpoint
 
 from moestream.cli import build_parser, main
-from moestream.generate import chat_prompt
-from moestream.synthetic import byte_tokenizer
+from moestream.conversion.synthetic import byte_tokenizer
+from moestream.frontends.generate import chat_prompt
 
 MODEL = "tiny"
 BUDGET = 40 * 2**10
@@ -37,9 +37,25 @@ class Server:
     def __init__(self, store: Path, log: Path, *extra: str):
         self.log = log
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "moestream.cli", "serve", str(store), "--memory", str(BUDGET), "--port", "0",
-             "--model-name", MODEL, "--log-level", "warning", *extra],
-            stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "moestream.cli",
+                "serve",
+                str(store),
+                "--memory",
+                str(BUDGET),
+                "--port",
+                "0",
+                "--model-name",
+                MODEL,
+                "--log-level",
+                "warning",
+                *extra,
+            ],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 180
         while True:
@@ -104,7 +120,23 @@ def _streamed_chat(server, content="Hello there", **kw):
 
 def _generate_cli(store, prompt: str, n: int, capsys) -> dict:
     capsys.readouterr()
-    assert main(["generate", str(store), "--memory", str(BUDGET), "--prompt", prompt, "--max-new-tokens", str(n), "--greedy", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(store),
+                "--memory",
+                str(BUDGET),
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                str(n),
+                "--greedy",
+                "--json",
+            ]
+        )
+        == 0
+    )
     return json.loads(capsys.readouterr().out)
 
 
@@ -160,8 +192,11 @@ def test_greedy_answers_equal_generate_greedy(server, store, capsys):
     assert completion.choices[0].text == cli["text"]
     assert completion.usage.completion_tokens == len(cli["token_ids"])
     assert completion.usage.prompt_tokens == cli["prompt_tokens"]
-    streamed = "".join(c.choices[0].text for c in server.client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == cli["text"]
     # Chat: the same as `generate --greedy` on the prompt the chat template makes.
     templated = chat_prompt(byte_tokenizer(), [{"role": "user", "content": "Hello there"}])
@@ -191,7 +226,9 @@ def test_twenty_concurrent_streams_equal_their_solo_answers(server):
     solo = [_streamed_chat(server, q, max_tokens=16, seed=seed, temperature=1.0)[0] for q, seed in questions]
     before = server.metric("requests_total", endpoint="chat", outcome="ok")
     with ThreadPoolExecutor(20) as pool:
-        together = list(pool.map(lambda qs: _streamed_chat(server, qs[0], max_tokens=16, seed=qs[1], temperature=1.0)[0], questions))
+        together = list(
+            pool.map(lambda qs: _streamed_chat(server, qs[0], max_tokens=16, seed=qs[1], temperature=1.0)[0], questions)
+        )
     assert together == solo
     assert server.metric("requests_total", endpoint="chat", outcome="ok") == before + 20
     assert server.metric("requests_queued") == 0
@@ -206,8 +243,13 @@ def test_twenty_concurrent_streams_equal_their_solo_answers(server):
 def test_disconnect_cancels_the_generation(server):
     before_cancelled = server.metric("generations_ended_early_total", reason="cancelled")
     before_tokens = server.metric("completion_tokens_total")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story"}], "max_tokens": 200,
-            "stream": True, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story"}],
+        "max_tokens": 200,
+        "stream": True,
+        "temperature": 0,
+    }
     with server.http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         seen = 0
@@ -263,7 +305,12 @@ def test_bad_requests_get_their_4xx_and_the_server_goes_on(server):
         ("/v1/completions", {**ok, "prompt": "x" * (CONTEXT + 10)}, 400, "context_length_exceeded"),
         ("/v1/completions", {**ok, "prompt": "x" * 200, "max_tokens": 100}, 400, "context_length_exceeded"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "y" * 1000}]}, 400, "context_length_exceeded"),
-        ("/v1/chat/completions", {**chat, "stream": True, "messages": [{"role": "user", "content": "y" * 1000}]}, 400, "context_length_exceeded"),
+        (
+            "/v1/chat/completions",
+            {**chat, "stream": True, "messages": [{"role": "user", "content": "y" * 1000}]},
+            400,
+            "context_length_exceeded",
+        ),
         ("/v1/completions", b"{" + b" " * (17 * 2**20) + b"}", 413, "request_too_large"),
     ]
     for path, body, status, code in cases:
@@ -296,8 +343,8 @@ def slow_server(store, monkeypatch):
     import uvicorn
 
     import moestream
-    from moestream import http_app, worker
-    from moestream.generate import GenerationResult
+    from moestream.frontends import http_app, worker
+    from moestream.frontends.generate import GenerationResult
 
     def slow_stream(model, tokenizer, prompt_ids, max_new_tokens, *, on_text, cancel, deadline, **kwargs):
         start, ids, reason = time.perf_counter(), [], "length"

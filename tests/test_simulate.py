@@ -8,11 +8,11 @@ import torch
 from tiny import tiny_checkpoint
 
 import moestream
+from moestream.conversion.store import Store
+from moestream.core.policies import POLICIES
 from moestream.errors import UsageError
-from moestream.policies import POLICIES
-from moestream.simulate import BELADY, replay, sweep
-from moestream.store import Store
-from moestream.trace import Trace, recording, store_identity
+from moestream.tools.simulate import BELADY, replay, sweep
+from moestream.tools.trace import Trace, recording, store_identity
 
 
 def _load(store, budget, policy="lru"):
@@ -153,7 +153,7 @@ def test_a_call_whose_hits_fill_the_cache_still_gets_slots_for_its_misses(tmp_pa
     """Every slot held by this call's hits: once those are computed their slots take the misses."""
     from tiny import TINY
 
-    from moestream.synthetic import make_model, save_checkpoint
+    from moestream.conversion.synthetic import make_model, save_checkpoint
 
     config = dict(TINY["qwen3_moe"], num_hidden_layers=1)
     ckpt = save_checkpoint(make_model("qwen3_moe", seed=5, **config), tmp_path / "hf")
@@ -189,7 +189,18 @@ def test_cli_trace_simulate_and_generate_trace_out(store, tmp_path, capsys):
 
     # generate records its own routing: every token of the prompt and of the decode, in its calls.
     slot = Store(store).manifest.max_record_stride
-    run = ["generate", str(store), "--memory", str(5 * slot), "--policy", "lfu", "--prompt", "def f(x):", "--max-new-tokens", "10"]
+    run = [
+        "generate",
+        str(store),
+        "--memory",
+        str(5 * slot),
+        "--policy",
+        "lfu",
+        "--prompt",
+        "def f(x):",
+        "--max-new-tokens",
+        "10",
+    ]
     assert main(run + ["--greedy", "--json", "--trace-out", str(tmp_path / "g.npz")]) == 0
     result = json.loads(capsys.readouterr().out.splitlines()[0])
     assert result["stats"]["cache_policy"] == "lfu"
@@ -201,7 +212,7 @@ def test_cli_trace_simulate_and_generate_trace_out(store, tmp_path, capsys):
 
 
 def test_reuse_distances_and_popularity_match_their_definitions():
-    from moestream.trace import popularity, reuse_distances
+    from moestream.tools.trace import popularity, reuse_distances
 
     trace = _synthetic_trace(3, 1.0, tokens=30)
     keys = [(layer, e) for layer, experts in trace.call_experts for e in experts]
@@ -233,7 +244,7 @@ def test_decode_figures_leave_the_prompt_out(store, tmp_path):
     assert r.decode_hits + r.decode_misses == sum(len(e) for e in decode_calls)
     assert r.decode_tokens == 60 - 8 and r.decode_bytes_read < r.bytes_read
     # bench records the routing of the run it measures.
-    from moestream.bench import bench
+    from moestream.tools.bench import bench
 
     slot = Store(store).manifest.max_record_stride
     report = bench(store, 4 * slot, prompt_tokens=6, new_tokens=5, trace_out=str(tmp_path / "b.npz"), policy="lfu")
@@ -248,9 +259,13 @@ def test_lfu_keeps_a_stable_subset_when_equally_hot_experts_do_not_fit():
     layers, tokens = 8, 50
     experts = np.tile(np.array([[3, 7]], np.int32), (layers * tokens, 1))
     trace = Trace(
-        experts=experts, weights=np.full(experts.shape, 0.5, np.float32),
-        call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens), call_rows=np.ones(layers * tokens, np.int32),
-        record_bytes=np.full(layers, 4096, np.int64), layer_experts=np.full(layers, 16, np.int32), meta={},
+        experts=experts,
+        weights=np.full(experts.shape, 0.5, np.float32),
+        call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens),
+        call_rows=np.ones(layers * tokens, np.int32),
+        record_bytes=np.full(layers, 4096, np.int64),
+        layer_experts=np.full(layers, 16, np.int32),
+        meta={},
     )
     assert replay(trace, 10, "lru").hits == 0
     best = replay(trace, 10, BELADY).hits

@@ -2,7 +2,7 @@
 
 from transformers import CONFIG_MAPPING
 
-from moestream.sizes import routed_experts, routed_top_k
+from moestream.conversion.sizes import routed_experts, routed_top_k
 
 
 def test_routed_top_k_reads_every_family_name():

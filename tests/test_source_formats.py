@@ -10,9 +10,9 @@ from tiny import TINY
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import moestream
-from moestream.quant import QuantFormat, pack, quantize
-from moestream.store import DTYPES, Store
-from moestream.synthetic import make_model, save_checkpoint
+from moestream.conversion.quant import QuantFormat, pack, quantize
+from moestream.conversion.store import DTYPES, Store
+from moestream.conversion.synthetic import make_model, save_checkpoint
 
 
 def _records(store) -> dict[tuple[str, int, str], torch.Tensor]:
@@ -53,8 +53,9 @@ def _quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fp8_checkpoint(tmp_path):
     """A Qwen3-MoE checkpoint whose experts and one attention projection are FP8 block-scaled."""
     # Shapes that are not multiples of 128, so partial edge blocks are exercised.
-    model = make_model("qwen3_moe", seed=21, **dict(TINY["qwen3_moe"], hidden_size=160, moe_intermediate_size=136,
-                                                    head_dim=40, num_experts=4))
+    model = make_model(
+        "qwen3_moe", seed=21, **dict(TINY["qwen3_moe"], hidden_size=160, moe_intermediate_size=136, head_dim=40, num_experts=4)
+    )
     ckpt = save_checkpoint(model, tmp_path / "hf")
     tensors = load_file(ckpt / "model.safetensors")
     quantized = {}
@@ -65,8 +66,12 @@ def _fp8_checkpoint(tmp_path):
             quantized[key] = (q, scale)
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((ckpt / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     (ckpt / "config.json").write_text(json.dumps(config))
     return model, ckpt, quantized
 
@@ -115,8 +120,10 @@ def _mxfp4_checkpoint(tmp_path):
         packed[key] = (blocks, scales)
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                  "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
     (ckpt / "config.json").write_text(json.dumps(cfg))
     return model, ckpt, packed
 

@@ -8,8 +8,8 @@ import pytest
 from tiny import tiny_checkpoint
 
 import moestream
+from moestream.conversion.store import MANIFEST, Store
 from moestream.errors import StoreError, UsageError
-from moestream.store import MANIFEST, Store
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_layout_is_aligned_and_checksummed(pristine):
         assert layer.layout.stride % 4096 == 0
         data = (pristine / layer.file).read_bytes()
         for off, digest in zip(layer.offsets, layer.checksums):
-            assert moestream.store.checksum(data[off : off + layer.layout.nbytes]) == digest
+            assert moestream.conversion.store.checksum(data[off : off + layer.layout.nbytes]) == digest
 
 
 def test_convert_refuses_to_overwrite(pristine):
@@ -97,7 +97,7 @@ def test_interrupted_conversion_leaves_nothing_loadable(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    converter_module = sys.modules["moestream.convert"]  # the package's `convert` attribute is the function
+    converter_module = sys.modules["moestream.conversion.convert"]  # the package's `convert` attribute is the function
     monkeypatch.setattr(converter_module, "save_file", boom)  # dies while writing resident weights
     with pytest.raises(KeyboardInterrupt):
         moestream.convert(ckpt, tmp_path / "out", progress=False)

@@ -9,7 +9,7 @@ Public API:
 
 __version__ = "0.1.0"
 
-from .convert import convert  # noqa: E402
-from .loading import close, load, stats  # noqa: E402
+from .conversion.convert import convert  # noqa: E402
+from .core.loading import close, load, stats  # noqa: E402
 
 __all__ = ["close", "convert", "load", "stats", "__version__"]

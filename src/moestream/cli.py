@@ -19,18 +19,18 @@ from .errors import MoestreamError
 
 #: verb -> module of this package that defines it, in the order `moestream --help` lists them.
 VERBS = {
-    "convert": "convert",
-    "inspect": "inspect_store",
-    "verify": "verify",
-    "generate": "generate",
-    "chat": "chat",
-    "serve": "server",
-    "eval": "quality",
-    "bench": "bench",
-    "trace": "trace",
-    "simulate": "simulate",
-    "plan": "plan",
-    "demo": "demo",
+    "convert": "conversion.convert",
+    "inspect": "frontends.inspect_store",
+    "verify": "conversion.verify",
+    "generate": "frontends.generate",
+    "chat": "frontends.chat",
+    "serve": "frontends.server",
+    "eval": "tools.quality",
+    "bench": "tools.bench",
+    "trace": "tools.trace",
+    "simulate": "tools.simulate",
+    "plan": "tools.plan",
+    "demo": "tools.demo",
 }
 
 EPILOG = """examples:

@@ -31,9 +31,7 @@ def parse_bytes(text: str | int | float) -> int:
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
         if not match or match.group(2).lower() not in _UNITS:
-            raise UsageError(
-                f"cannot read the size {text!r}: write a number with a unit, e.g. 512MiB, 4GiB or 1.5GB"
-            )
+            raise UsageError(f"cannot read the size {text!r}: write a number with a unit, e.g. 512MiB, 4GiB or 1.5GB")
         value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if value < 0:
         raise UsageError(f"a size cannot be negative: {text!r}")

@@ -1,0 +1,479 @@
+"""Hugging Face checkpoint -> moestream store, one tensor (or one expert) at a time.
+
+Key names come from transformers' own conversion mapping (the same one `from_pretrained` applies), so a
+per-expert checkpoint key such as `model.layers.0.mlp.experts.3.gate_proj.weight` or Mixtral's
+`block_sparse_moe.experts.3.w1.weight` ends up in the slice `[3]` of the model's fused
+`experts.gate_up_proj`, exactly where transformers would put it. We run transformers' conversion
+operations on one expert at a time (a "stack" of one), so the fused [E, ...] tensors are never built.
+
+The output is written into a hidden temporary directory next to DST, manifest last, and renamed into
+place at the end: an interrupted conversion never leaves a directory that loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+from ..core.skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
+from ..errors import SourceError, UsageError
+from ..units import format_bytes
+from .quant import DEFAULT_GROUP_SIZE, QUANT_FORMATS, QuantFormat, expert_record_specs, pack, parse_layer_rules, quantize
+from .source import DecodedCheckpoint
+from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum, file_checksum
+
+EXPERT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPERT_FORMATS = tuple(EXPERT_DTYPES) + QUANT_FORMATS
+# Files copied verbatim so that the store can build the tokenizer and generation defaults by itself.
+EXTRA_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+RESIDENT_SHARD_BYTES = 512 * 1024**2  # bounds the converter's buffer of resident tensors
+
+
+@dataclass
+class _Group:
+    """Source keys that transformers' converter combines into one target tensor (for one expert, if any)."""
+
+    converter: WeightConverter
+    keys: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # source pattern -> keys
+
+
+@dataclass
+class _ExpertSource:
+    """How to obtain one per-expert parameter of one experts module from the checkpoint."""
+
+    fused_key: str | None = None  # a checkpoint tensor [E, ...] already in the module's layout
+    per_expert: dict[int, _Group] = field(default_factory=dict)  # expert -> converter group
+
+
+@dataclass
+class ConversionPlan:
+    resident: dict[str, str | _Group]  # target name -> source key, or a converter group
+    experts: list[tuple[str, torch.nn.Module, dict[str, _ExpertSource]]]
+    unused: list[str]
+
+
+_LAST_INDEX = re.compile(r"\.(\d+)\.(?!.*\.\d+\.)")
+
+
+def _expert_index(key: str) -> int:
+    """Per-expert checkpoint keys carry the expert number as their last numeric path component."""
+    match = _LAST_INDEX.search(key)
+    if match is None:
+        raise SourceError(f"cannot find the expert number in checkpoint key {key!r}")
+    return int(match.group(1))
+
+
+def _renamer(model):
+    """Checkpoint key -> (model key, converter or None, matched source pattern), as from_pretrained renames."""
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    meta = model.state_dict()
+
+    def rename(key: str):
+        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if renamed not in meta and key in meta:
+            renamed, pattern = key, None  # already the model's name: a renaming must not have applied
+        return renamed, by_pattern.get(pattern), pattern
+
+    return rename
+
+
+def plan_conversion(model: torch.nn.Module, ckpt: DecodedCheckpoint) -> ConversionPlan:
+    """Decide, from names and shapes alone, where every checkpoint tensor goes."""
+    rename = _renamer(model)
+    meta_names = set(model.state_dict())
+    modules = experts_modules(model)
+    expert_params = {}
+    sources: list[dict[str, _ExpertSource]] = []
+    for name, module in modules:
+        per_module = {}
+        for pname, _ in expert_parameters(module):
+            expert_params[f"{name}.{pname}"] = per_module.setdefault(pname, _ExpertSource())
+        sources.append(per_module)
+
+    resident: dict[str, str | _Group] = {}
+    unused = []
+    for key in ckpt.keys():
+        target, converter, pattern = rename(key)
+        if target in expert_params:
+            src = expert_params[target]
+            if converter is None:
+                src.fused_key = key
+            else:
+                group = src.per_expert.setdefault(_expert_index(key), _Group(converter))
+                group.keys[pattern].append(key)
+        elif target in meta_names:
+            if converter is None:
+                resident[target] = key
+            else:
+                group = resident.setdefault(target, _Group(converter))
+                group.keys[pattern].append(key)
+        else:
+            unused.append(key)
+
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = [n for n in meta_names if n not in resident and n not in expert_params and n not in tied]
+    # Persistent buffers that a checkpoint may omit are rebuilt by the runtime like non-persistent ones.
+    buffers = {n for n, _ in model.named_buffers()}
+    missing = [n for n in missing if n not in buffers]
+    if missing:
+        raise SourceError(
+            f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {sorted(missing)[:5]}; "
+            "is it complete, and is its config.json the one it was saved with?"
+        )
+    experts = []
+    for (name, module), per_module in zip(modules, sources):
+        for pname, src in per_module.items():
+            n = module.num_experts
+            if src.fused_key is None and sorted(src.per_expert) != list(range(n)):
+                have = sorted(src.per_expert)
+                raise SourceError(
+                    f"{name}.{pname}: the checkpoint has {len(have)} of {n} experts' weights "
+                    f"(missing e.g. {sorted(set(range(n)) - set(have))[:5]})"
+                )
+        experts.append((name, module, per_module))
+    return ConversionPlan(resident, experts, unused)
+
+
+def _run_converter(group: _Group, ckpt: DecodedCheckpoint, model, target: str) -> torch.Tensor:
+    """Apply transformers' own conversion operations (merge, concatenate, ...) to the group's tensors."""
+    tensors = {pattern: [ckpt.read(k) for k in sorted(keys, key=dot_natural_key)] for pattern, keys in group.keys.items()}
+    conv = group.converter
+    for op in conv.operations:
+        tensors = op.convert(
+            tensors,
+            source_patterns=conv.source_patterns,
+            target_patterns=conv.target_patterns,
+            full_layer_name=target,
+            model=model,
+            config=model.config,
+        )
+    if len(tensors) != 1:
+        raise SourceError(f"transformers' conversion for {target} produced {len(tensors)} tensors, expected one")
+    return next(iter(tensors.values()))
+
+
+def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> torch.Tensor:
+    if src.fused_key is not None:
+        t = ckpt.read(src.fused_key, index=e)
+    else:
+        t = _run_converter(src.per_expert[e], ckpt, model, target)
+        t = t[0] if t.dim() == len(shape) + 1 and t.shape[0] == 1 else t  # the "stack of one" made by the merge
+    if tuple(t.shape) != tuple(shape):
+        raise SourceError(f"{target}[{e}] has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(shape)}")
+    return t
+
+
+def _tensor_bytes(t: torch.Tensor):
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _cleanup_stale(dst: Path) -> None:
+    """Remove temporary directories left by conversions to the same DST that were killed."""
+    for stale in dst.parent.glob(f".{dst.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    experts_dtype: str | None = None,
+    *,
+    layer_dtypes: list[str] = (),
+    group_size: int = DEFAULT_GROUP_SIZE,
+    overwrite: bool = False,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> Path:
+    """Convert the Hugging Face checkpoint directory `src` into a moestream store at `dst`.
+
+    experts_dtype: "bf16", "fp16", "fp32" (floats) or "int8", "int4", "int3", "int2" (quant.py); default:
+        the checkpoint's own float dtype (bf16 for FP8/MXFP4 sources).
+    layer_dtypes: per-layer overrides such as ["0-3=int3", "-1=int4"], counted over the MoE layers.
+    group_size: inputs per scale of the int4/int3/int2 formats (32, 64 or 128).
+    """
+    src, dst = Path(src), Path(dst)
+    # Checked before any work; the rules' syntax and layer numbers are checked once the model is known.
+    for choice in [experts_dtype] + [rule.rpartition("=")[2] for rule in layer_dtypes if "=" in rule]:
+        if choice is not None and choice not in EXPERT_FORMATS:
+            raise UsageError(f"unknown experts dtype {choice!r}; choose one of {', '.join(EXPERT_FORMATS)}")
+    if dst.exists() and not overwrite:
+        raise UsageError(f"{dst} already exists; choose another path, delete it, or pass --overwrite")
+    config = load_source_config(src, trust_remote_code)
+    quantized_source = getattr(config, "quantization_config", None) is not None
+    if quantized_source:
+        # The store holds decoded floats; the quantization settings of the source no longer apply.
+        del config.quantization_config
+    model = build_skeleton(config, model_dtype(config))
+    ckpt = DecodedCheckpoint(src)
+    try:
+        plan = plan_conversion(model, ckpt)
+        rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
+        formats = [_layer_format(rules.get(i, experts_dtype), group_size) for i in range(len(plan.experts))]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _cleanup_stale(dst)
+        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            manifest = _write_store(tmp, src, model, ckpt, plan, formats, progress)
+            manifest.write(tmp)
+            _move_into_place(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        ckpt.close()
+    return dst
+
+
+def _layer_format(choice: str | None, group_size: int) -> torch.dtype | QuantFormat | None:
+    """A layer's storage: a float dtype, a quantized format, or None (the checkpoint's own dtype)."""
+    if choice is None:
+        return None
+    return EXPERT_DTYPES[choice] if choice in EXPERT_DTYPES else QuantFormat.make(choice, group_size)
+
+
+def _layer_layout(name: str, module, sources, ckpt, storage) -> tuple[RecordLayout, QuantFormat | None]:
+    """The record layout of one experts module stored as `storage` (see _layer_format)."""
+    params = dict(expert_parameters(module))
+    shapes = {p: tuple(params[p].shape[1:]) for p in sources}
+    fmt = storage if isinstance(storage, QuantFormat) else None
+    # Float parts (all parameters, or a quantized layer's biases): the chosen float dtype, else the source's.
+    float_dtype = storage if isinstance(storage, torch.dtype) else ckpt.dtype(_first_source_key(sources))
+    return RecordLayout.pack(expert_record_specs(shapes, float_dtype, fmt, module.is_transposed, name)), fmt
+
+
+def _move_into_place(tmp: Path, dst: Path) -> None:
+    """Rename the finished store to DST and make the rename durable. With --overwrite the old store is
+    first renamed aside, so a crash at any moment leaves a complete store at DST or beside it."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.replaced-{os.getpid()}"
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    directory = os.open(dst.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the directory entry, not only the files, must survive a power cut
+    finally:
+        os.close(directory)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _estimate_bytes(model, plan: ConversionPlan, layouts: list[RecordLayout]) -> tuple[int, int]:
+    meta = model.state_dict()
+    resident = sum(meta[t].numel() * meta[t].element_size() for t in plan.resident)
+    experts = sum(layout.stride * module.num_experts for layout, (_, module, _) in zip(layouts, plan.experts))
+    return resident, experts
+
+
+def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, formats, progress) -> Manifest:
+    layouts = [
+        _layer_layout(name, module, sources, ckpt, storage) for (name, module, sources), storage in zip(plan.experts, formats)
+    ]
+    resident_total, experts_total = _estimate_bytes(model, plan, [layout for layout, _ in layouts])
+    free = shutil.disk_usage(tmp).free
+    need = resident_total + experts_total + 64 * 1024**2
+    if free < need:
+        raise UsageError(
+            f"not enough disk space at {tmp.parent}: the store needs about {format_bytes(need)}, "
+            f"{format_bytes(free)} is free. Free space or choose another destination."
+        )
+    bar = tqdm(total=resident_total + experts_total, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    layers = []
+    for index, ((name, module, sources), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
+        params = dict(expert_parameters(module))
+        entries = {t.name: t for t in layout.tensors}
+        rel = f"experts/layer-{index:03d}.bin"
+        (tmp / "experts").mkdir(exist_ok=True)
+        offsets, sums = [], []
+        record = np.zeros(layout.stride, dtype=np.uint8)
+        with open(tmp / rel, "wb") as f:
+            for e in range(module.num_experts):
+                record[:] = 0
+                for p in sources:
+                    t = _expert_tensor(sources[p], e, ckpt, model, f"{name}.{p}", params[p].shape[1:])
+                    if fmt is not None and t.dim() == 2:
+                        # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
+                        parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
+                    else:
+                        parts = {p: t}
+                    for part, value in parts.items():
+                        entry = entries[part]
+                        record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(value.to(DTYPES[entry.dtype]))
+                offsets.append(f.tell())
+                sums.append(checksum(record[: layout.nbytes]))
+                f.write(record.data)
+                bar.update(layout.stride)
+            f.flush()
+            os.fsync(f.fileno())
+            # Written once, read by O_DIRECT later: do not leave hundreds of GB of it in the page cache.
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
+
+    meta = model.state_dict()
+    files, shard, shard_bytes = [], {}, 0
+
+    def flush_shard():
+        nonlocal shard, shard_bytes
+        if shard:
+            rel = f"resident-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(tmp / rel), metadata={"format": "pt"})
+            files.append(FileEntry(rel, (tmp / rel).stat().st_size, file_checksum(tmp / rel)))
+            shard, shard_bytes = {}, 0
+
+    for target in sorted(plan.resident, key=dot_natural_key):
+        source = plan.resident[target]
+        t = ckpt.read(source) if isinstance(source, str) else _run_converter(source, ckpt, model, target)
+        want = meta[target]
+        if tuple(t.shape) != tuple(want.shape):
+            raise SourceError(f"{target} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(want.shape)}")
+        if t.is_floating_point() and want.is_floating_point():
+            t = t.to(want.dtype)
+        shard[target] = t.contiguous()
+        shard_bytes += t.numel() * t.element_size()
+        bar.update(want.numel() * want.element_size())
+        if shard_bytes >= RESIDENT_SHARD_BYTES:
+            flush_shard()
+    flush_shard()
+    bar.close()
+
+    extra = []
+    for name in EXTRA_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, tmp / name)
+            extra.append(name)
+    if plan.unused:
+        print(f"note: {len(plan.unused)} checkpoint tensors are not used by the model and were skipped, e.g. {plan.unused[:3]}")
+    config = model.config.to_dict()
+    config.pop("_experts_implementation", None)
+    return Manifest(
+        model_config=config,
+        experts_dtype=_describe_formats(layers),
+        resident_files=files,
+        resident_bytes=sum(f.size for f in files),
+        layers=layers,
+        extra_files=extra,
+        source={"path_name": src.name, "model_type": model.config.model_type},
+    )
+
+
+def _describe_formats(layers: list[ExpertLayer]) -> str:
+    """What `inspect` shows as the experts dtype: one name, or "mixed: ..." with the layers of each."""
+    names = [
+        f"{layer.quantization.name}" + (f"-g{layer.quantization.group_size}" if layer.quantization.group_size else "")
+        if layer.quantization
+        else layer.layout.tensors[0].dtype
+        for layer in layers
+    ]
+    if len(set(names)) == 1:
+        return names[0]
+    return "mixed: " + ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names))
+
+
+def _first_source_key(sources: dict[str, _ExpertSource]) -> str:
+    src = next(iter(sources.values()))
+    if src.fused_key is not None:
+        return src.fused_key
+    return next(iter(src.per_expert[0].keys.values()))[0]
+
+
+# ---- CLI: `moestream convert` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "convert a Hugging Face MoE checkpoint directory into a store"
+DESCRIPTION = (
+    "Convert a Hugging Face MoE checkpoint directory (safetensors) into a moestream store, reading one tensor "
+    "at a time, then print the store's sizes as `moestream inspect` does. The store appears only when complete."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .quant import GROUP_SIZES
+
+    parser.add_argument("src", help="checkpoint directory: config.json, *.safetensors, tokenizer files")
+    parser.add_argument("dst", help="store directory to create")
+    parser.add_argument(
+        "--experts-dtype",
+        choices=EXPERT_FORMATS,
+        default=None,
+        help="how expert weights are stored: bf16/fp16/fp32, or int8 (per channel), int4, int3, int2 (per "
+        "group, affine); default: the checkpoint's float dtype (bf16 for FP8/MXFP4 sources). Fewer bits "
+        "read less from disk and cache more experts; `moestream eval` shows what they cost in quality",
+    )
+    parser.add_argument(
+        "--layer-dtype",
+        action="append",
+        default=[],
+        metavar="LAYERS=DTYPE",
+        help="override --experts-dtype for some MoE layers (counted from 0 over the MoE layers, negative from "
+        "the end), e.g. --layer-dtype 0-3=int3 --layer-dtype -1=int4; repeatable, later rules win",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        choices=GROUP_SIZES,
+        help=f"weights per scale for int4/int3/int2 (default {DEFAULT_GROUP_SIZE})",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow a config that names custom modeling code")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..frontends.inspect_store import print_inspect
+
+    if not Path(args.src).is_dir():
+        what = "does not exist" if not Path(args.src).exists() else "is not a directory"
+        raise UsageError(f"{args.src} {what}; pass a Hugging Face checkpoint directory (config.json, *.safetensors)")
+    if Path(args.dst).exists() and not Path(args.dst).is_dir():
+        raise UsageError(
+            f"{args.dst} is a file; pass the path of a store directory to create (--overwrite replaces only a directory)"
+        )
+    dst = convert(
+        args.src,
+        args.dst,
+        args.experts_dtype,
+        layer_dtypes=args.layer_dtype,
+        group_size=args.group_size,
+        overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code,
+    )
+    return print_inspect(dst, None)

@@ -1,0 +1,359 @@
+"""Serve a loaded model's experts from disk through the cache: the streaming experts function.
+
+One decode step, as a reader follows it:
+1. transformers runs embeddings, attention, norms and the router (upstream code, unchanged);
+2. the router's top-k goes to the experts module, whose forward transformers dispatches through its
+   ExpertsInterface to `streaming_experts_forward` below (registered as "moestream");
+3. `ExpertEngine.run` splits the needed experts into cache hits and misses, queues reads for the misses
+   into free (or evicted) cache slots, computes the hits while the reads are in flight, then computes
+   each miss as soon as its own read lands;
+4. per-(token, k) outputs are summed in a fixed order, so the numbers never depend on what was cached.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers.integrations.moe import ExpertsInterface
+
+from ..conversion.sizes import routed_top_k
+from ..conversion.store import DTYPES, Store
+from ..errors import ExpertReadError, UsageError
+from ..units import format_bytes
+from . import scheduler
+from .cache import Entry, ExpertCache, State
+from .kernels import expert_linear
+from .memory import peak_rss_bytes
+from .policies import DEFAULT_POLICY, make_policy
+from .reader import RecordReader
+
+IMPLEMENTATION = "moestream"
+# When expert records are checked against their manifest checksums (docs/FORMAT.md, "Verification"):
+# "first": the first time each record is read by this process (the default: damage on disk is caught
+# before the bytes are used, and re-reads of an evicted expert cost no hashing); "always": every read;
+# "off": never.
+VERIFY_MODES = ("first", "always", "off")
+# A read that has not finished after this long means a stalled disk or network filesystem: the step
+# fails with an error instead of hanging the program.
+READ_TIMEOUT_SECONDS = 60.0
+# A prompt at least this long shows a progress bar over the MoE layers (on a terminal): its reads can
+# take seconds per layer when little of it is cached.
+PREFILL_PROGRESS_TOKENS = 256
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # summed over I/O threads
+    wait_seconds: float = 0.0  # time the model thread spent blocked on this layer's reads
+    verify_seconds: float = 0.0  # checksum time on the I/O threads (not on the model thread)
+    evictions: int = 0  # this layer's experts pushed out of the cache
+
+
+class ExpertEngine:
+    """The streaming side of a loaded model: store, reader, cache, statistics; runs every experts call.
+
+    Every method runs on the thread that runs the model, except `stats`, which any thread may call: it
+    takes the same lock as each experts call, so it never sees a call half done."""
+
+    def __init__(
+        self,
+        store: Store,
+        budget_bytes: int,
+        io_threads: int = 4,
+        direct_io: bool = True,
+        verify: str = "first",
+        read_timeout: float = READ_TIMEOUT_SECONDS,
+        policy: str = DEFAULT_POLICY,
+    ):
+        if verify not in VERIFY_MODES:
+            raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
+        self.store = store
+        self.verify = verify
+        self.read_timeout = read_timeout
+        self.lock = threading.Lock()
+        self._verified: set[tuple[int, int]] = set()  # records whose checksum matched since load
+        self.layers = store.manifest.layers
+        slot = store.manifest.max_record_stride
+        top_k = routed_top_k(store.manifest.model_config)
+        minimum = top_k * slot
+        if budget_bytes < minimum:
+            raise UsageError(
+                f"a memory budget of {format_bytes(budget_bytes)} cannot hold the {top_k} experts one token needs "
+                f"in one layer ({format_bytes(slot)} each); the minimum is {format_bytes(minimum)} "
+                f"({minimum} bytes). Pass --memory {format_bytes(minimum).replace(' ', '')} or more."
+            )
+        self.cache = ExpertCache(budget_bytes, slot, make_policy(policy), on_evict=self._evicted)
+        self.reader = RecordReader([store.path(layer.file) for layer in self.layers], io_threads, direct_io)
+        self.layer_stats = [LayerStats() for _ in self.layers]
+        self.trace = None  # a trace.TraceRecorder while routing is being recorded
+        self.prefetcher = None  # a prefetch.Prefetcher, set by load()
+        # Told when a forward pass starts (`start_step(tokens)`) and when an experts call ends
+        # (`end_layer(layer)`): the prefetcher's clock, the prefill progress bar.
+        self.step_hooks: list = [PrefillProgress(len(self.layers))]
+        self._ahead: list[Entry] = []  # reads ahead of need that may still be READING_AHEAD
+
+    def _evicted(self, entry: Entry) -> None:
+        self.layer_stats[entry.key[0]].evictions += 1
+        if entry.state is State.UNUSED:
+            self.prefetcher.record_use(entry.key[0], False)
+
+    # -- one forward pass -------------------------------------------------------------------------------
+
+    def start_step(self, input_ids: torch.Tensor) -> None:
+        """A forward pass begins (the input embedding's pre-hook): tell the hooks, and read the experts of
+        hash-routed layers, which the ids alone determine, before any layer runs."""
+        with self.lock:
+            for hook in self.step_hooks:
+                hook.start_step(input_ids.numel())
+            if self.prefetcher is not None:
+                for layer, experts in self.prefetcher.exact(input_ids).items():
+                    self._read_ahead(layer, experts, exact=True)
+
+    def run(
+        self, module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """One experts call: `hidden` [T, H], the router's `top_k_index` and `top_k_weights` [T, k] -> [T, H]."""
+        with self.lock:
+            if self.trace is not None:
+                self.trace.record(layer, top_k_index, top_k_weights)
+            tokens, k = top_k_index.shape
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+            rows, start = {}, 0
+            for e, c in zip(ids.tolist(), counts.tolist()):
+                rows[e] = order[start : start + c]  # positions t*k + j routed to expert e
+                start += c
+            self.cache.reclaim()
+            self._collect_ahead()
+            call = scheduler.lookup(self.cache, layer, rows)
+            stats = self.layer_stats[layer]
+            stats.hits += call.hits
+            stats.misses += call.misses
+            if self.prefetcher is not None:
+                for _ in call.used_ahead:
+                    self.prefetcher.record_use(layer, True)
+                self.prefetcher.observe(layer, list(rows))
+            out = hidden.new_zeros(tokens * k, hidden.shape[-1])
+            try:
+                call.run(_LayerCall(self, module, layer, hidden, rows, top_k_weights.reshape(-1), k, out))
+            finally:
+                for hook in self.step_hooks:
+                    hook.end_layer(layer)
+            return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+    # -- reads ------------------------------------------------------------------------------------------
+
+    def submit(self, entry: Entry, priority: bool = True) -> None:
+        """The one path of every read: fill `entry`'s slot with its record, checked against its checksum
+        when --verify asks. priority=False puts it on the reader's speculative queue."""
+        layer, e = entry.key
+        spec = self.layers[layer]
+        check = self.verify == "always" or (self.verify == "first" and entry.key not in self._verified)
+        expected = (spec.layout.nbytes, spec.checksums[e]) if check else None
+        memory = self.cache.slot_memory(entry.slot)
+        entry.read = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected, speculative=not priority)
+
+    def _read_ahead(self, layer: int, experts: list[int], exact: bool = False) -> None:
+        """Start reads of `layer`'s likely experts into slots the policy gives up (never a pinned or loading
+        one); on the speculative queue unless `exact` (certain to be used: a hash-routed layer)."""
+        for e in experts:
+            if (layer, e) in self.cache:
+                continue
+            entry = self.cache.allocate((layer, e), State.READING_AHEAD)
+            if entry is None:
+                return
+            self.submit(entry, priority=exact)
+            self._ahead.append(entry)
+            self.prefetcher.stats[layer].issued += 1
+
+    def _collect_ahead(self) -> None:
+        """Book the reads ahead of need that have landed (cache bookkeeping happens on this thread only)."""
+        pending = []
+        for entry in self._ahead:
+            if entry.state is not State.READING_AHEAD:
+                continue  # claimed by a call that needed it, which finishes the read itself
+            if not entry.read.done():
+                pending.append(entry)
+                continue
+            try:
+                self.finish_read(entry)
+            except ExpertReadError:
+                self.prefetcher.record_use(entry.key[0], False)  # discarded; a demand read will retry and report
+        self._ahead = pending
+
+    def finish_read(self, entry: Entry) -> None:
+        """A read is over: book it and make the slot's tensors, or discard the entry and raise."""
+        layer = entry.key[0]
+        spec = self.layers[layer]
+        try:
+            result = entry.read.result()
+        except BaseException as error:
+            self.cache.discard(entry)  # its bytes are partial or damaged: they must never be computed with
+            if isinstance(error, ExpertReadError):
+                where = f"layer {layer} ({spec.module}), expert {entry.key[1]}"
+                raise type(error)(f"{where}: {error}") from error
+            raise
+        if self.verify != "off":
+            self._verified.add(entry.key)
+        stats = self.layer_stats[layer]
+        stats.bytes_read += spec.layout.stride
+        stats.read_seconds += result.seconds
+        stats.verify_seconds += result.verify_seconds
+        raw = self.cache.slot_tensor(entry.slot)
+        entry.tensors = {
+            t.name: raw[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in spec.layout.tensors
+        }
+        entry.read = None
+        entry.state = State.UNUSED if entry.state is State.READING_AHEAD else State.READY
+
+    def landed(self, layer: int, in_flight: list[Entry], oldest_only: bool) -> list[Entry]:
+        t0 = time.perf_counter()
+        if oldest_only:
+            done, _ = wait([in_flight[0].read], timeout=self.read_timeout)
+        else:
+            done, _ = wait([entry.read for entry in in_flight], timeout=self.read_timeout, return_when=FIRST_COMPLETED)
+        self.layer_stats[layer].wait_seconds += time.perf_counter() - t0
+        if not done:
+            stalled = sorted(entry.key[1] for entry in in_flight)
+            raise ExpertReadError(
+                f"no read of layer {layer}'s experts {stalled} finished within {self.read_timeout:g} s "
+                f"from {self.store.path(self.layers[layer].file)}: the disk is stalled or failing"
+            )
+        return [entry for entry in in_flight if entry.read in done]
+
+    def abandon(self, in_flight: list[Entry]) -> None:
+        """Never leave a half-read slot in the cache, and never hand out a slot that a still-running read
+        may yet write into."""
+        for entry in in_flight:
+            entry.read.cancel()
+            if entry.read.done():
+                self.cache.discard(entry)
+            else:
+                self.cache.park(entry)
+
+    # -- compute ----------------------------------------------------------------------------------------
+
+    def compute(self, module, entry: Entry, hidden, rows, weights, k: int, out: torch.Tensor) -> None:
+        """One expert on the tokens routed to it, with the module's own gate/activation semantics."""
+        idx = rows[entry.key[1]]
+        w = entry.tensors
+        fmt = self.layers[entry.key[0]].quantization
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        # Float records compute in their own dtype; quantized ones in the model's activation dtype.
+        x = hidden[idx // k].to(hidden.dtype if fmt else w[first].dtype)
+        h = expert_linear(x, w, first, fmt, module.is_transposed)
+        if module.has_bias:
+            h = h + w[first + "_bias"]
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        y = expert_linear(h, w, "down_proj", fmt, module.is_transposed)
+        if module.has_bias:
+            y = y + w["down_proj_bias"]
+        if module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        out[idx] = (y * weights[idx, None]).to(out.dtype)
+
+    # -- reporting --------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
+        layers = [asdict(s) for s in self.layer_stats]
+        hits = sum(s["hits"] for s in layers)
+        misses = sum(s["misses"] for s in layers)
+        return {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "bytes_read": sum(s["bytes_read"] for s in layers),
+            "read_seconds": sum(s["read_seconds"] for s in layers),
+            "wait_seconds": sum(s["wait_seconds"] for s in layers),
+            "verify_seconds": sum(s["verify_seconds"] for s in layers),
+            "verify": self.verify,
+            "evictions": sum(s["evictions"] for s in layers),
+            "cache_slots": self.cache.capacity,
+            "cache_policy": self.cache.policy.name,
+            "cache_budget_bytes": self.cache.budget_bytes,
+            "cached_experts": len(self.cache),
+            "direct_io": self.reader.direct,
+            "prefetch": self.prefetcher.report() if self.prefetcher is not None else None,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "layers": layers,
+        }
+
+    def reset_stats(self) -> None:
+        with self.lock:
+            self.layer_stats = [LayerStats() for _ in self.layers]
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class _LayerCall:
+    """The engine side of one experts call, as the scheduler drives it (scheduler.CallIO)."""
+
+    __slots__ = ("engine", "module", "layer", "hidden", "rows", "weights", "k", "out")
+
+    def __init__(self, engine: ExpertEngine, module, layer: int, hidden, rows, weights, k: int, out):
+        self.engine, self.module, self.layer = engine, module, layer
+        self.hidden, self.rows, self.weights, self.k, self.out = hidden, rows, weights, k, out
+
+    def start_read(self, entry: Entry) -> None:
+        self.engine.submit(entry)
+
+    def demand_issued(self) -> None:
+        prefetcher = self.engine.prefetcher
+        if prefetcher is not None:
+            self.engine._read_ahead(self.layer + 1, prefetcher.predict(self.layer, self.hidden))
+
+    def landed(self, in_flight: list[Entry], oldest_only: bool) -> list[Entry]:
+        return self.engine.landed(self.layer, in_flight, oldest_only)
+
+    def finish_read(self, entry: Entry) -> None:
+        self.engine.finish_read(entry)
+
+    def compute(self, entry: Entry) -> None:
+        self.engine.compute(self.module, entry, self.hidden, self.rows, self.weights, self.k, self.out)
+
+    def abandon(self, in_flight: list[Entry]) -> None:
+        self.engine.abandon(in_flight)
+
+
+class PrefillProgress:
+    """A progress bar over the MoE layers for a long prompt (on a terminal only): its reads can take
+    seconds per layer when little of it is cached."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self.bar = None
+
+    def start_step(self, tokens: int) -> None:
+        if tokens >= PREFILL_PROGRESS_TOKENS:
+            self.bar = tqdm(total=self.layers, desc=f"prefill {tokens} tokens", unit="layer", disable=None, leave=False)
+
+    def end_layer(self, layer: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if layer == self.layers - 1:
+                self.bar.close()
+                self.bar = None
+
+
+def streaming_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The ExpertsInterface entry point: transformers calls this instead of its own experts math."""
+    return self._moestream_engine.run(self, self._moestream_layer, hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> None:
+    """Make "moestream" an experts implementation transformers can dispatch to (idempotent)."""
+    ExpertsInterface.register(IMPLEMENTATION, streaming_experts_forward)

@@ -1,0 +1,183 @@
+"""`moestream.load`: assemble a transformers model from a store, with its experts served by an ExpertEngine.
+
+Loading builds the model on the meta device from the stored config, checks that the store's records
+hold exactly what each experts module needs, hands every experts module to one ExpertEngine, loads the
+resident weights (hashed against the manifest), rebuilds buffers transformers computes at init, and
+loads the tokenizer. The engine (engine.py) then serves every experts call.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..conversion.quant import expert_record_specs, int4_packing
+from ..conversion.sizes import routed_top_k
+from ..conversion.store import DTYPES, Store, file_checksum
+from ..errors import StoreError, UsageError
+from ..units import parse_bytes
+from . import engine as engine_module
+from .engine import IMPLEMENTATION, ExpertEngine
+from .policies import DEFAULT_POLICY
+from .prefetch import Prefetcher, find_router
+from .skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
+
+
+def _rebuild_buffers(model) -> None:
+    """Buffers left on the meta device (rotary inv_freq, ...) are recomputed the way transformers does
+    after from_pretrained: real storage, then the model's own _init_weights for their modules only.
+    Loaded tensors are flagged as initialized, which makes transformers' init functions skip them."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta:
+            t._is_hf_initialized = True
+    for module in model.modules():
+        meta = [name for name, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        if not meta:
+            continue
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        model._init_weights(module)
+
+
+def load(
+    store: str | os.PathLike,
+    memory: str | int = "4GiB",
+    device: str = "cpu",
+    *,
+    io_threads: int = 4,
+    direct_io: bool = True,
+    verify: str = "first",
+    policy: str = DEFAULT_POLICY,
+    prefetch: str = "auto",
+):
+    """Load a store as a transformers model whose experts stream from disk under a byte budget.
+
+    memory: the expert cache budget ("4GiB", "512MB", or bytes); resident weights come on top of it.
+    verify: when expert records are checked against their checksums: "first" read of each (default),
+        "always", or "off".
+    policy: the cache's eviction policy, one of policies.POLICIES: "lfu" (decayed use counts, default),
+        "lru", "arc" (adaptive); `moestream simulate` compares them on a recorded trace.
+    prefetch: speculative reads of the next layer's likely experts: "auto" (default: times decode steps
+        with speculation on and off, keeps it only if faster, probes again; prefetch.py), "on" or "off".
+        Unless "off", hash-routed layers' experts are read exactly, before the layers run.
+    Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
+    """
+    if device != "cpu":
+        raise UsageError(f"device {device!r} is not supported yet; this version runs on the CPU (device='cpu')")
+    engine_module.register()
+    opened = Store(store)
+    manifest = opened.manifest
+    config = config_from_dict(manifest.model_config)
+    model = build_skeleton(config, model_dtype(config), experts_implementation=IMPLEMENTATION)
+    modules = experts_modules(model)
+    if [name for name, _ in modules] != [layer.module for layer in manifest.layers]:
+        raise StoreError(
+            f"the store's experts layers do not match the model that transformers builds from its config "
+            f"({len(manifest.layers)} vs {len(modules)} experts modules); convert it again with this version"
+        )
+    for layer, (_, module) in zip(manifest.layers, modules):
+        _check_record_layout(layer, module)
+    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy)
+    for index, (_, module) in enumerate(modules):
+        for pname, _ in expert_parameters(module):
+            del module._parameters[pname]  # served from the store, never materialized
+        module._moestream_engine = engine
+        module._moestream_layer = index
+    engine.prefetcher = Prefetcher(
+        [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules],
+        routed_top_k(manifest.model_config),
+        prefetch,
+    )
+    engine.step_hooks.append(engine.prefetcher)
+    # The embedding sees each forward pass's input ids first: the engine's step start (the prefetcher's
+    # clock, hash-routed layers' exact reads) hangs off it, not off the experts calls.
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: engine.start_step(args[0]))
+
+    state = {}
+    for f in manifest.resident_files:
+        path = opened.path(f.path)
+        # Resident weights are read in full once, so hashing them costs one pass over memory at ~9 GB/s.
+        if verify != "off" and file_checksum(path) != f.checksum:
+            raise StoreError(
+                f"resident file {f.path} does not match its checksum in the manifest: the store is damaged. "
+                "Run `moestream verify` on it, then convert the model again."
+            )
+        state.update(load_file(path))
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    model.tie_weights()
+    _rebuild_buffers(model)
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise StoreError(
+            f"the store lacks {len(still_meta)} resident tensors, e.g. {still_meta[:5]} "
+            f"(missing at load: {result.missing_keys[:5]}); convert the model again"
+        )
+    model._moestream_engine = engine
+    model.eval()
+    tokenizer = load_tokenizer(opened.directory)
+    return model, tokenizer
+
+
+def _check_record_layout(layer, module) -> None:
+    """The records must hold exactly the tensors this module's experts need, in the kernels' layout: a
+    store from another version or another machine is refused here rather than computed with."""
+    fmt = layer.quantization
+    if fmt is not None and fmt.packing is not None and fmt.packing != int4_packing():
+        raise StoreError(
+            f"the {fmt.name} records of {layer.module} are packed for torch's {fmt.packing} kernels, this machine runs "
+            f"{int4_packing()}: convert the model again on this machine"
+        )
+    shapes = {name: tuple(p.shape[1:]) for name, p in expert_parameters(module)}
+    expected = expert_record_specs(shapes, torch.float32, fmt, module.is_transposed, layer.module)
+    found = {t.name: (DTYPES[t.dtype], t.shape) for t in layer.layout.tensors}
+    for name, dtype, shape in expected:
+        have = found.pop(name, None)
+        # Parameters kept as they are may be stored in any float dtype (--experts-dtype); the parts of a
+        # quantized matrix ("down_proj.qweight", ...) have the exact dtypes their kernel reads.
+        ok = have is not None and have[1] == shape and (have[0] == dtype if "." in name else have[0].is_floating_point)
+        if not ok:
+            raise StoreError(
+                f"{layer.module}: the store's record tensor {name} is {have}, the model needs {dtype} {shape}; "
+                "convert the model again with this version"
+            )
+    if found:
+        raise StoreError(f"{layer.module}: the store's records hold tensors the model does not use: {sorted(found)}")
+
+
+def load_tokenizer(directory: str | os.PathLike):
+    """The store's (or checkpoint's) tokenizer, or None when the directory has no tokenizer files."""
+    directory = Path(directory)
+    if not any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        # trust_remote_code=False explicitly: left unset, transformers would ask on a terminal whether to
+        # run code that a store's tokenizer_config.json names.
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError) as e:
+        raise StoreError(
+            f"the tokenizer files of {directory} cannot be loaded ({e}). moestream never runs code from a "
+            "store; convert from a checkpoint whose tokenizer transformers supports natively."
+        ) from None
+
+
+def engine_of(model) -> ExpertEngine:
+    engine = getattr(model, "_moestream_engine", None)
+    if engine is None:
+        raise UsageError("this model was not loaded with moestream.load()")
+    return engine
+
+
+def stats(model) -> dict:
+    """Cache hits, misses, hit rate, bytes read, read/wait seconds, overall and per layer."""
+    return engine_of(model).stats()
+
+
+def close(model) -> None:
+    """Stop the model's reader threads and release its cache; the model cannot run afterwards."""
+    engine_of(model).close()

@@ -1,0 +1,76 @@
+"""Process memory and page-cache measurements (Linux): what the stats line and the RSS tests report."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import mmap
+import os
+import re
+import resource
+from pathlib import Path
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since start or since the last reset_peak_rss()."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024
+
+
+def current_rss_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    return (kib or 0) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart peak-RSS accounting (Linux's clear_refs "5"), so one run's peak can be measured in a process
+    that did other work before. Returns False where the kernel does not allow it."""
+    gc.collect()
+    _libc.malloc_trim(0)  # hand freed heap back to the OS first, or it would count as part of the new peak
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def page_cache_bytes(path: str | os.PathLike) -> int:
+    """Bytes of `path` currently in the page cache (mincore over a mapping that is never touched)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            pages = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            return sum(b & 1 for b in vec) * page
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)

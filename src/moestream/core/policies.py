@@ -1,0 +1,226 @@
+"""Eviction policies of the expert cache: which unpinned entry gives up its slot.
+
+The cache (cache.py) owns slots and pins; a policy only orders keys. The runtime and the offline
+simulator (simulate.py) drive the same ExpertCache with the same policy objects, so a policy's hit rate
+in `moestream simulate` is the hit rate the runtime gets on the same routing.
+
+A policy sees, on the model thread:
+    attach(capacity)            once, with the number of slots
+    on_hit(key)                 a lookup found key
+    on_insert(key)              key got a slot (a miss being read)
+    on_remove(key)              key left the cache (evicted, or its read failed)
+    victim(evictable, incoming) the key to evict for `incoming`; only keys with evictable(key) True
+                                (unpinned) may be chosen; None when there is none
+
+Keys are (layer, expert). Decode visits the layers cyclically, so plain recency (LRU) evicts exactly the
+experts the next pass needs once the cache is smaller than one pass's working set; the frequency-aware
+policies below keep the experts that are popular across passes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from ..errors import UsageError
+
+Key = Hashable
+
+
+class LRUPolicy:
+    """Evict the least recently used unpinned entry."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def attach(self, capacity: int) -> None:
+        pass
+
+    def on_hit(self, key: Key) -> None:
+        self._order.move_to_end(key)
+
+    def on_insert(self, key: Key) -> None:
+        self._order[key] = None
+
+    def on_remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable: Callable[[Key], bool], incoming: Key | None = None) -> Key | None:
+        for key in self._order:
+            if evictable(key):
+                return key
+        return None
+
+
+class LFUPolicy:
+    """Evict the unpinned entry with the lowest exponentially decayed use count.
+
+    Counts are kept for every key ever seen, cached or not: the key space (layers x experts) is small and
+    bounded, and an expert that was popular before its eviction should come back with its history. A newly
+    read cold expert therefore has the lowest count and is the next victim, which keeps the hot set in place
+    (it behaves like "admit only if hotter" without a bypass path).
+
+    Decay: counts halve at the end of every epoch of `half_life` accesses (lookups), so popularity can
+    drift. Stored as a time-independent priority log2(count in epoch e) + e, which orders keys exactly as
+    their decayed counts do in any later epoch; so a heap never needs re-keying.
+
+    Ties (equal counts) evict the most recently touched key. Decode visits the layers in a cycle; when the
+    hot experts of all layers are equally hot and do not all fit, evicting the oldest of them is LRU's scan
+    pathology (every lookup misses); evicting the newest keeps a stable subset cached, as Belady's MIN
+    does. Why discrete epochs: a continuous decay makes every equally hot key's count depend on how long
+    ago it was touched, which is that same recency order again (measured: 0% hits instead of 35% on a
+    synthetic store at 5% capacity, Belady 50%; unchanged on the trained fixture, docs/BENCHMARKS.md).
+    """
+
+    name = "lfu"
+
+    def __init__(self, half_life: float | None = None, half_life_per_slot: float = 64.0) -> None:
+        self.half_life = half_life
+        self.half_life_per_slot = half_life_per_slot
+        self._clock = 0
+        self._priority: dict[Key, float] = {}  # every key seen
+        self._cached: set[Key] = set()
+        self._heap: list[tuple[float, int, Key]] = []  # (priority, -seq, key); stale rows are skipped
+        self._seq = 0
+
+    def attach(self, capacity: int) -> None:
+        if self.half_life is None:
+            # Scale memory with the cache: a cache of C slots turns over about every C misses; remembering
+            # popularity over many turnovers is what separates the hot set from a passing burst.
+            self.half_life = max(1.0, self.half_life_per_slot * capacity)
+
+    def _touch(self, key: Key) -> None:
+        if self.half_life is None:
+            self.attach(1)
+        self._clock += 1
+        now = self._clock // self.half_life  # the epoch
+        old = self._priority.get(key)
+        count = 1.0 if old is None else 2.0 ** (old - now) + 1.0
+        priority = math.log2(count) + now
+        self._priority[key] = priority
+        if key in self._cached:
+            self._push(key, priority)
+
+    def _push(self, key: Key, priority: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (priority, -self._seq, key))  # -seq: among equals the newest goes first
+        if len(self._heap) > 4 * len(self._cached) + 64:  # mostly stale rows: rebuild from the live keys
+            self._heap = [(self._priority[k], -i, k) for i, k in enumerate(self._cached, start=self._seq + 1)]
+            self._seq += len(self._heap)
+            heapq.heapify(self._heap)
+
+    def on_hit(self, key: Key) -> None:
+        self._touch(key)
+
+    def on_insert(self, key: Key) -> None:
+        self._cached.add(key)
+        self._touch(key)
+
+    def on_remove(self, key: Key) -> None:
+        self._cached.discard(key)
+
+    def victim(self, evictable: Callable[[Key], bool], incoming: Key | None = None) -> Key | None:
+        skipped, chosen = [], None
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            priority, _, key = item
+            if key not in self._cached or self._priority[key] != priority:
+                continue  # stale: evicted, or touched since this row was pushed
+            skipped.append(item)
+            if evictable(key):
+                chosen = key
+                break
+        for item in skipped:
+            heapq.heappush(self._heap, item)  # the chosen key's row goes stale once on_remove runs
+        return chosen
+
+
+class ARCPolicy:
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003), with pins.
+
+    T1 holds keys seen once recently, T2 keys seen at least twice; the ghost lists B1 and B2 remember keys
+    recently evicted from each. A miss that hits a ghost list moves the target size p of T1 toward the list
+    that would have kept it: the policy learns, per workload, how much room recency and frequency get.
+    Victims are the LRU end of T1 (when T1 is above its target) or of T2, skipping pinned keys (falling back
+    to the other list when a whole list is pinned), which is the only change pins make to the algorithm.
+    """
+
+    name = "arc"
+
+    def __init__(self) -> None:
+        self.c = 1
+        self.p = 0.0
+        self.t1: OrderedDict[Key, None] = OrderedDict()
+        self.t2: OrderedDict[Key, None] = OrderedDict()
+        self.b1: OrderedDict[Key, None] = OrderedDict()
+        self.b2: OrderedDict[Key, None] = OrderedDict()
+        self._adapted: Key | None = None  # the incoming key whose ghost hit already moved p
+
+    def attach(self, capacity: int) -> None:
+        self.c = max(1, capacity)
+
+    def _adapt(self, key: Key) -> None:
+        if key == self._adapted:
+            return
+        if key in self.b1:
+            self.p = min(float(self.c), self.p + max(len(self.b2) / len(self.b1), 1.0))
+        elif key in self.b2:
+            self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
+        self._adapted = key
+
+    def on_hit(self, key: Key) -> None:
+        self.t1.pop(key, None)
+        self.t2.pop(key, None)
+        self.t2[key] = None
+
+    def on_insert(self, key: Key) -> None:
+        self._adapt(key)
+        self._adapted = None
+        if key in self.b1 or key in self.b2:
+            self.b1.pop(key, None)
+            self.b2.pop(key, None)
+            self.t2[key] = None  # seen before: frequency side
+        else:
+            self.t1[key] = None
+        # Directory bounds of ARC: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c.
+        while len(self.t1) + len(self.b1) > self.c and self.b1:
+            self.b1.popitem(last=False)
+        while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * self.c and (self.b2 or self.b1):
+            (self.b2 or self.b1).popitem(last=False)
+
+    def on_remove(self, key: Key) -> None:
+        if key in self.t1:
+            del self.t1[key]
+            self.b1[key] = None
+        elif key in self.t2:
+            del self.t2[key]
+            self.b2[key] = None
+
+    def victim(self, evictable: Callable[[Key], bool], incoming: Key | None = None) -> Key | None:
+        if incoming is not None:
+            self._adapt(incoming)
+        from_t1 = bool(self.t1) and (len(self.t1) > self.p or (incoming in self.b2 and len(self.t1) == int(self.p)))
+        for lst in (self.t1, self.t2) if from_t1 else (self.t2, self.t1):
+            for key in lst:
+                if evictable(key):
+                    return key
+        return None
+
+
+POLICIES: dict[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "arc": ARCPolicy}
+# LFU: decode visits the layers cyclically, so once the cache holds less than one token's experts, LRU and
+# ARC evict each expert just before its next use (0% hits on a skewed 3 GiB store at 256 MiB, where LFU
+# hit 84% and decoded 2x faster); on the trained fixture LFU is at or above LRU at every budget.
+DEFAULT_POLICY = "lfu"
+
+
+def make_policy(name: str):
+    """A fresh policy object by name (the cache attaches it to its capacity)."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise UsageError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return cls()

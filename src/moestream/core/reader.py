@@ -1,0 +1,162 @@
+"""Aligned positional reads of expert records into caller-owned buffers, from a small thread pool.
+
+`os.preadv` releases the GIL, so a few threads keep several reads in flight while the main thread
+computes. In direct mode (the default) files are opened with O_DIRECT when the filesystem allows it (records,
+lengths and buffers are all 4 KiB aligned), so expert bytes never get a second copy in the page cache;
+where O_DIRECT is refused we read buffered and drop the pages right after with `posix_fadvise(DONTNEED)`.
+In buffered mode reads go through the page cache and the pages stay: the OS caches experts in memory
+the process does not own (useful when the machine has memory to spare; it is not counted in RSS).
+
+Reads are made robust here, once, for every caller: short reads are completed, transient errors are
+retried a bounded number of times with a short backoff, and a payload can be checked against its
+xxh3-64 checksum on the I/O thread (xxhash releases the GIL) before anyone computes with it.
+This module knows files, offsets and byte counts; it does not know what an expert is.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..conversion.store import checksum
+from ..errors import ExpertReadError, RecordChecksumError
+
+READ_RETRIES = 3  # a failing read (EIO, EINTR, ...) is retried this many times before the error is raised
+RETRY_BACKOFF_SECONDS = 0.01  # doubled after each failure: 10, 20, 40 ms, so a bad disk fails fast
+
+
+class RecordFile:
+    """One open store file. `read_at` is the only call that touches the disk, so faults are injected here."""
+
+    def __init__(self, path: Path, direct: bool):
+        self.path = path
+        self.direct = False
+        # Asked for direct I/O but refused by the filesystem: read buffered, then drop the pages, so expert
+        # bytes still have one copy only. Asked for buffered I/O: keep them, the page cache is a second cache.
+        self.drop_pages = direct
+        self.fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.direct = True
+            except OSError:
+                self.fd = -1
+        if self.fd < 0:
+            self.fd = os.open(path, os.O_RDONLY)
+        self._lock = threading.Lock()
+
+    def read_at(self, buffer: memoryview, offset: int) -> int:
+        """One positional read into `buffer`; returns the bytes read (possibly fewer, 0 at end of file)."""
+        return os.preadv(self.fd, [buffer], offset)
+
+    def fall_back_to_buffered(self) -> None:
+        with self._lock:
+            if self.direct:
+                old, self.fd, self.direct = self.fd, os.open(self.path, os.O_RDONLY), False
+                os.close(old)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    seconds: float  # wall time of the read, retries included, checksum excluded
+    verify_seconds: float  # time spent hashing the payload (0 when no checksum was asked for)
+
+
+class RecordReader:
+    def __init__(self, paths: list[Path], threads: int = 4, direct: bool = True):
+        self._files = [RecordFile(Path(p), direct) for p in paths]
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-io")
+        # Speculative reads get their own queue: a demand read never waits behind one.
+        self._speculative_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-prefetch")
+        # When a list, every submitted read is appended to it as (file_index, offset, length): `moestream
+        # bench` replays a run's own reads to time the disk on exactly the bytes that run needed.
+        self.log: list | None = None
+
+    @property
+    def direct(self) -> bool:
+        return all(f.direct for f in self._files)
+
+    def submit(
+        self,
+        file_index: int,
+        offset: int,
+        length: int,
+        buffer: memoryview,
+        expected: tuple[int, str] | None = None,
+        speculative: bool = False,
+    ) -> Future:
+        """Read `length` bytes at `offset` into `buffer` on an I/O thread; the future's result is a ReadResult.
+
+        expected: (payload bytes, xxh3-64 hex) to verify the first `payload bytes` against after the read.
+        speculative: queue it behind other speculative reads only, on their own low-priority thread.
+        """
+        pool = self._speculative_pool if speculative else self._pool
+        if self.log is not None:
+            self.log.append((file_index, offset, length))
+        return pool.submit(self.read_into, file_index, offset, length, buffer, expected)
+
+    def read_into(
+        self, file_index: int, offset: int, length: int, buffer: memoryview, expected: tuple[int, str] | None = None
+    ) -> ReadResult:
+        f = self._files[file_index]
+        start = time.perf_counter()
+        self._read_fully(f, offset, length, buffer)
+        seconds = time.perf_counter() - start
+        verify_seconds = 0.0
+        if expected is not None:
+            payload, digest = expected
+            t0 = time.perf_counter()
+            actual = checksum(buffer[:payload])
+            if actual != digest:
+                # Read once more: a transient transfer error heals, damage on disk does not.
+                self._read_fully(f, offset, length, buffer)
+                actual = checksum(buffer[:payload])
+            verify_seconds = time.perf_counter() - t0
+            if actual != digest:
+                raise RecordChecksumError(
+                    f"{f.path}: the {payload} bytes at offset {offset} have checksum {actual}, the manifest says "
+                    f"{digest}: the store is damaged. Run `moestream verify` on it, then convert the model again."
+                )
+        return ReadResult(seconds, verify_seconds)
+
+    @staticmethod
+    def _read_fully(f: RecordFile, offset: int, length: int, buffer: memoryview) -> None:
+        done, failures = 0, 0
+        while done < length:
+            try:
+                n = f.read_at(buffer[done:length], offset + done)
+            except OSError as e:
+                if e.errno == errno.EINVAL and f.direct:
+                    f.fall_back_to_buffered()  # this filesystem or device refuses our alignment
+                    continue
+                failures += 1
+                if failures > READ_RETRIES:
+                    raise ExpertReadError(
+                        f"reading {length} bytes at offset {offset} of {f.path} failed {failures} times "
+                        f"({e.strerror or e}); check the disk (dmesg) and run `moestream verify` on the store"
+                    ) from e
+                time.sleep(RETRY_BACKOFF_SECONDS * 2 ** (failures - 1))
+                continue
+            if n == 0:
+                raise ExpertReadError(
+                    f"{f.path} ended at offset {offset + done} while reading {length} bytes at {offset}: "
+                    "the file is truncated; run `moestream convert` again"
+                )
+            done += n  # a short read is not an error: continue where it stopped
+        if not f.direct and f.drop_pages:
+            os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._speculative_pool.shutdown(wait=False, cancel_futures=True)
+        for f in self._files:
+            f.close()
+        self._files = []

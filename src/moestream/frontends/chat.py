@@ -1,0 +1,241 @@
+"""`moestream chat`: a conversation in the terminal, through the checkpoint's chat template.
+
+Answers stream as they are generated (generate.stream, the same core as `generate` and `serve`). The
+conversation is kept; when it outgrows the model's context the oldest exchanges are dropped, with a
+note. Ctrl-C while an answer streams stops that answer (the SIGINT handler only sets the cancel flag,
+checked between tokens, so no exception ever interrupts the engine mid-read); at the prompt it only
+reminds how to leave. /stats, /reset and /exit are commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Callable, TextIO
+
+import torch
+
+from ..core.loading import engine_of
+from ..core.memory import current_rss_bytes, peak_rss_bytes
+from ..units import format_bytes
+from .generate import GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template, stream
+from .options import add_sampling_arguments, add_store_arguments, check_sampling, load_model
+
+COMMANDS = {
+    "/stats": "hit rate, MB read, tokens/s, memory",
+    "/reset": "start a new conversation",
+    "/exit": "leave, as Ctrl-D does",
+}
+
+
+class ChatSession:
+    """The conversation and its statistics; `ask` adds one exchange."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        system: str | None = None,
+        max_new_tokens: int = 512,
+        greedy: bool = False,
+        temperature: float = 0.7,
+        top_p: float = 0.95,
+        seed: int | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.system = system
+        self.max_new_tokens = max_new_tokens
+        self.sampling = {"greedy": greedy, "temperature": temperature, "top_p": top_p}
+        self.seed = seed
+        self.context = context_length(model)
+        self.answers = 0
+        self.tokens = 0
+        self.decoded = 0  # tokens after each answer's first, and the seconds they took (generate.Timing)
+        self.decode_seconds = 0.0
+        self.last: GenerationResult | None = None
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        if self.seed is not None:
+            # Seeded once per conversation, not per answer: the same questions give the same conversation.
+            torch.manual_seed(self.seed)
+
+    def ask(
+        self,
+        text: str,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        notice: Callable[[str], None] = print,
+    ) -> GenerationResult | None:
+        """Answer `text` in the conversation; None (with a notice) if it cannot fit in the context."""
+        self.messages.append({"role": "user", "content": text})
+        ids, max_new = self._fit(notice)
+        if ids is None:
+            self.messages.pop()
+            return None
+        result = stream(self.model, self.tokenizer, ids, max_new, on_text=on_text, cancel=cancel, **self.sampling)
+        # A stopped answer stays as far as it went: it is what the user saw.
+        self.messages.append({"role": "assistant", "content": result.text})
+        self.answers += 1
+        self.tokens += len(result.token_ids)
+        if result.timing is not None:
+            self.decoded += max(0, result.timing.new_tokens - 1)
+            self.decode_seconds += result.timing.decode_seconds
+        self.last = result
+        return result
+
+    def _fit(self, notice) -> tuple[list[int] | None, int]:
+        while True:
+            ids = encode(self.tokenizer, chat_prompt(self.tokenizer, self.messages), templated=True)
+            if self.context is None or len(ids) + self.max_new_tokens <= self.context:
+                return ids, self.max_new_tokens
+            first = 1 if self.messages[0]["role"] == "system" else 0
+            if len(self.messages) - first > 1:
+                # Drop the oldest exchange: its user message and what followed it up to the next user message.
+                end = first + 1
+                while end < len(self.messages) - 1 and self.messages[end]["role"] != "user":
+                    end += 1
+                del self.messages[first:end]
+                notice(f"(dropped the oldest exchange to fit the model's {self.context}-token context)")
+                continue
+            room = self.context - len(ids)
+            if room >= 1:
+                return ids, min(room, self.max_new_tokens)
+            notice(
+                f"(that message is {len(ids)} tokens with the template; the model's context is {self.context}: send a shorter one)"
+            )
+            return None, 0
+
+    def stats_text(self) -> str:
+        s = engine_of(self.model).stats()
+        lines = []
+        if self.last is not None:
+            r = self.last
+            lines.append(
+                f"last answer: {len(r.token_ids)} tokens in {r.seconds:.2f} s, {r.decode_tokens_per_second:.1f} tok/s decode, "
+                f"first token after {r.time_to_first_token:.2f} s"
+            )
+        rate = decode_rate(self.decoded, self.decode_seconds)
+        lines.append(
+            f"this session: {self.answers} answer{'s' if self.answers != 1 else ''}, {self.tokens} tokens, {rate:.1f} tok/s decode; experts: hit rate "
+            f"{s['hit_rate']:.1%}, {s['bytes_read'] / 1e6:.1f} MB read from disk"
+        )
+        lines.append(
+            f"memory: RSS {format_bytes(current_rss_bytes())} now, {format_bytes(peak_rss_bytes())} peak; expert cache "
+            f"budget {format_bytes(s['cache_budget_bytes'])}, {s['cached_experts']} of {s['cache_slots']} slots filled"
+        )
+        return "\n".join(lines)
+
+
+@contextmanager
+def _ctrl_c_sets(cancel: threading.Event):
+    """While an answer streams, Ctrl-C sets `cancel` instead of raising KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: cancel.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def banner(session: ChatSession, name: str) -> str:
+    s = engine_of(session.model).stats()
+    lines = [
+        f"moestream chat: {name}, expert cache {format_bytes(s['cache_budget_bytes'])}",
+        "commands: " + ", ".join(f"{c} ({h})" for c, h in COMMANDS.items()) + ". Ctrl-C stops an answer.",
+    ]
+    if not has_chat_template(session.tokenizer):
+        lines.append("this checkpoint has no chat template: using moestream's plain 'User: ... Assistant:' format")
+    return "\n".join(lines)
+
+
+def run_chat(session: ChatSession, read: Callable[[str], str] = input, out: TextIO | None = None) -> int:
+    """The loop: read a line, run a command or answer it. Returns when the user leaves."""
+    out = out or sys.stdout
+
+    def say(text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
+    def show(piece: str) -> None:
+        out.write(piece)
+        out.flush()
+
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            say("")
+            return 0
+        except KeyboardInterrupt:
+            say("\n(Ctrl-C stops an answer; /exit or Ctrl-D leaves)")
+            continue
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            session.reset()
+            say("(new conversation)")
+            continue
+        if command == "/stats":
+            say(session.stats_text())
+            continue
+        if re.fullmatch(r"/[A-Za-z]+", command):
+            say("(commands: " + ", ".join(f"{c} {h}" for c, h in COMMANDS.items()) + ")")
+            continue
+        cancel = threading.Event()
+        with _ctrl_c_sets(cancel):
+            result = session.ask(line, on_text=show, cancel=cancel, notice=say)
+        if result is not None:
+            say("" if result.finish_reason != "cancelled" else "\n(stopped)")
+
+
+# ---- CLI: `moestream chat` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "talk with a store in the terminal, through the checkpoint's chat template"
+DESCRIPTION = (
+    "A conversation in the terminal. Each message goes through the checkpoint's chat template "
+    "(a plain 'User: ... Assistant:' format when it has none) with the conversation so far; the answer "
+    "streams as it is generated. When the conversation outgrows the model's context, the oldest exchanges "
+    "are dropped. Commands: /stats (hit rate, MB read, tokens/s, RSS), /reset (new conversation), /exit "
+    "(or Ctrl-D). Ctrl-C stops the current answer, not the program."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--system", default=None, help="a system message that opens every conversation")
+    add_sampling_arguments(
+        parser, max_new_tokens=512, seed_help="seed the conversation's sampling: the same messages give the same answers"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    check_sampling(args)
+    model, tokenizer = load_model(args)
+    session = ChatSession(
+        model,
+        tokenizer,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    print(banner(session, Path(args.store).name), flush=True)
+    return run_chat(session)

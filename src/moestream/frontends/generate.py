@@ -1,0 +1,464 @@
+"""Every loop over a model's forward: the one generation core of `generate`, `chat`, `serve`, `bench`
+(moestream and its transformers/accelerate peers), `demo` and `plan --compute measure`, and the
+teacher-forced pass of `trace`. It works on any transformers causal LM, moestream's or not.
+
+Three layers, as in mlx-lm:
+- `generate_step()` yields new token ids, one forward pass each (the prompt in one pass, then each new
+  token alone with the KV cache), chosen by a sampler (`make_sampler`: greedy or temperature/top-p with
+  transformers' own warpers);
+- `stream()` (mlx-lm's stream_generate) drives it: max tokens, end of sequence (or exactly N tokens with `ignore_eos`), stop
+  sequences, final text per token to a callback, a callback at the first token, a seed, a cancel flag
+  and a deadline checked between tokens; it returns a `GenerationResult` with its `Timing`;
+- `generate()` is the `moestream generate` command's call.
+`teacher_forced()` feeds a given text through the model token by token (routing traces), and
+`chat_prompt()` turns chat messages into prompt text with the checkpoint's chat template (or a fallback).
+
+`Timing` is the one definition of the speeds moestream reports, see there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from ..core.loading import engine_of
+from ..errors import UsageError
+from .options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
+
+# Used when a checkpoint ships no chat template (base models, the byte-level test tokenizer): plain
+# "Role: text" paragraphs ending in "Assistant:", the format base models have seen most in their data.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+# Why a generation ended. "stop": the model's end-of-sequence token or a stop sequence; "length":
+# max_new_tokens; "cancelled": the cancel flag (Ctrl-C, a client that disconnected); "timeout": the deadline.
+FINISH_REASONS = ("stop", "length", "cancelled", "timeout")
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_prompt(tokenizer, messages: Sequence[dict]) -> str:
+    """Prompt text for `messages` ([{"role": ..., "content": ...}]), ending where the assistant's answer
+    starts: the checkpoint's chat template, or FALLBACK_CHAT_TEMPLATE when it has none."""
+    template = None if has_chat_template(tokenizer) else FALLBACK_CHAT_TEMPLATE
+    return tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False, add_generation_prompt=True)
+
+
+def encode(tokenizer, text: str, *, templated: bool = False) -> list[int]:
+    """Token ids of `text`. Plain text is tokenized as `moestream generate` does (with the tokenizer's
+    special tokens, e.g. BOS); text from a chat template already holds them, and adding them again would
+    put a second BOS in front."""
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+
+def context_length(model) -> int | None:
+    """The most positions (prompt + answer) the model is configured for, or None if it does not say."""
+    config = model.config
+    config = getattr(config, "get_text_config", lambda: config)()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class IncrementalText:
+    """Decodes the growing list of new token ids into text that is final: never a trailing incomplete
+    character (a byte-level token can end inside a UTF-8 sequence) nor the start of a stop sequence, and
+    never anything from a stop sequence on. The pieces it returns concatenate to the whole answer, so a
+    streamed answer and a collected one are the same string by construction."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.text = ""  # what has been handed out so far
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, ids: list[int]) -> str:
+        """The new final text after the new token ids grew to `ids`; sets `stopped` on a stop sequence."""
+        if self.stopped:
+            return ""
+        full = self._decode(ids)
+        hits = [i for i in (full.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._take(full[: min(hits)])
+        end = len(full)
+        while end and full[end - 1] == "\ufffd":  # may still become a character with the next token
+            end -= 1
+        for k in range(min(end, max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(full[end - k : end]) for s in self.stop):
+                end -= k  # may still become a stop sequence: hold it back
+                break
+        return self._take(full[:end])
+
+    def finish(self, ids: list[int]) -> str:
+        """Whatever was held back, once no more tokens will come."""
+        return "" if self.stopped else self._take(self._decode(ids))
+
+    def _take(self, upto: str) -> str:
+        # A tokenizer whose decoding of a longer list rewrites earlier text (rare: some strip a leading
+        # space) cannot take back what was handed out: only text past it is new.
+        delta = upto[len(self.text) :]
+        self.text += delta
+        return delta
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When a generation started (the call), when its first new token existed and when its last did
+    (time.perf_counter() seconds), and how many new tokens it made.
+
+    The one definition of the speeds moestream reports, wherever it reports them (generate, chat, serve,
+    bench and its peers, demo): time to first token is from the call to the first new token, i.e. the
+    prefill plus one sampling; decode tokens/s is (new tokens - 1) / (time from the first new token to
+    the last), so the prefill never counts in it, and it is 0 with fewer than two tokens."""
+
+    start: float
+    first: float
+    last: float
+    new_tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.last - self.start
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.first - self.start
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.last - self.first
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return decode_rate(self.new_tokens - 1, self.decode_seconds)
+
+
+def decode_rate(decoded_tokens: int, seconds: float) -> float:
+    """Tokens after the first per second of decoding (Timing's definition; also for sums of runs)."""
+    return decoded_tokens / seconds if decoded_tokens > 0 and seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    prompt_tokens: int
+    token_ids: list[int]
+    seconds: float
+    time_to_first_token: float
+    decode_tokens_per_second: float
+    finish_reason: str = "length"
+    stats: dict = field(default_factory=dict)
+    timing: Timing | None = None
+
+    @staticmethod
+    def of(text: str, prompt_tokens: int, token_ids: list[int], timing: Timing, finish_reason: str) -> "GenerationResult":
+        return GenerationResult(
+            text,
+            prompt_tokens,
+            token_ids,
+            timing.seconds,
+            timing.time_to_first_token,
+            timing.decode_tokens_per_second,
+            finish_reason,
+            timing=timing,
+        )
+
+    def summary(self) -> str:
+        s = self.stats
+        return (
+            f"{len(self.token_ids)} tokens | {self.decode_tokens_per_second:.2f} tok/s decode | "
+            f"TTFT {self.time_to_first_token:.2f}s | hit rate {s['hit_rate']:.1%} | "
+            f"read {s['bytes_read'] / 1e6:.1f} MB | peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB"
+        )
+
+
+def eos_ids(model, tokenizer=None) -> set[int]:
+    """The model's end-of-sequence ids (its generation config's, else the tokenizer's)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+Sampler = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [1, vocab] -> token id [1]
+
+
+def make_sampler(greedy: bool = False, temperature: float = 0.7, top_p: float = 0.95) -> Sampler:
+    """greedy (or temperature 0): the most likely token. Otherwise a token drawn from torch's global
+    generator at `temperature` from the smallest set whose probability reaches `top_p`, with the warpers
+    (and the order, and the skipping of no-op ones) that transformers' `generate(do_sample=True, top_k=0)`
+    uses, so a seed gives the tokens transformers would give."""
+    if greedy or temperature == 0:
+        return lambda logits: logits.argmax(dim=-1)
+    warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + (
+        [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    )
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        for warp in warpers:
+            logits = warp(None, logits)
+        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+
+    return sample
+
+
+class _Forward:
+    """A causal LM's forward pass with its KV cache, across transformers versions: the cache argument is
+    `cache` since 5.24 and `past_key_values` before; only the last position's logits are asked for where
+    the model takes `logits_to_keep` (a long prompt's full [T, vocab] logits would be computed for nothing)."""
+
+    def __init__(self, model):
+        params = inspect.signature(model.forward).parameters
+        self.model = model
+        self.cache_name = "cache" if "cache" in params else "past_key_values"
+        self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.cache = None
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [1, positions, vocab] of the ids fed after everything fed so far."""
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.extra)
+        self.cache = getattr(out, self.cache_name)
+        return out.logits
+
+
+def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = None, *, suppress: Sequence[int] = ()):
+    """Yield new token ids after `prompt_ids`, without end: the prompt goes in as one forward pass (the
+    prefill), then each new token alone with the KV cache. The caller decides when to stop (closing the
+    generator frees the cache). `suppress`: token ids never chosen (their logits set to -inf before
+    sampling, as transformers' min_new_tokens does with end-of-sequence ids)."""
+    prompt_ids = _token_list(prompt_ids)
+    sampler = sampler or make_sampler(greedy=True)
+    banned = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
+    forward = _Forward(model)
+    step = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    while True:
+        # Not around the yield: inference mode is thread state, and the caller's code runs between tokens.
+        with torch.inference_mode():
+            logits = forward(step)[:, -1, :].to(dtype=torch.float32, copy=True)
+            if banned is not None:
+                logits[:, banned] = float("-inf")
+            token = sampler(logits)
+            step = token.view(1, 1).to(torch.long)
+        yield int(token[0])
+
+
+def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> int:
+    """Feed the given token ids through the model as generating exactly them would: the first `prefill`
+    ids in one forward pass (a prompt), every later id alone with the KV cache (teacher forcing). Only the
+    model's side effects matter (a routing trace); returns the number of forward passes."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+    prefill = min(max(0, prefill), ids.shape[1])
+    steps = ([ids[:, :prefill]] if prefill else []) + [ids[:, i : i + 1] for i in range(prefill, ids.shape[1])]
+    forward = _Forward(model)
+    with torch.inference_mode():
+        for step in steps:
+            forward(step)
+    return len(steps)
+
+
+def stream(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    greedy: bool = False,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    on_text: Callable[[str], None] | None = None,
+    on_first_token: Callable[[], None] | None = None,
+    ignore_eos: bool = False,
+    cancel: threading.Event | None = None,
+    deadline: float | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` after `prompt_ids`, calling `on_text` with each final piece of text.
+
+    Sampling as `make_sampler` says. `seed` seeds torch's global generator first: callers run one
+    generation at a time (the model is not thread-safe), so a seeded request gets the same answer
+    whatever ran before it. `ignore_eos`: exactly `max_new_tokens` tokens, end-of-sequence never chosen
+    (benchmarks time a fixed length). `on_first_token` is called as soon as the first new token exists,
+    before the second forward pass (what comes after it is decoding). `cancel` (a threading.Event) and
+    `deadline` (time.monotonic()) are checked after every token. `tokenizer` may be None (token ids
+    only: no text, no stop sequences). The model is not touched otherwise: statistics keep accumulating.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    prompt_ids = _token_list(prompt_ids)
+    if seed is not None:
+        torch.manual_seed(seed)
+    text = IncrementalText(tokenizer, stop) if tokenizer is not None else None
+    eos = eos_ids(model, tokenizer)
+    sampler = make_sampler(greedy, temperature, top_p)
+    new: list[int] = []
+    reason = None
+    start = time.perf_counter()
+    first = last = start
+    steps = generate_step(model, prompt_ids, sampler, suppress=sorted(eos) if ignore_eos else ())
+    try:
+        for token in steps:
+            last = time.perf_counter()
+            new.append(token)
+            if len(new) == 1:
+                first = last
+                if on_first_token is not None:
+                    on_first_token()
+            if text is not None:
+                _emit(on_text, text.update(new))
+            if text is not None and text.stopped:
+                reason = "stop"
+            elif cancel is not None and cancel.is_set():
+                reason = "cancelled"
+            elif deadline is not None and time.monotonic() >= deadline:
+                reason = "timeout"
+            elif token in eos and not ignore_eos:
+                reason = "stop"
+            elif len(new) >= max_new_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+    finally:
+        steps.close()
+    if text is not None:
+        _emit(on_text, text.finish(new))
+    timing = Timing(start, first, last, len(new))
+    return GenerationResult.of(text.text if text is not None else "", len(prompt_ids), new, timing, reason)
+
+
+def timed(model, prompt_ids, new_tokens: int, *, on_first_token: Callable[[], None] | None = None) -> GenerationResult:
+    """Greedy, exactly `new_tokens` tokens, no text: the run that `bench` (and its peers), `plan
+    --compute measure` and the benchmarks time."""
+    return stream(model, None, prompt_ids, new_tokens, greedy=True, ignore_eos=True, on_first_token=on_first_token)
+
+
+def _token_list(ids) -> list[int]:
+    """Prompt ids as a list, from a list or a [1, T] / [T] tensor; never empty."""
+    ids = torch.as_tensor(ids).reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    if not ids:
+        raise ValueError("the prompt is empty: generation needs at least one token to start from")
+    return ids
+
+
+def _emit(on_text, delta: str) -> None:
+    if delta and on_text is not None:
+        on_text(delta)
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 64,
+    *,
+    greedy: bool = False,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    seed: int | None = None,
+    echo: bool = False,
+) -> GenerationResult:
+    """`moestream generate`: one prompt, statistics of this run only, text printed as it comes if `echo`."""
+    engine = engine_of(model)
+    engine.reset_stats()
+
+    def show(piece: str) -> None:
+        print(piece, end="", flush=True)
+
+    result = stream(
+        model,
+        tokenizer,
+        encode(tokenizer, prompt),
+        max_new_tokens,
+        greedy=greedy,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        on_text=show if echo else None,
+    )
+    if echo:
+        print(flush=True)
+    result.stats = engine.stats()
+    return result
+
+
+# ---- CLI: `moestream generate` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "generate text, streaming experts under a memory budget"
+DESCRIPTION = (
+    "Generate a continuation of --prompt, streaming the text as it comes, then print tokens/s, time to first "
+    "token, expert hit rate, MB read from disk and peak RSS (or, with --json, one JSON object with all of them)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    add_sampling_arguments(parser, max_new_tokens=64)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming")
+    parser.add_argument(
+        "--trace-out",
+        default=None,
+        metavar="FILE.npz",
+        help="record this run's routing (expert ids and weights per token and layer) for `moestream simulate`",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..tools.trace import start_recording, stop_recording
+
+    if not args.prompt:
+        raise UsageError("--prompt is empty; generation needs some text to continue, e.g. --prompt 'Once upon a time'")
+    check_sampling(args)
+    if args.trace_out:
+        trace_output(args.trace_out, "--trace-out")
+    model, tokenizer = load_model(args)
+    if not encode(tokenizer, args.prompt):
+        raise UsageError(f"--prompt {args.prompt!r} has no tokens for this tokenizer; pass some text")
+    recorder = start_recording(model) if args.trace_out else None  # routing recorded through the engine
+    result = generate(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        echo=not args.json,
+    )
+    if args.json:
+        out = {
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_tokens": result.prompt_tokens,
+            "seconds": result.seconds,
+            "time_to_first_token": result.time_to_first_token,
+            "decode_tokens_per_second": result.decode_tokens_per_second,
+            "stats": result.stats,
+        }
+        print(json.dumps(out))
+    else:
+        print(result.summary(), file=sys.stderr)
+    if recorder is not None:
+        stop_recording(model)
+        print(f"wrote {recorder.trace(prompt=args.prompt).save(args.trace_out)}", file=sys.stderr)
+    return 0

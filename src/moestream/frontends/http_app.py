@@ -1,0 +1,289 @@
+"""The HTTP app of `moestream serve` (FastAPI): routes, error handlers, server-sent events, metrics.
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream` true:
+server-sent events ending in `data: [DONE]`, or false), GET /health, GET /metrics (Prometheus text).
+
+The async handlers only read, validate and tokenize (openai_api), then submit the generation to the
+one worker thread (worker) and wait for its output. Each generation seeds torch's generator right
+before it starts (a random seed when the request has none), and the expert cache never changes results
+(docs/ARCHITECTURE.md, "One decode step"), so an answer is the same whether the request ran alone or
+behind nineteen others. A client that disconnects, or a request past its timeout, cancels its job.
+Every failure is an OpenAI-style error object with a 4xx/5xx status; nothing a client sends can stop
+the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..core import loading
+from ..core.memory import current_rss_bytes, peak_rss_bytes
+from .generate import GenerationResult, context_length
+from .openai_api import (
+    APIError,
+    ChatCompletions,
+    Completions,
+    Endpoint,
+    ParsedRequest,
+    error_for,
+    model_card,
+    model_not_found,
+)
+from .worker import ClientGone, Job, Worker, WorkerError, WorkerStats
+
+# A request body larger than this is refused (413) before it is parsed: prompts are text, and a body
+# of gigabytes would otherwise be read into memory.
+MAX_BODY_BYTES = 16 * 2**20
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    max_queue: int = 64
+    request_timeout: float = 600.0  # seconds from arrival to the last token, queueing included
+    default_max_tokens: int = 512  # for a chat request that names no limit (completions: OpenAI's 16)
+
+
+def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving `model` (loaded by moestream.load) under the name `config.model_name`."""
+    service = Service(model, tokenizer, config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        service.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(service.worker.close)
+
+    app = FastAPI(title="moestream", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_api_route("/health", service.health, methods=["GET"])
+    app.add_api_route("/metrics", service.metrics, methods=["GET"])
+    app.add_api_route("/v1/models", service.models, methods=["GET"])
+    app.add_api_route("/v1/models/{name:path}", service.retrieve_model, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", service.completions, methods=["POST"])
+    return app
+
+
+class Service:
+    """What the routes share: the worker, the two endpoints' translators, the request counts; and the one
+    core that answers a generation request, whichever endpoint it came to."""
+
+    def __init__(self, model, tokenizer, config: ServerConfig):
+        self.model = model
+        self.config = config
+        self.worker = Worker(model, tokenizer, config.max_queue)
+        context = context_length(model)
+        self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens)
+        self.completion = Completions(tokenizer, config.model_name, context)
+        self.created = int(time.time())
+        # (endpoint, outcome) -> requests answered; touched only on the event loop, so it needs no lock.
+        self.requests: dict[tuple[str, str], int] = {}
+
+    # -- generation requests -------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.answer(self.chat, request)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.answer(self.completion, request)
+
+    async def answer(self, endpoint: Endpoint, request: Request) -> Response:
+        """Translate, queue and answer a request: one JSON object, or server-sent events. Every way it can
+        end (answered, refused, timed out, failed, client gone) goes through `_end`, once."""
+        job, outcome, streaming = None, "error", False
+        try:
+            parsed = endpoint.parse(await _read_json(request))
+            job = self.worker.submit(parsed.generation, self.config.request_timeout)
+            if parsed.stream:
+                # Wait until the worker takes the request, so that a request refused or timed out in the
+                # queue still gets an error status instead of a 200 stream.
+                await job.wait_until_started(request.is_disconnected)
+                streaming = True  # from here on the event stream owns the request's end
+                return StreamingResponse(
+                    self._events(endpoint, job, parsed), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                )
+            pieces, result = [], None
+            async for item in job.output(request.is_disconnected):
+                if isinstance(item, GenerationResult):
+                    result = item  # the last item
+                else:
+                    pieces.append(item)
+            outcome = "ok"
+            return JSONResponse(parsed.reply.response("".join(pieces), result))
+        except ClientGone:
+            outcome = "cancelled"
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+        except asyncio.CancelledError:  # the handler's task was cancelled: the server is shutting down
+            outcome = "cancelled"
+            raise
+        except WorkerError as e:
+            raise error_for(e) from None
+        finally:
+            if not streaming:
+                self._end(endpoint, job, outcome)
+
+    async def _events(self, endpoint: Endpoint, job: Job, parsed: ParsedRequest):
+        """The server-sent events of a streamed answer; the status line (200) has gone out already."""
+        reply = parsed.reply
+        outcome = "cancelled"  # when the client disconnects, starlette cancels this generator's task
+        try:
+            opening = reply.opening()
+            if opening is not None:
+                yield _sse(opening)
+            async for item in job.output():
+                if isinstance(item, GenerationResult):
+                    yield _sse(reply.last_chunk(item))
+                    if parsed.include_usage:
+                        yield _sse(reply.usage_chunk(item))
+                else:
+                    yield _sse(reply.chunk(item))
+            outcome = "ok"
+        except Exception as e:  # too late for an error status: the error travels as an event
+            outcome = "error"
+            yield _sse(error_for(e).body)
+        finally:
+            self._end(endpoint, job, outcome)
+        yield "data: [DONE]\n\n"
+
+    def _end(self, endpoint: Endpoint, job: Job | None, outcome: str) -> None:
+        """The end of every generation request: free its queue slot (or stop its generation) if it has a
+        job still going, and count it by endpoint and outcome (ok, error, cancelled)."""
+        if job is not None:
+            job.cancel()
+        key = (endpoint.name, outcome)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    # -- the rest --------------------------------------------------------------------------------------------
+
+    async def health(self) -> dict:
+        return {
+            "status": "ok",
+            "model": self.config.model_name,
+            "queued": self.worker.queued(),
+            "running": self.worker.is_running(),
+        }
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [model_card(self.config.model_name, self.created)]}
+
+    async def retrieve_model(self, name: str) -> dict:
+        if name != self.config.model_name:
+            raise model_not_found(name, self.config.model_name)
+        return model_card(self.config.model_name, self.created)
+
+    async def metrics(self) -> Response:
+        # The engine reads its statistics under the lock it holds around each experts call, so this is
+        # safe while the worker generates.
+        text = prometheus_text(self.requests, self.worker, self.worker.stats(), loading.stats(self.model))
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def prometheus_text(requests: dict[tuple[str, str], int], worker: Worker, w: WorkerStats, s: dict) -> str:
+    """/metrics in Prometheus' text format: request counts, the worker's queue and totals, the engine's
+    statistics `s` and the process's memory."""
+    lines = []
+
+    def metric(name: str, kind: str, help: str, samples) -> None:
+        lines.append(f"# HELP moestream_{name} {help}")
+        lines.append(f"# TYPE moestream_{name} {kind}")
+        for labels, value in samples:
+            label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+            lines.append(f"moestream_{name}{label} {value}")
+
+    metric(
+        "requests_total",
+        "counter",
+        "Requests answered, by endpoint and outcome (ok, error, cancelled).",
+        [({"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(requests.items())],
+    )
+    metric("requests_queued", "gauge", "Requests waiting for the model.", [({}, worker.queued())])
+    metric("requests_running", "gauge", "Requests being generated (0 or 1).", [({}, int(worker.is_running()))])
+    metric(
+        "generations_ended_early_total",
+        "counter",
+        "Requests dropped from the queue or stopped while generating: "
+        "by a client that left (cancelled), the timeout, or an error.",
+        [({"reason": r}, n) for r, n in sorted(w.ended_early.items())],
+    )
+    metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [({}, w.prompt_tokens)])
+    metric("completion_tokens_total", "counter", "Tokens generated.", [({}, w.completion_tokens)])
+    metric(
+        "generation_seconds_total",
+        "counter",
+        "Seconds spent generating (prefill and decode).",
+        [({}, f"{w.generation_seconds:.6f}")],
+    )
+    metric(
+        "decode_tokens_per_second",
+        "gauge",
+        "Decode speed of the last request that generated more than one token.",
+        [({}, f"{w.last_decode_tps:.3f}")],
+    )
+    metric("expert_hits_total", "counter", "Expert lookups served from the cache.", [({}, s["hits"])])
+    metric("expert_misses_total", "counter", "Expert lookups read from disk.", [({}, s["misses"])])
+    metric("expert_hit_rate", "gauge", "Hits over lookups since the model was loaded.", [({}, f"{s['hit_rate']:.6f}")])
+    metric("expert_bytes_read_total", "counter", "Bytes of expert records read from disk.", [({}, s["bytes_read"])])
+    metric("expert_cache_budget_bytes", "gauge", "The expert cache budget (--memory).", [({}, s["cache_budget_bytes"])])
+    metric("resident_memory_bytes", "gauge", "Resident set size of the server process.", [({}, current_rss_bytes())])
+    metric("peak_resident_memory_bytes", "gauge", "Peak resident set size of the server process.", [({}, peak_rss_bytes())])
+    return "\n".join(lines) + "\n"
+
+
+async def _read_json(request: Request) -> dict:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
+        raise APIError(
+            400, f"the request body is not valid JSON ({type(e).__name__}: {e}); send a JSON object", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# -- error handlers: every error is an OpenAI error object ----------------------------------------------------
+
+
+def _json_error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body, status_code=e.status)
+
+
+async def _api_error(request, e: APIError):
+    return _json_error(e)
+
+
+async def _http_error(request, e: StarletteHTTPException):
+    return _json_error(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+
+
+async def _validation_error(request, e: RequestValidationError):
+    return _json_error(APIError(400, f"invalid request: {e.errors()[:1]}"))
+
+
+async def _unexpected(request, e: Exception):
+    return _json_error(error_for(e))

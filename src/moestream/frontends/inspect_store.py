@@ -1,0 +1,63 @@
+"""`moestream inspect`: the sizes of a store and what a memory budget buys (also printed after `convert`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..units import format_bytes, parse_bytes
+
+HELP = "sizes of a store and what a memory budget buys"
+DESCRIPTION = (
+    "Print a store's resident and expert bytes, bytes per expert and per token, the smallest --memory it "
+    "runs under, and how many experts a few budgets (or the one given) cache."
+)
+
+
+def print_inspect(store: str | os.PathLike, budget: int | None) -> int:
+    from ..conversion.sizes import ModelSizes
+    from ..conversion.store import Store
+
+    s = Store(store)
+    sizes = ModelSizes.of_store(s.manifest)
+    cfg = s.manifest.model_config
+    rows = [
+        ("model type", cfg.get("model_type")),
+        ("experts dtype", s.manifest.experts_dtype),
+        ("resident bytes", format_bytes(sizes.resident_bytes)),
+        (
+            "expert bytes",
+            f"{format_bytes(sizes.expert_payload_bytes)} in {sizes.experts} records "
+            f"({sizes.moe_layers} layers x {sizes.experts_per_layer})",
+        ),
+        ("bytes per expert", f"{format_bytes(sizes.stride_bytes)} (as stored, 4 KiB aligned)"),
+        ("experts per token", f"{sizes.experts_per_token} ({sizes.top_k} per layer)"),
+        ("worst-case read per token", format_bytes(sizes.worst_case_bytes_per_token)),
+        ("minimum --memory", format_bytes(sizes.minimum_budget)),
+    ]
+    budgets = [budget] if budget is not None else [b for b in (2**28, 2**30, 2**32, 2**34) if b >= sizes.minimum_budget]
+    for b in budgets:
+        rows.append(
+            (
+                f"--memory {format_bytes(b)}",
+                f"caches {sizes.cache_slots(b)} experts ({sizes.cached_fraction(b):.1%}); "
+                f"process holds ~{format_bytes(sizes.resident_bytes + min(b, sizes.all_experts_budget))} of weights",
+            )
+        )
+    width = max(len(r[0]) for r in rows)
+    print(f"{s.directory}")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", help="store directory made by `moestream convert`")
+    parser.add_argument("--memory", default=None, metavar="SIZE", help="show what this expert cache budget holds")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .options import positive
+
+    budget = positive(parse_bytes(args.memory), "--memory") if args.memory is not None else None
+    return print_inspect(args.store, budget)

@@ -1,0 +1,202 @@
+"""Command-line options shared by the verbs, each defined once.
+
+Every verb module (convert.py, generate.py, chat.py, server.py, ...) owns its parser: `HELP`, optionally
+`DESCRIPTION`, `add_arguments(parser)` and `run(args)`; cli.py only lists the verbs. What several verbs
+share lives here: the store and its engine options (generate, chat, serve, bench), the policy and
+I/O-thread options (also plan), and checks of argument values that turn bad input into one-line errors.
+
+The choices come from the modules that define them (policies.POLICIES, prefetch.PREFETCH_MODES,
+engine.VERIFY_MODES), imported when a parser is built rather than at import time, so that a verb module
+can import this one without pulling in the engine (or an import cycle through it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..errors import MoestreamError, UsageError
+
+#: `--io`: direct = O_DIRECT reads, expert bytes live only in moestream's cache; buffered = through the page cache.
+IO_MODES = ("direct", "buffered")
+DEFAULT_IO_THREADS = 4
+
+
+def add_memory_argument(parser: argparse.ArgumentParser, default: str = "4GiB") -> None:
+    parser.add_argument(
+        "--memory",
+        default=default,
+        metavar="SIZE",
+        help=f"expert cache budget, e.g. 512MiB, 4GiB (default {default}); resident weights come on top",
+    )
+
+
+def add_policy_argument(parser: argparse.ArgumentParser) -> None:
+    from ..core.policies import DEFAULT_POLICY, POLICIES
+
+    parser.add_argument(
+        "--policy",
+        choices=list(POLICIES),
+        default=DEFAULT_POLICY,
+        help="expert cache eviction policy: lfu (decayed use counts: keeps popular experts; default, best on real "
+        "routing and when the budget holds less than one token's experts), lru (least recently used), arc "
+        "(adaptive recency/frequency). `moestream simulate` compares them on a recorded trace",
+    )
+
+
+def add_io_threads_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--io-threads",
+        type=int,
+        default=DEFAULT_IO_THREADS,
+        metavar="N",
+        help=f"parallel expert reads (default {DEFAULT_IO_THREADS})",
+    )
+
+
+def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "4GiB") -> None:
+    """The store positional, --memory and the engine options of load(): for every verb that loads a model."""
+    from ..core.engine import VERIFY_MODES
+    from ..core.prefetch import PREFETCH_MODES
+
+    parser.add_argument("store", help="store directory made by `moestream convert`")
+    add_memory_argument(parser, memory_default)
+    add_io_threads_argument(parser)
+    parser.add_argument(
+        "--io",
+        choices=IO_MODES,
+        default=IO_MODES[0],
+        help="direct (default): O_DIRECT, expert bytes live only in the cache; buffered: reads go through the "
+        "page cache and stay there, a second cache the OS owns",
+    )
+    parser.add_argument(
+        "--verify",
+        choices=VERIFY_MODES,
+        default=VERIFY_MODES[0],
+        help="check expert records against their checksums on the first read of each (default), on every "
+        "read, or never; resident files are checked at load unless off",
+    )
+    add_policy_argument(parser)
+    parser.add_argument(
+        "--prefetch",
+        choices=PREFETCH_MODES,
+        default=PREFETCH_MODES[0],
+        # argparse %-formats help strings: a percent sign must be written %%.
+        help="speculative reads of the next layer's likely experts (its router applied to this layer's hidden "
+        "state), and exact reads of hash-routed layers' experts: auto (default; times decode steps with it on "
+        "and off, keeps it on only if that is at least 3%% faster, re-checks every 256 steps), on, or off (no "
+        "reads ahead of need)",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The load() keyword options that add_store_arguments defined, checked."""
+    positive(args.io_threads, "--io-threads")
+    return dict(
+        io_threads=args.io_threads,
+        direct_io=args.io == "direct",
+        verify=args.verify,
+        policy=args.policy,
+        prefetch=args.prefetch,
+    )
+
+
+def load_model(args: argparse.Namespace, need_tokenizer: bool = True):
+    """(model, tokenizer) of args.store under args.memory with the engine options; MoestreamError when
+    the store has no tokenizer files and the verb needs them (tokenizer is None when need_tokenizer is False)."""
+    from ..core.loading import close, load
+
+    options = engine_options(args)
+    model, tokenizer = load(args.store, args.memory, **options)
+    if tokenizer is None and need_tokenizer:
+        close(model)
+        raise MoestreamError(
+            f"{args.store} has no tokenizer files; convert it again from a checkpoint directory that includes them "
+            "(tokenizer.json or tokenizer.model)"
+        )
+    return model, tokenizer
+
+
+def positive(value: int | float, option: str) -> int | float:
+    """`value` if it is > 0, else a UsageError naming the option."""
+    if value is None or not value > 0:  # `not >` also refuses NaN
+        raise UsageError(f"{option} must be positive, not {value}")
+    return value
+
+
+def non_negative(value: int | float, option: str) -> int | float:
+    if value is None or not value >= 0:
+        raise UsageError(f"{option} must be 0 or more, not {value}")
+    return value
+
+
+def read_text_file(path: str | os.PathLike, option: str = "--text") -> str:
+    """The UTF-8 text of `path`, or a UsageError saying why it cannot be read and what to pass instead."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{option} {path}: no such file; pass an existing UTF-8 text file")
+    if p.is_dir():
+        raise UsageError(f"{option} {path} is a directory; pass a UTF-8 text file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{option} {path} is not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 text file") from None
+    except OSError as e:
+        raise UsageError(f"{option} {path} cannot be read ({e.strerror or e}); pass a readable UTF-8 text file") from None
+    if not text.strip():
+        raise UsageError(f"{option} {path} is empty; pass a file with some text in it")
+    return text
+
+
+def existing_file(path: str | os.PathLike, option: str, what: str = "file") -> Path:
+    """`path` as a Path if it is an existing regular file, else a UsageError naming the option."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{option} {path}: no such file; pass an existing {what}")
+    if p.is_dir():
+        raise UsageError(f"{option} {path} is a directory; pass a {what}")
+    return p
+
+
+def writable_file(path: str | os.PathLike, option: str) -> Path:
+    """`path` as a Path if a file can be written there (its directory exists and it is not a directory)."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option} {path} is a directory; pass a file name to write")
+    if not p.parent.is_dir():
+        raise UsageError(f"{option} {path}: the directory {p.parent} does not exist; create it first")
+    return p
+
+
+def add_sampling_arguments(
+    parser: argparse.ArgumentParser, max_new_tokens: int, seed_help: str = "random seed for sampling"
+) -> None:
+    """--max-new-tokens, --greedy, --temperature, --top-p, --seed: the decoding options of generate and chat."""
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        metavar="N",
+        help=f"the most tokens to generate (default {max_new_tokens})",
+    )
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding: always the most likely token (deterministic)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default 0.7)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold, in (0, 1] (default 0.95)")
+    parser.add_argument("--seed", type=int, default=None, help=seed_help)
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """The values add_sampling_arguments defined, checked before any model is loaded."""
+    positive(args.max_new_tokens, "--max-new-tokens")
+    non_negative(args.temperature, "--temperature")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], not {args.top_p}")
+
+
+def trace_output(path: str | os.PathLike, option: str) -> Path:
+    """A trace file to write (`--trace-out`, `trace -o`): writable and ending in .npz, checked before the run."""
+    p = writable_file(path, option)
+    if p.suffix != ".npz":
+        raise UsageError(f"{option} {path}: a trace file ends in .npz (numpy's format), e.g. {p.with_suffix('.npz')}")
+    return p

@@ -1,0 +1,114 @@
+"""`moestream serve`: the verb's command line, and running the HTTP app with uvicorn.
+
+The server is three pieces, one module each:
+- openai_api.py: OpenAI's request models, their translation into a generation (prompt ids, sampling
+  parameters, stop sequences, max tokens), and of results into OpenAI response and chunk objects;
+- worker.py: the one thread that runs every generation from a first-in first-out queue (the model is
+  not thread-safe), with cancellation and deadlines;
+- http_app.py: the FastAPI app: routes, error handlers, server-sent events, metrics.
+
+This module imports neither FastAPI nor uvicorn at import time (`moestream --help` builds every verb's
+parser, and the server is an optional extra): `run` imports them, and names the extra when they are
+missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from ..errors import MoestreamError, UsageError
+from .options import add_store_arguments, load_model, positive
+
+HELP = "serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)"
+DESCRIPTION = (
+    "Serve a store over HTTP with OpenAI's API, so that the `openai` package and other clients work unchanged: "
+    "GET /v1/models, POST /v1/chat/completions and /v1/completions (stream true or false; max_tokens, "
+    "temperature, top_p, stop, seed; usage), GET /health, GET /metrics (Prometheus). One sequence runs at a "
+    "time; other requests wait in a first-in first-out queue, and each answer is the one the request would "
+    "get alone with the same seed. A client that disconnects cancels its request; --request-timeout bounds each."
+)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one and prints it)"
+    )
+    parser.add_argument("--model-name", default=None, help="the model id clients send (default: the store directory's name)")
+    parser.add_argument(
+        "--max-queue", type=int, default=64, metavar="N", help="requests that may wait for the model; more get 429 (default 64)"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="the longest a request may take, queueing included; then it is cancelled (default 600)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="answer length of a chat request that sets no max_tokens (default 512; completions: 16, as OpenAI)",
+    )
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info: one line per request)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the options, load the store, and serve until interrupted."""
+    from pathlib import Path
+
+    positive(args.max_queue, "--max-queue")
+    positive(args.request_timeout, "--request-timeout")
+    positive(args.default_max_tokens, "--default-max-tokens")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be between 0 and 65535 (0: any free port), not {args.port}")
+    try:
+        import uvicorn  # noqa: F401  (checked here, before the model loads; serve() uses it)
+
+        from .http_app import ServerConfig, create_app
+    except ImportError as e:
+        raise MoestreamError(
+            f"the server needs FastAPI and uvicorn ({e}); install them with: pip install 'moestream[server]'"
+        ) from None
+
+    model, tokenizer = load_model(args, need_tokenizer=True)
+    name = args.model_name or Path(args.store).resolve().name
+    app = create_app(model, tokenizer, ServerConfig(name, args.max_queue, args.request_timeout, args.default_max_tokens))
+
+    def ready(port: int) -> None:
+        where = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"moestream: serving {name} at http://{where}:{port}/v1 (OpenAI-compatible; /health, /metrics)", flush=True)
+
+    try:
+        serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+    except OSError as e:
+        raise MoestreamError(f"cannot listen on {args.host}:{args.port} ({e}); choose another --port or --host") from None
+    return 0
+
+
+def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None) -> None:
+    """Run `app` with uvicorn on host:port (port 0: any free port). The socket is bound and listening
+    before `on_ready(actual_port)` is called, so a client may connect as soon as it hears of the port."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    if on_ready is not None:
+        on_ready(sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])

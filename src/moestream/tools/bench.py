@@ -1,0 +1,484 @@
+"""`moestream bench`: how close decoding runs to the disk's speed limit, measured in one run.
+
+When most of a model lives on disk, a token costs the expert bytes that miss the cache divided by the
+disk's bandwidth, plus the compute that is not hidden behind those reads. This module measures both
+sides in the same run and on the same files, and reports their ratio:
+
+- disk bandwidth: the run's own decode reads replayed right after it (same records, same order, the
+  same batches of one layer call's misses, O_DIRECT, the engine's reader and thread count), so the floor
+  is what this disk gives for exactly these bytes, not a datasheet or a deep-queue probe;
+- the I/O floor per token: decode bytes missed per token / that bandwidth + all-hits compute per
+  token (measured with a budget that holds every expert when the experts fit in memory, otherwise
+  estimated as decode time minus the time the model thread waited for reads);
+- efficiency = floor / measured time per token (1.0 = at the limit).
+
+`--squeeze` makes the machine behave like a smaller one: a helper process allocates and touches that
+much anonymous memory for the duration (there is no swap, so the pages stay resident). `--compare`
+runs the peers a user would otherwise use on the same checkpoint, prompt and memory, each in its own
+process: transformers fully loaded (the all-hits ceiling, when it fits) and transformers + accelerate
+disk offload (`device_map="auto"`, `max_memory`, `offload_folder`); `--compare-gguf` adds llama.cpp
+(llama-cpp-python, installed separately) on a GGUF conversion of the same checkpoint, mmap'd: the OS page
+cache is its expert cache, so only `--squeeze` gives it the same memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..conversion.sizes import ModelSizes
+from ..conversion.store import Store
+from ..core.memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
+from ..core.reader import RecordReader
+from ..errors import UsageError
+from ..frontends.generate import Timing, timed
+from ..frontends.options import (
+    add_store_arguments,
+    engine_options,
+    existing_file,
+    positive,
+    read_text_file,
+    trace_output,
+    writable_file,
+)
+from ..units import format_bytes, parse_bytes
+
+
+@dataclass
+class RunResult:
+    """One generation: what a user sees (tokens/s, TTFT) and what explains it (bytes, waits)."""
+
+    name: str
+    prompt_tokens: int
+    new_tokens: int
+    ttft_seconds: float
+    decode_tokens_per_second: float
+    peak_rss_bytes: int
+    hit_rate: float | None = None
+    decode_bytes_read: int | None = None
+    decode_wait_seconds: float | None = None
+    note: str = ""
+
+    @property
+    def seconds_per_token(self) -> float:
+        return 1.0 / self.decode_tokens_per_second if self.decode_tokens_per_second else float("inf")
+
+    @staticmethod
+    def of(name: str, prompt_tokens: int, timing: Timing, peak_rss: int, **measured) -> "RunResult":
+        """A run's speeds as generate.Timing defines them (the same for moestream and every peer)."""
+        return RunResult(
+            name,
+            prompt_tokens,
+            timing.new_tokens,
+            timing.time_to_first_token,
+            timing.decode_tokens_per_second,
+            peak_rss,
+            **measured,
+        )
+
+
+@dataclass
+class BenchReport:
+    store: str
+    memory_bytes: int
+    squeeze_bytes: int
+    disk_bandwidth_bytes_per_second: float
+    moestream: RunResult
+    all_hits_seconds_per_token: float
+    all_hits_measured: bool  # False: estimated as decode time minus read waits
+    bytes_missed_per_token: float
+    floor_seconds_per_token: float
+    efficiency: float
+    store_page_cache_bytes: int
+    peers: list[RunResult] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        r = self.moestream
+        lines = [
+            f"store {self.store}, --memory {format_bytes(self.memory_bytes)}"
+            + (f", squeeze {format_bytes(self.squeeze_bytes)}" if self.squeeze_bytes else ""),
+            "disk bandwidth (this run's decode reads replayed, O_DIRECT, in the engine's batches): "
+            + (f"{self.disk_bandwidth_bytes_per_second / 1e9:.2f} GB/s" if self.disk_bandwidth_bytes_per_second else "none read"),
+            f"expert bytes missed per decoded token: {self.bytes_missed_per_token / 1e6:.2f} MB; hit rate {r.hit_rate:.1%}",
+            f"all-hits compute per token: {self.all_hits_seconds_per_token * 1e3:.1f} ms "
+            f"({'measured, every expert cached' if self.all_hits_measured else 'estimated: decode time minus read waits'})",
+            f"I/O floor per token: {self.floor_seconds_per_token * 1e3:.1f} ms; measured {r.seconds_per_token * 1e3:.1f} ms; "
+            f"efficiency {self.efficiency:.2f}"
+            + (
+                " (above 1: compute ran while reads were in flight, which the floor's sum does not credit)"
+                if self.efficiency > 1
+                else ""
+            ),
+            f"page cache held by the store after the run: {format_bytes(self.store_page_cache_bytes)}",
+            "",
+            f"{'engine':<34} {'decode tok/s':>12} {'TTFT s':>8} {'peak RSS':>10}  note",
+        ]
+        for run in [r] + self.peers:
+            lines.append(
+                f"{run.name:<34} {run.decode_tokens_per_second:>12.2f} {run.ttft_seconds:>8.2f} "
+                f"{format_bytes(run.peak_rss_bytes):>10}  {run.note}"
+            )
+        for peer in self.peers:
+            if peer.decode_tokens_per_second:
+                lines.append(
+                    f"moestream / {peer.name}: {r.decode_tokens_per_second / peer.decode_tokens_per_second:.2f}x decode tokens/s"
+                )
+        return "\n".join(lines)
+
+
+def replay_reads(store: Store, reads: list[tuple[int, int, int]], threads: int = 4) -> float:
+    """Bytes/s of reading these (file_index, offset, length) records again with O_DIRECT through the
+    engine's reader, in the batches the engine issued them: consecutive reads of one file (one layer
+    call's misses) go out together and are all waited for, then the next batch, as in decoding.
+
+    Replaying the run's own reads, not a synthetic probe, matters twice over: small records are bound by
+    latency (a deep queue of small reads is much faster than the 1..top_k reads of a decode step), and
+    virtual disks cache recently read blocks on the host (the same bytes read again come faster than
+    cold ones; docs/BENCHMARKS.md), so only the same bytes in the same order make a fair yardstick. The
+    replay comes right after the run, so any host cache favours it: the floor errs low, efficiency with it.
+    """
+    batches: list[list[tuple[int, int, int]]] = []
+    for read in reads:
+        if batches and batches[-1][0][0] == read[0]:
+            batches[-1].append(read)
+        else:
+            batches.append([read])
+    widest = max((len(b) for b in batches), default=0)
+    stride = store.manifest.max_record_stride
+    buffers = [mmap.mmap(-1, stride) for _ in range(widest)]  # page-aligned, as O_DIRECT needs
+    reader = RecordReader([store.path(layer.file) for layer in store.manifest.layers], threads, direct=True)
+    try:
+        start = time.perf_counter()
+        for batch in batches:
+            futures = [reader.submit(i, off, length, memoryview(buffers[n])[:length]) for n, (i, off, length) in enumerate(batch)]
+            for future in futures:
+                future.result()
+        seconds = time.perf_counter() - start
+    finally:
+        reader.close()
+    return sum(length for _, _, length in reads) / seconds if reads else 0.0
+
+
+class Squeeze:
+    """A helper process holding `nbytes` of touched anonymous memory, so the machine acts smaller."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.process = None
+
+    def __enter__(self):
+        if self.nbytes:
+            code = (
+                "import mmap,sys\n"
+                f"m = mmap.mmap(-1, {self.nbytes})\n"
+                "step = 1 << 20\n"
+                f"for i in range(0, {self.nbytes}, step): m[i:i + step] = b'\\x01' * min(step, {self.nbytes} - i)\n"
+                "print('ready', flush=True)\n"
+                "sys.stdin.read()\n"
+            )
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            if self.process.stdout.readline().strip() != "ready":
+                raise UsageError(f"--squeeze {format_bytes(self.nbytes)}: the helper could not hold that much memory")
+        return self
+
+    def __exit__(self, *exc):
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, text: str | None) -> torch.Tensor:
+    if text:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens]
+        if len(ids) < prompt_tokens:
+            raise UsageError(f"--text has only {len(ids)} tokens; pass a longer text or fewer --prompt-tokens")
+        return torch.tensor([ids])
+    return torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+
+
+def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, **load_kwargs):
+    """Load the store under `memory` and time one greedy generation of exactly `new_tokens` after `ids`
+    (generate.timed); returns (RunResult with the decode part's hit rate, bytes read and read waits, the
+    (file, offset, length) of every decode read). `load_kwargs` go to moestream.load."""
+    from ..core.loading import close, engine_of, load
+    from .trace import start_recording, stop_recording
+
+    reset_peak_rss()
+    model, _ = load(store_dir, memory, **load_kwargs)
+    engine = engine_of(model)
+    at_first: dict = {}
+
+    def first_token() -> None:
+        at_first.update(engine.stats())
+        engine.reader.log = []  # from here on the reads are decode's
+
+    recorder = start_recording(model) if trace_out else None  # this run's routing, for simulate/plan --trace
+    result = timed(model, ids, new_tokens, on_first_token=first_token)
+    reads = engine.reader.log or []
+    if recorder is not None:
+        stop_recording(model)
+        recorder.trace(prompt_tokens=int(ids.shape[1])).save(trace_out)
+    stats = engine.stats()
+    close(model)
+    decode_hits = stats["hits"] - at_first.get("hits", 0)
+    decode_misses = stats["misses"] - at_first.get("misses", 0)
+    run = RunResult.of(
+        name,
+        int(ids.shape[1]),
+        result.timing,
+        peak_rss_bytes(),
+        hit_rate=decode_hits / max(1, decode_hits + decode_misses),
+        decode_bytes_read=stats["bytes_read"] - at_first.get("bytes_read", 0),
+        decode_wait_seconds=stats["wait_seconds"] - at_first.get("wait_seconds", 0.0),
+    )
+    return run, reads
+
+
+def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int) -> Timing:
+    """llama.cpp (llama-cpp-python) on a GGUF file, mmap'd, greedy from the same prompt ids. Its own loop
+    (llama.cpp is not a transformers model), timed by the same definition as generate.stream."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=gguf_path, n_ctx=len(ids[0]) + new_tokens + 8, n_threads=torch.get_num_threads(), use_mmap=True, verbose=False
+    )
+    start = time.perf_counter()
+    llm.eval(ids[0])
+    token = llm.sample(temp=0.0)
+    first = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        llm.eval([token])
+        token = llm.sample(temp=0.0)
+    return Timing(start, first, time.perf_counter(), new_tokens)
+
+
+def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, queue) -> None:
+    """A peer in its own process (its own peak RSS, no memory shared with the others)."""
+    try:
+        reset_peak_rss()
+        if kind == "llama.cpp":
+            timing = _llama_cpp_decode(checkpoint, ids, new_tokens)
+            queue.put({"timing": timing, "rss": peak_rss_bytes()})
+            return
+        from transformers import AutoModelForCausalLM
+
+        if kind == "transformers":
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True).eval()
+        else:
+            offload = tempfile.mkdtemp(prefix="moestream-offload-")
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, local_files_only=True, device_map="auto", max_memory={"cpu": memory}, offload_folder=offload
+            ).eval()
+        queue.put({"timing": timed(model, ids, new_tokens).timing, "rss": peak_rss_bytes()})
+    except Exception as e:  # a peer that cannot run is reported, not fatal
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def _run_peer(kind: str, checkpoint: str, memory: int, ids: torch.Tensor, new_tokens: int) -> RunResult:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_peer, args=(kind, checkpoint, memory, ids.tolist(), new_tokens, queue))
+    process.start()
+    result = queue.get()
+    process.join()
+    name = {
+        "transformers": "transformers (fully loaded)",
+        "accelerate": "transformers + accelerate offload",
+        "llama.cpp": "llama.cpp (GGUF, mmap)",
+    }[kind]
+    if "error" in result:
+        return RunResult(name, int(ids.shape[1]), new_tokens, 0.0, 0.0, 0, note=f"did not run: {result['error'][:120]}")
+    return RunResult.of(name, int(ids.shape[1]), result["timing"], result["rss"])
+
+
+def _memory_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def bench(
+    store_dir: str | os.PathLike,
+    memory: str | int = "4GiB",
+    *,
+    prompt_tokens: int = 32,
+    new_tokens: int = 32,
+    squeeze: str | int = 0,
+    compare: str | None = None,
+    compare_gguf: str | None = None,
+    text: str | None = None,
+    trace_out: str | None = None,
+    **load_kwargs,
+) -> BenchReport:
+    from ..core.loading import load_tokenizer
+
+    budget, squeeze_bytes = parse_bytes(memory), parse_bytes(squeeze)
+    store = Store(store_dir)
+    if new_tokens < 2:
+        raise UsageError("--new-tokens must be at least 2: decode speed is measured after the first token")
+    with Squeeze(squeeze_bytes):
+        tokenizer = load_tokenizer(store.directory) if text else None
+        ids = _prompt_ids(tokenizer, int(store.manifest.model_config["vocab_size"]), prompt_tokens, text)
+        run, reads = run_moestream(store_dir, budget, ids, new_tokens, "moestream", trace_out, **load_kwargs)
+        bandwidth = replay_reads(store, reads, load_kwargs.get("io_threads", 4))
+        missed_per_token = run.decode_bytes_read / max(1, new_tokens - 1)
+        # All-hits compute: measured with every expert cached when that fits comfortably, else estimated.
+        sizes = ModelSizes.of_store(store.manifest)
+        if sizes.expert_stride_bytes < 0.5 * _memory_available():
+            all_hits_budget = sizes.all_experts_budget
+            warm = _run_all_hits(store_dir, all_hits_budget, ids, new_tokens)
+            all_hits, measured = warm.seconds_per_token, True
+        else:
+            all_hits = max(0.0, run.seconds_per_token - run.decode_wait_seconds / max(1, new_tokens - 1))
+            measured = False
+        floor = (missed_per_token / bandwidth if bandwidth else 0.0) + all_hits
+        cached = sum(page_cache_bytes(store.path(layer.file)) for layer in store.manifest.layers)
+        peers = []
+        if compare:
+            ckpt_bytes = sum(p.stat().st_size for p in Path(compare).glob("*.safetensors"))
+            if ckpt_bytes < 0.8 * _memory_available():
+                peers.append(_run_peer("transformers", compare, budget, ids, new_tokens))
+            else:
+                peers.append(
+                    RunResult(
+                        "transformers (fully loaded)",
+                        prompt_tokens,
+                        new_tokens,
+                        0,
+                        0,
+                        0,
+                        note=f"skipped: {format_bytes(ckpt_bytes)} does not fit in available memory",
+                    )
+                )
+            peers.append(_run_peer("accelerate", compare, budget, ids, new_tokens))
+        if compare_gguf:
+            peers.append(_run_peer("llama.cpp", compare_gguf, budget, ids, new_tokens))
+    return BenchReport(
+        store=str(store_dir),
+        memory_bytes=budget,
+        squeeze_bytes=squeeze_bytes,
+        disk_bandwidth_bytes_per_second=bandwidth,
+        moestream=run,
+        all_hits_seconds_per_token=all_hits,
+        all_hits_measured=measured,
+        bytes_missed_per_token=missed_per_token,
+        floor_seconds_per_token=floor,
+        efficiency=floor / run.seconds_per_token if run.seconds_per_token else 0.0,
+        store_page_cache_bytes=cached,
+        peers=peers,
+    )
+
+
+def _run_all_hits(store_dir, budget: int, ids, new_tokens: int) -> RunResult:
+    """All-hits decode: one load, a pass that fills the cache, then the timed pass on the same prompt."""
+    from ..core.loading import close, load
+
+    model, _ = load(store_dir, budget)
+    timed(model, ids, new_tokens)  # fills the cache with every expert this prompt and decode need
+    result = timed(model, ids, new_tokens)
+    close(model)
+    return RunResult.of("all hits", int(ids.shape[1]), result.timing, peak_rss_bytes())
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    Path(path).write_text(json.dumps(report.to_json(), indent=1))
+
+
+# ---- CLI: `moestream bench` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "decode speed against the disk's limit, measured in one run (optionally against peers)"
+DESCRIPTION = (
+    "Measure decode tokens/s, time to first token, hit rate and expert bytes read per token, "
+    "the disk bandwidth on this run's own decode reads (replayed with O_DIRECT through the engine's reader, in "
+    "the engine's batches), the I/O floor (bytes missed per token / bandwidth + all-hits compute) and "
+    "efficiency = floor / measured time."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--prompt-tokens", type=int, default=32, metavar="N", help="prompt length in tokens (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens to decode, at least 2 (default 32)")
+    parser.add_argument("--text", default=None, metavar="FILE", help="take the prompt from this text (default: random token ids)")
+    parser.add_argument(
+        "--squeeze",
+        default="0",
+        metavar="SIZE",
+        help="hold this much anonymous memory in a helper process during the run, so the machine behaves like "
+        "a smaller one (there is no swap: it stays resident)",
+    )
+    parser.add_argument(
+        "--compare",
+        default=None,
+        metavar="CHECKPOINT",
+        help="also run the peers on this Hugging Face checkpoint (the store's source): transformers fully "
+        "loaded (if it fits) and transformers + accelerate disk offload at the same --memory",
+    )
+    parser.add_argument(
+        "--compare-gguf",
+        default=None,
+        metavar="FILE.gguf",
+        help="also run llama.cpp (pip install llama-cpp-python) on this GGUF conversion of the same checkpoint, "
+        "mmap'd; it caches in the page cache, so give it the same memory with --squeeze",
+    )
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
+    parser.add_argument(
+        "--trace-out",
+        default=None,
+        metavar="FILE.npz",
+        help="record the measured run's routing for `moestream simulate` / `plan --trace`",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    positive(args.prompt_tokens, "--prompt-tokens")
+    if args.new_tokens < 2:
+        raise UsageError(
+            f"--new-tokens must be at least 2, not {args.new_tokens}: decode speed is measured after the first token"
+        )
+    text = read_text_file(args.text, "--text") if args.text else None
+    if args.compare and not Path(args.compare).is_dir():
+        raise UsageError(
+            f"--compare {args.compare} is not a directory; pass the Hugging Face checkpoint the store was converted from"
+        )
+    if args.compare_gguf:
+        existing_file(args.compare_gguf, "--compare-gguf", "GGUF file")
+    if args.json:
+        writable_file(args.json, "--json")
+    if args.trace_out:
+        trace_output(args.trace_out, "--trace-out")
+    report = bench(
+        args.store,
+        args.memory,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        squeeze=args.squeeze,
+        compare=args.compare,
+        compare_gguf=args.compare_gguf,
+        text=text,
+        trace_out=args.trace_out,
+        **engine_options(args),
+    )
+    print(report.table())
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0

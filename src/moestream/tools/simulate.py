@@ -1,0 +1,352 @@
+"""Replay a routing trace through the expert cache offline: hit rate and bytes read per token, per policy
+and budget, next to Belady's optimum.
+
+The replay drives the runtime's own ExpertCache (without slot memory), its own policy objects and its
+own scheduler (scheduler.py), which alone decides the order of cache operations in an experts call; only
+the reads differ: here they land at once, in issue order. So for the same trace, budget and policy, the
+replay's hits equal the runtime's exactly (tests/test_simulate.py). That is for demand reads: a
+speculative prefetch reads experts from predictions that a trace does not hold, so runs with prefetch on
+are compared with prefetch off.
+
+Belady's MIN (evict the entry whose next use is farthest away) needs the future, so it exists only here.
+It runs under the same rules (demand reads, the call's experts pinned), which makes it the optimum for
+those rules: no online policy can have more hits on the same trace and capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core import scheduler
+from ..core.cache import Entry, ExpertCache, State
+from ..core.policies import POLICIES, make_policy
+from ..errors import UsageError
+from ..frontends.options import existing_file, positive
+from .trace import Trace
+
+BELADY = "belady"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    slots: int
+    slot_bytes: int
+    hits: int
+    misses: int
+    bytes_read: int
+    tokens: int
+    # The same for decode calls only (one token per call), which is what decoding speed depends on.
+    decode_hits: int = 0
+    decode_misses: int = 0
+    decode_bytes_read: int = 0
+    decode_tokens: int = 0
+    decode_miss_calls: tuple[int, ...] = ()  # [m]: decode calls (one layer, one token) that missed m experts
+
+    @property
+    def decode_hit_rate(self) -> float:
+        total = self.decode_hits + self.decode_misses
+        return self.decode_hits / total if total else 0.0
+
+    @property
+    def decode_bytes_per_token(self) -> float:
+        return self.decode_bytes_read / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_read / self.tokens if self.tokens else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "policy": self.policy,
+            "budget_bytes": self.budget_bytes,
+            "slots": self.slots,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "bytes_read": self.bytes_read,
+            "bytes_per_token": self.bytes_per_token,
+            "decode_hit_rate": self.decode_hit_rate,
+            "decode_bytes_per_token": self.decode_bytes_per_token,
+        }
+
+
+class BeladyPolicy:
+    """MIN: evict the unpinned entry whose next use (an experts call index) is farthest in the future."""
+
+    name = BELADY
+
+    def __init__(self, next_use: list[dict[int, float]]):
+        self.next_use = next_use  # per call: expert -> index of the next call of that layer that uses it
+        self.now = 0  # the call being replayed, set by the replay loop
+        self._current: dict = {}  # cached key -> its next use
+        self._heap: list = []  # (-next use, seq, key); stale rows are skipped
+        self._seq = 0
+
+    def attach(self, capacity: int) -> None:
+        pass
+
+    def _touch(self, key) -> None:
+        nxt = self.next_use[self.now][key[1]]
+        self._current[key] = nxt
+        self._seq += 1
+        heapq.heappush(self._heap, (-nxt, self._seq, key))
+        if len(self._heap) > 4 * len(self._current) + 64:
+            self._heap = [(-n, i, k) for i, (k, n) in enumerate(self._current.items(), start=self._seq + 1)]
+            self._seq += len(self._heap)
+            heapq.heapify(self._heap)
+
+    on_hit = on_insert = _touch
+
+    def on_remove(self, key) -> None:
+        self._current.pop(key, None)
+
+    def victim(self, evictable, incoming=None):
+        skipped, chosen = [], None
+        while self._heap:
+            item = heapq.heappop(self._heap)
+            key = item[2]
+            if self._current.get(key) != -item[0]:
+                continue  # stale row
+            skipped.append(item)
+            if evictable(key):
+                chosen = key
+                break
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        return chosen
+
+
+def next_uses(calls: list[tuple[int, tuple[int, ...]]]) -> list[dict[int, float]]:
+    """For each call and each of its experts, the index of the next call that uses the same (layer, expert)."""
+    out: list[dict[int, float]] = [{} for _ in calls]
+    last: dict[tuple[int, int], float] = {}
+    for c in range(len(calls) - 1, -1, -1):
+        layer, experts = calls[c]
+        row = out[c]
+        for e in experts:
+            row[e] = last.get((layer, e), math.inf)
+            last[(layer, e)] = c
+    return out
+
+
+class InstantReads:
+    """The scheduler's I/O side for a replay: every read lands at once, in issue order; no compute."""
+
+    def start_read(self, entry: Entry) -> None:
+        pass
+
+    def demand_issued(self) -> None:
+        pass
+
+    def landed(self, in_flight: list[Entry], oldest_only: bool) -> list[Entry]:
+        return [in_flight[0]]
+
+    def finish_read(self, entry: Entry) -> None:
+        entry.state = State.READY
+
+    def compute(self, entry: Entry) -> None:
+        pass
+
+    def abandon(self, in_flight: list[Entry]) -> None:
+        pass
+
+
+def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarray | None = None) -> SimResult:
+    """Replay `trace` through a cache of `slots` records under `policy` (a POLICIES name or "belady").
+
+    record_bytes: bytes read per miss of each layer (default: the trace's store); the slot size is their
+    maximum, as in the runtime."""
+    strides = trace.record_bytes if record_bytes is None else np.asarray(record_bytes)
+    slot_bytes = int(strides.max())
+    if slots < 1:
+        raise UsageError("the cache needs at least one slot")
+    calls = trace.call_experts
+    belady = None
+    if policy == BELADY:
+        belady = BeladyPolicy(next_uses(calls))
+        pol = belady
+    else:
+        pol = make_policy(policy)
+    cache = ExpertCache(slots * slot_bytes, slot_bytes, pol, arena=False)
+    io = InstantReads()
+    hits = decode_hits = 0
+    misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
+    decode_misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
+    decode = (trace.call_rows == 1).tolist()
+    miss_calls = [0] * (int(trace.layer_experts.max()) + 1)
+    for c, (layer, experts) in enumerate(calls):
+        if belady is not None:
+            belady.now = c
+        call = scheduler.lookup(cache, layer, experts)
+        call.run(io)
+        hits += call.hits
+        misses_per_layer[layer] += call.misses
+        if decode[c]:
+            decode_hits += call.hits
+            decode_misses_per_layer[layer] += call.misses
+            miss_calls[call.misses] += 1
+    misses = int(misses_per_layer.sum())
+    return SimResult(
+        policy=policy,
+        slots=slots,
+        slot_bytes=slot_bytes,
+        hits=hits,
+        misses=misses,
+        bytes_read=int((misses_per_layer * strides.astype(np.int64)).sum()),
+        tokens=trace.tokens,
+        decode_hits=decode_hits,
+        decode_misses=int(decode_misses_per_layer.sum()),
+        decode_bytes_read=int((decode_misses_per_layer * strides.astype(np.int64)).sum()),
+        decode_tokens=int(((trace.call_rows == 1) & (trace.call_layer == 0)).sum()),
+        decode_miss_calls=tuple(miss_calls[: max([m for m, n in enumerate(miss_calls) if n] + [0]) + 1]),
+    )
+
+
+def minimum_slots(trace: Trace) -> int:
+    """What the runtime accepts: one token's experts in one layer (ExpertEngine refuses less)."""
+    return trace.top_k
+
+
+def sweep(trace: Trace, budgets: list[int], policies: list[str], record_bytes: np.ndarray | None = None) -> list[list[SimResult]]:
+    """One row per budget: the given policies, then Belady, at budget // slot slots."""
+    for name in policies:
+        if name not in POLICIES:
+            raise UsageError(f"unknown cache policy {name!r}; choose from {', '.join(POLICIES)}")
+    strides = trace.record_bytes if record_bytes is None else np.asarray(record_bytes)
+    slot = int(strides.max())
+    rows = []
+    for budget in budgets:
+        slots = budget // slot
+        if slots < minimum_slots(trace):
+            raise UsageError(
+                f"a budget of {budget} bytes holds {slots} experts of {slot} bytes; the runtime needs at least "
+                f"{minimum_slots(trace)} (one token's experts in one layer): the minimum is {minimum_slots(trace) * slot} bytes"
+            )
+        rows.append([replay(trace, slots, p, strides) for p in [*policies, BELADY]])
+    return rows
+
+
+def parse_budgets(spec: str, trace: Trace) -> list[int]:
+    """ "1GiB,2GiB" or "5%,10%" (of all the trace's expert records, in slots) -> byte budgets."""
+    from ..units import parse_bytes
+
+    slot = trace.slot_bytes
+    records = int(trace.layer_experts.sum())
+    budgets = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part.endswith("%"):
+            try:
+                fraction = float(part[:-1]) / 100
+            except ValueError:
+                raise UsageError(f"cannot read the budget {part!r}: write e.g. 10% or 1GiB") from None
+            budgets.append(max(1, round(fraction * records)) * slot)
+        else:
+            budgets.append(parse_bytes(part))
+    if not budgets:
+        raise UsageError("--memory needs at least one budget, e.g. --memory 1GiB,2GiB or --memory 5%,10%,20%")
+    return budgets
+
+
+def closest_to_optimum(rows: list[list[SimResult]]) -> tuple[str, float]:
+    """The online policy with the highest mean fraction of Belady's hits over the budgets."""
+    scores: dict[str, list[float]] = {}
+    for row in rows:
+        best = row[-1].hits
+        for r in row[:-1]:
+            scores.setdefault(r.policy, []).append(r.hits / best if best else 1.0)
+    name = max(scores, key=lambda p: sum(scores[p]) / len(scores[p]))
+    return name, sum(scores[name]) / len(scores[name])
+
+
+def table(trace: Trace, rows: list[list[SimResult]]) -> str:
+    from ..units import format_bytes
+
+    records = int(trace.layer_experts.sum())
+    lines = [
+        f"trace: {trace.describe()}; {format_bytes(trace.slot_bytes)} per expert read",
+        f"{'budget':>10} {'experts':>14}  {'policy':<7} {'hit rate':>8} {'of optimum':>10} {'read/token':>11}",
+    ]
+    for row in rows:
+        best = row[-1].hits
+        for i, r in enumerate(row):
+            budget = f"{format_bytes(r.budget_bytes):>10} {f'{r.slots} ({r.slots / records:.0%})':>14}" if i == 0 else " " * 25
+            of_best = f"{r.hits / best:.2f}x" if best else "-"
+            lines.append(f"{budget}  {r.policy:<7} {r.hit_rate:>8.1%} {of_best:>10} {format_bytes(r.bytes_per_token):>11}")
+    if rows and len(rows[0]) > 1:
+        name, score = closest_to_optimum(rows)
+        lines.append(f"closest to the optimum: {name} ({score:.2f}x of Belady's hits on average over these budgets)")
+    return "\n".join(lines)
+
+
+# ---- CLI: `moestream simulate` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "replay a trace through the cache policies at several budgets, next to the optimum"
+DESCRIPTION = (
+    "Replay a routing trace through the runtime's own cache and policies (no model, no disk): hit "
+    "rate, fraction of the optimum and expert bytes read per token for each budget and policy, next to "
+    "Belady's MIN (evict the expert needed farthest in the future), the upper bound no policy can pass. The "
+    "simulator makes the runtime's cache operations in the runtime's order, so its hit counts are the ones "
+    "`generate --policy P --memory M` gets on the same routing from demand reads (speculative prefetch reads "
+    "are not in a trace)."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    policies = ",".join(POLICIES)
+    parser.add_argument("trace", help="a trace file from `moestream trace` or `generate --trace-out`")
+    parser.add_argument(
+        "--memory",
+        default="5%,10%,20%,30%,50%",
+        help="comma-separated expert cache budgets: sizes (1GiB,2GiB) or shares of all experts (10%%); default "
+        "5%%,10%%,20%%,30%%,50%%",
+    )
+    parser.add_argument("--policy", default=policies, help=f"comma-separated policies to compare (default {policies})")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help="also write PNGs to DIR: hit rate against budget per policy with the optimum (on these budgets and a "
+        "grid from the minimum to all experts), expert popularity per layer, reuse distance histogram (needs matplotlib)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    if args.plot and Path(args.plot).exists() and not Path(args.plot).is_dir():
+        raise UsageError(f"--plot {args.plot} is a file; pass a directory to write the PNGs into")
+    trace = Trace.load(existing_file(args.trace, "trace", "trace file (.npz) from `moestream trace`"))
+    budgets, policies = parse_budgets(args.memory, trace), [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not policies:
+        raise UsageError(f"--policy names no policy; pass some of {','.join(POLICIES)}")
+    for budget in budgets:
+        positive(budget, "--memory")
+    rows = sweep(trace, budgets, policies)
+    if args.json:
+        print(json.dumps({"trace": trace.meta, "results": [[r.to_json() for r in row] for row in rows]}))
+    else:
+        print(table(trace, rows))
+    if args.plot:
+        from .plots import plot_sweep
+
+        for path in plot_sweep(trace, budgets, policies, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,334 @@
+"""Routing traces: which experts each token chose in each MoE layer, recorded once, replayed offline.
+
+A trace is what the experts function saw: one entry per experts call (a prefill call carries all its
+tokens, a decode call one), in call order, with the chosen expert ids and weights of every token. Call
+boundaries are kept because they decide what the cache can evict: every expert of a call is pinned while
+the call runs (simulate.py replays calls exactly as the runtime executes them).
+
+File format (`.npz`, written by numpy, no pickles):
+    experts      int32 [rows, top_k]   chosen expert ids, one row per token of each call
+    weights      float32 [rows, top_k] their routing weights as the experts function received them
+    call_layer   int32 [calls]         experts-layer index (0 .. layers-1, the store's layer table order)
+    call_rows    int32 [calls]         tokens in the call (rows of `experts` it owns, in order)
+    record_bytes int64 [layers]        bytes read per expert of each layer (the store's record stride)
+    layer_experts int32 [layers]       experts per layer
+    meta         str                   JSON: format, store_id, model_type, top_k, tokens, source text, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..conversion.sizes import ModelSizes
+from ..errors import UsageError
+from ..frontends.options import add_memory_argument, non_negative, positive, read_text_file, trace_output
+
+TRACE_FORMAT = "moestream-trace"
+TRACE_VERSION = 1
+
+
+def store_identity(manifest) -> str:
+    """A short hash of the store's layer table (modules, record layouts, per-record checksums): two stores
+    with the same identity hold the same expert bytes in the same places."""
+    table = json.dumps([layer.to_json() for layer in manifest.layers], sort_keys=True).encode()
+    return hashlib.sha256(table).hexdigest()[:16]
+
+
+@dataclass
+class Trace:
+    experts: np.ndarray
+    weights: np.ndarray
+    call_layer: np.ndarray
+    call_rows: np.ndarray
+    record_bytes: np.ndarray
+    layer_experts: np.ndarray
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> int:
+        return len(self.record_bytes)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def calls(self) -> int:
+        return len(self.call_layer)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens that went through the model: every forward pass calls the first experts layer once."""
+        return int(self.call_rows[self.call_layer == 0].sum())
+
+    @property
+    def slot_bytes(self) -> int:
+        """The runtime's cache slot: the largest record (every slot must fit any layer's record)."""
+        return int(self.record_bytes.max())
+
+    @cached_property
+    def call_experts(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(layer, distinct experts in ascending id order) per call: the order ExpertEngine.run looks them up."""
+        out, start = [], 0
+        for layer, rows in zip(self.call_layer.tolist(), self.call_rows.tolist()):
+            ids = np.unique(self.experts[start : start + rows])
+            out.append((layer, tuple(ids.tolist())))
+            start += rows
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        if path.suffix != ".npz":
+            raise UsageError(f"a trace file ends in .npz (numpy's format): {path}")
+        meta = dict(self.meta, format=TRACE_FORMAT, format_version=TRACE_VERSION)
+        tmp = path.with_name(path.name + ".partial.npz")
+        np.savez_compressed(
+            tmp,
+            experts=self.experts.astype(np.int32),
+            weights=self.weights.astype(np.float32),
+            call_layer=self.call_layer.astype(np.int32),
+            call_rows=self.call_rows.astype(np.int32),
+            record_bytes=self.record_bytes.astype(np.int64),
+            layer_experts=self.layer_experts.astype(np.int32),
+            meta=np.array(json.dumps(meta)),
+        )
+        os.replace(tmp, path)
+        return path
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "Trace":
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {name: z[name] for name in z.files}
+        except FileNotFoundError:
+            raise UsageError(f"no trace file at {path}; record one with `moestream trace STORE --text FILE -o {path}`") from None
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{path} is not a moestream trace ({e}); record one with `moestream trace`") from None
+        needed = ("experts", "weights", "call_layer", "call_rows", "record_bytes", "layer_experts", "meta")
+        missing = [n for n in needed if n not in arrays]
+        if missing:
+            raise UsageError(
+                f"{path} is not a moestream trace (it lacks {', '.join(missing)}); record one with `moestream trace`"
+            )
+        try:
+            meta = json.loads(str(arrays["meta"]))
+        except ValueError:
+            meta = None
+        if not isinstance(meta, dict) or meta.get("format") != TRACE_FORMAT:
+            raise UsageError(f"{path} is not a moestream trace; record one with `moestream trace`")
+        if meta.get("format_version") != TRACE_VERSION:
+            raise UsageError(f"{path} is trace format version {meta.get('format_version')}; this moestream reads {TRACE_VERSION}")
+        trace = Trace(**{n: arrays[n] for n in needed if n != "meta"}, meta=meta)
+        trace.check(str(path))
+        return trace
+
+    def check(self, where: str) -> None:
+        """Shapes and ranges that the simulator relies on; a damaged file is refused, not replayed."""
+        ok = (
+            self.experts.ndim == 2
+            and self.weights.shape == self.experts.shape
+            and self.call_layer.shape == self.call_rows.shape
+            and int(self.call_rows.sum()) == self.experts.shape[0]
+            and (self.call_rows > 0).all()
+            and self.record_bytes.ndim == 1
+            and self.layer_experts.shape == self.record_bytes.shape
+            and (self.record_bytes > 0).all()
+            and ((self.call_layer >= 0) & (self.call_layer < self.layers)).all()
+        )
+        if ok and len(self.experts):
+            per_row_limit = self.layer_experts[np.repeat(self.call_layer, self.call_rows)]
+            ok = bool(((self.experts >= 0) & (self.experts < per_row_limit[:, None])).all())
+        if not ok:
+            raise UsageError(f"{where}: the trace's arrays are inconsistent (damaged or edited); record it again")
+
+    def describe(self) -> str:
+        m = self.meta
+        return (
+            f"{m.get('model_type', '?')} store {m.get('store_id', '?')}: {self.tokens} tokens in {self.calls} experts calls, "
+            f"{self.layers} MoE layers x {int(self.layer_experts.max())} experts, top-{self.top_k}"
+        )
+
+
+class TraceRecorder:
+    """Collects what ExpertEngine.run sees, call by call (set as `engine.trace`)."""
+
+    def __init__(self, engine):
+        manifest = engine.store.manifest
+        self.meta = {
+            "store_id": store_identity(manifest),
+            "store": str(engine.store.directory),
+            "model_type": manifest.model_config.get("model_type"),
+            "experts_dtype": manifest.experts_dtype,
+        }
+        sizes = ModelSizes.of_store(manifest)
+        self.record_bytes = np.array(sizes.layer_stride_bytes, dtype=np.int64)  # what a replay's reads cost: strides
+        self.layer_experts = np.array(sizes.layer_experts, dtype=np.int32)
+        self._experts: list[np.ndarray] = []
+        self._weights: list[np.ndarray] = []
+        self._layers: list[int] = []
+
+    def record(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        self._experts.append(top_k_index.detach().to(torch.int32).cpu().numpy().copy())
+        self._weights.append(top_k_weights.detach().to(torch.float32).cpu().numpy().copy())
+        self._layers.append(layer)
+
+    def trace(self, **meta) -> Trace:
+        k = self._experts[0].shape[1] if self._experts else 1
+        return Trace(
+            experts=np.concatenate(self._experts) if self._experts else np.zeros((0, k), np.int32),
+            weights=np.concatenate(self._weights) if self._weights else np.zeros((0, k), np.float32),
+            call_layer=np.array(self._layers, dtype=np.int32),
+            call_rows=np.array([len(e) for e in self._experts], dtype=np.int32),
+            record_bytes=self.record_bytes,
+            layer_experts=self.layer_experts,
+            meta=dict(self.meta, **meta),
+        )
+
+
+def start_recording(model) -> TraceRecorder:
+    """From now on every experts call of `model` is recorded; `stop_recording`, then `recorder.trace()`."""
+    from ..core.loading import engine_of
+
+    engine = engine_of(model)
+    if engine.trace is not None:
+        raise UsageError("this model is already recording a trace")
+    engine.trace = TraceRecorder(engine)
+    return engine.trace
+
+
+def stop_recording(model) -> None:
+    from ..core.loading import engine_of
+
+    engine_of(model).trace = None
+
+
+@contextmanager
+def recording(model):
+    """`with recording(model) as rec: model.generate(...)`, then `rec.trace()`."""
+    recorder = start_recording(model)
+    try:
+        yield recorder
+    finally:
+        stop_recording(model)
+
+
+def record_text(
+    store, text: str, *, max_tokens: int = 1024, prefill: int = 0, memory: str | int = "4GiB", io_threads: int = 4
+) -> Trace:
+    """Route `text` through the model the way generation would see it and return the trace.
+
+    The first `prefill` tokens go in as one call per layer (a prompt); every later token is fed alone with
+    the KV cache, as decoding does (teacher forcing: the routing of generating exactly this text;
+    generate.teacher_forced).
+    """
+    from ..core.loading import close, load
+    from ..frontends.generate import teacher_forced
+
+    if max_tokens < 1 or prefill < 0:
+        raise UsageError("--max-tokens must be at least 1 and --prefill at least 0")
+    model, tokenizer = load(store, memory, io_threads=io_threads)
+    try:
+        if tokenizer is None:
+            raise UsageError(f"{store} has no tokenizer files; convert from a checkpoint that includes them")
+        ids = tokenizer(text)["input_ids"][:max_tokens]
+        if not ids:
+            raise UsageError("the text has no tokens; pass a non-empty UTF-8 file")
+        prefill = min(prefill, len(ids))
+        with recording(model) as recorder:
+            teacher_forced(model, ids, prefill)
+        return recorder.trace(prefill_tokens=prefill, text_tokens=len(ids))
+    finally:
+        close(model)
+
+
+def popularity(trace: Trace) -> np.ndarray:
+    """Uses of each expert per layer, [layers, experts]: every (token, k) choice counts once."""
+    counts = np.zeros((trace.layers, int(trace.layer_experts.max())), dtype=np.int64)
+    layer_of_row = np.repeat(trace.call_layer, trace.call_rows)
+    np.add.at(counts, (np.repeat(layer_of_row, trace.top_k), trace.experts.reshape(-1)), 1)
+    return counts
+
+
+def reuse_distances(trace: Trace) -> np.ndarray:
+    """For each expert lookup, in the order the cache sees them (call by call, ascending expert ids), the
+    number of distinct experts looked up since the previous lookup of the same (layer, expert); -1 for a
+    first use. A cache of C slots under LRU hits about exactly the lookups with distance < C (pins aside),
+    so the histogram is the hit-rate curve of every budget at once."""
+    keys = [(layer, e) for layer, experts in trace.call_experts for e in experts]
+    n = len(keys)
+    tree = [0] * (n + 1)  # Fenwick tree over lookup times: 1 where a key was last looked up
+
+    def add(i: int, v: int) -> None:
+        i += 1
+        while i <= n:
+            tree[i] += v
+            i += i & -i
+
+    def prefix(i: int) -> int:  # sum over times [0, i)
+        s = 0
+        while i > 0:
+            s += tree[i]
+            i -= i & -i
+        return s
+
+    last: dict = {}
+    out = np.empty(n, dtype=np.int64)
+    for t, key in enumerate(keys):
+        p = last.get(key)
+        if p is None:
+            out[t] = -1
+        else:
+            out[t] = prefix(t) - prefix(p + 1)
+            add(p, -1)
+        add(t, 1)
+        last[key] = t
+    return out
+
+
+# ---- CLI: `moestream trace` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+
+HELP = "record which experts a text routes to, per token and layer, into a trace file"
+DESCRIPTION = (
+    "Feed a text through the model as decoding would (the first --prefill tokens as one prompt, "
+    "then one token at a time with the KV cache) and record, for every token and MoE layer, the chosen "
+    "expert ids and weights, with the store's identity and shape. Replay it with `moestream simulate` "
+    "or `moestream plan --trace` to choose a budget and a policy without running the model again."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", help="store directory made by `moestream convert`")
+    parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to route, ideally like what you will run")
+    parser.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="record the first N tokens (default 1024)")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="feed the first N tokens as one prompt call (default 0: every token decoded alone)",
+    )
+    parser.add_argument("-o", "--output", required=True, metavar="FILE.npz", help="trace file to write")
+    add_memory_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    positive(args.max_tokens, "--max-tokens")
+    non_negative(args.prefill, "--prefill")
+    trace_output(args.output, "--output")
+    text = read_text_file(args.text, "--text")
+    trace = record_text(args.store, text, max_tokens=args.max_tokens, prefill=args.prefill, memory=args.memory)
+    trace.meta["text"] = str(args.text)
+    path = trace.save(args.output)
+    print(f"{trace.describe()}\nwrote {path}")
+    return 0
