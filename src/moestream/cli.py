@@ -20,7 +20,7 @@ from .errors import MoestreamError
 #: verb -> module of this package that defines it, in the order `moestream --help` lists them.
 VERBS = {
     "convert": "conversion.convert",
-    "inspect": "frontends.inspect_store",
+    "inspect": "conversion.inspect_store",
     "verify": "conversion.verify",
     "generate": "frontends.generate",
     "chat": "frontends.chat",

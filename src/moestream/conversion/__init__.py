@@ -1,2 +1,3 @@
-"""The store and what writes and checks it: the format (store), checkpoint reading (source), low-bit
-formats (quant), checkpoint -> store (convert), verification, byte arithmetic (sizes), synthetic models."""
+"""The store and what writes, checks and sizes it: the format (store), checkpoint reading (source),
+low-bit formats (quant), checkpoint -> store (convert), verification, byte arithmetic and config fields
+(sizes), the inspect verb, synthetic models."""

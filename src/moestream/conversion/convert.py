@@ -458,7 +458,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..frontends.inspect_store import print_inspect
+    from .inspect_store import print_inspect
 
     if not Path(args.src).is_dir():
         what = "does not exist" if not Path(args.src).exists() else "is not a directory"

@@ -21,9 +21,9 @@ import torch
 
 from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
+from ..options import add_sampling_arguments, add_store_arguments, check_sampling, load_model
 from ..units import format_bytes
 from .generate import GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template, stream
-from .options import add_sampling_arguments, add_store_arguments, check_sampling, load_model
 
 COMMANDS = {
     "/stats": "hit rate, MB read, tokens/s, memory",

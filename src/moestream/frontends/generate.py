@@ -32,7 +32,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from ..core.loading import engine_of
 from ..errors import UsageError
-from .options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
+from ..options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
 
 # Used when a checkpoint ships no chat template (base models, the byte-level test tokenizer): plain
 # "Role: text" paragraphs ending in "Assistant:", the format base models have seen most in their data.

@@ -18,7 +18,7 @@ import argparse
 import socket
 
 from ..errors import MoestreamError, UsageError
-from .options import add_store_arguments, load_model, positive
+from ..options import add_store_arguments, load_model, positive
 
 HELP = "serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)"
 DESCRIPTION = (

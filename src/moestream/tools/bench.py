@@ -43,7 +43,7 @@ from ..core.memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
 from ..core.reader import RecordReader
 from ..errors import UsageError
 from ..frontends.generate import Timing, timed
-from ..frontends.options import (
+from ..options import (
     add_store_arguments,
     engine_options,
     existing_file,

@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..frontends.options import positive
+    from ..options import positive
 
     positive(args.tokens, "--tokens")
     if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():

@@ -41,7 +41,7 @@ from ..conversion.sizes import ModelSizes, expert_format
 from ..core.policies import DEFAULT_POLICY
 from ..core.skeleton import build_skeleton, experts_modules, model_dtype
 from ..errors import UsageError
-from ..frontends.options import add_io_threads_argument, add_policy_argument, existing_file, positive
+from ..options import add_io_threads_argument, add_policy_argument, existing_file, positive
 from ..units import format_bytes
 
 # Besides resident weights and the expert cache a process holds the Python/torch/transformers runtime

@@ -412,7 +412,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ..frontends.options import read_text_file
+    from ..options import read_text_file
 
     if not Path(args.reference).exists():
         raise UsageError(

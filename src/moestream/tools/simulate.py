@@ -26,7 +26,7 @@ from ..core import scheduler
 from ..core.cache import Entry, ExpertCache, State
 from ..core.policies import POLICIES, make_policy
 from ..errors import UsageError
-from ..frontends.options import existing_file, positive
+from ..options import existing_file, positive
 from .trace import Trace
 
 BELADY = "belady"

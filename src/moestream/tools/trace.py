@@ -31,7 +31,7 @@ import torch
 
 from ..conversion.sizes import ModelSizes
 from ..errors import UsageError
-from ..frontends.options import add_memory_argument, non_negative, positive, read_text_file, trace_output
+from ..options import add_memory_argument, non_negative, positive, read_text_file, trace_output
 
 TRACE_FORMAT = "moestream-trace"
 TRACE_VERSION = 1

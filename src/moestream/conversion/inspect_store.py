@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .options import positive
+    from ..options import positive
 
     budget = positive(parse_bytes(args.memory), "--memory") if args.memory is not None else None
     return print_inspect(args.store, budget)

@@ -16,7 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..errors import MoestreamError, UsageError
+from .errors import MoestreamError, UsageError
 
 #: `--io`: direct = O_DIRECT reads, expert bytes live only in moestream's cache; buffered = through the page cache.
 IO_MODES = ("direct", "buffered")
@@ -33,7 +33,7 @@ def add_memory_argument(parser: argparse.ArgumentParser, default: str = "4GiB") 
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
-    from ..core.policies import DEFAULT_POLICY, POLICIES
+    from .core.policies import DEFAULT_POLICY, POLICIES
 
     parser.add_argument(
         "--policy",
@@ -57,8 +57,8 @@ def add_io_threads_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "4GiB") -> None:
     """The store positional, --memory and the engine options of load(): for every verb that loads a model."""
-    from ..core.engine import VERIFY_MODES
-    from ..core.prefetch import PREFETCH_MODES
+    from .core.engine import VERIFY_MODES
+    from .core.prefetch import PREFETCH_MODES
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_memory_argument(parser, memory_default)
@@ -105,7 +105,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 def load_model(args: argparse.Namespace, need_tokenizer: bool = True):
     """(model, tokenizer) of args.store under args.memory with the engine options; MoestreamError when
     the store has no tokenizer files and the verb needs them (tokenizer is None when need_tokenizer is False)."""
-    from ..core.loading import close, load
+    from .core.loading import close, load
 
     options = engine_options(args)
     model, tokenizer = load(args.store, args.memory, **options)
