@@ -166,20 +166,22 @@ class Prefetcher:
                 known[layer] = experts
         return known
 
-    @torch.no_grad()
     def predict(self, layer: int, hidden: torch.Tensor) -> list[int]:
-        """Experts layer `layer + 1` will likely need, from layer `layer`'s hidden states; [] if none."""
+        """Experts layer `layer + 1` will likely need, from layer `layer`'s hidden states; [] if none.
+        Called once per experts call: the checks come first, since most calls do not speculate."""
         target = layer + 1
         if hidden.shape[0] > MAX_SPECULATIVE_TOKENS or not self.speculating() or target >= len(self.routers):
             return []
         router = self.routers[target]
         if router is None or self.hash_routers[target] is not None:  # a hash layer's experts are read exactly
             return []
-        logits = F.linear(hidden.to(router.weight.dtype), router.weight).float()
-        bias = getattr(router, "e_score_correction_bias", None)  # DeepSeek-style selection bias
-        if isinstance(bias, torch.Tensor):
-            logits = logits.sigmoid() + bias.float()
-        experts = sorted(set(torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices.reshape(-1).tolist()))
+        with torch.no_grad():
+            logits = F.linear(hidden.to(router.weight.dtype), router.weight).float()
+            bias = getattr(router, "e_score_correction_bias", None)  # DeepSeek-style selection bias
+            if isinstance(bias, torch.Tensor):
+                logits = logits.sigmoid() + bias.float()
+            chosen = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
+        experts = sorted(set(chosen.reshape(-1).tolist()))
         self._pending[target] = set(experts)
         return experts
 
