@@ -99,7 +99,7 @@ def load(
     state = {}
     for f in manifest.resident_files:
         path = opened.path(f.path)
-        # Resident weights are read in full once, so hashing them costs one pass over memory at ~9 GB/s.
+        # Resident weights are read in full once anyway, so hashing them costs one more pass over memory.
         if verify != "off" and file_checksum(path) != f.checksum:
             raise StoreError(
                 f"resident file {f.path} does not match its checksum in the manifest: the store is damaged. "

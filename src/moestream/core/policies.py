@@ -72,8 +72,8 @@ class LFUPolicy:
     hot experts of all layers are equally hot and do not all fit, evicting the oldest of them is LRU's scan
     pathology (every lookup misses); evicting the newest keeps a stable subset cached, as Belady's MIN
     does. Why discrete epochs: a continuous decay makes every equally hot key's count depend on how long
-    ago it was touched, which is that same recency order again (measured: 0% hits instead of 35% on a
-    synthetic store at 5% capacity, Belady 50%; unchanged on the trained fixture, docs/BENCHMARKS.md).
+    ago it was touched, which is that same recency order again (docs/BENCHMARKS.md, "Cache policies",
+    has the measurement).
     """
 
     name = "lfu"
@@ -213,8 +213,8 @@ class ARCPolicy:
 
 POLICIES: dict[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "arc": ARCPolicy}
 # LFU: decode visits the layers cyclically, so once the cache holds less than one token's experts, LRU and
-# ARC evict each expert just before its next use (0% hits on a skewed 3 GiB store at 256 MiB, where LFU
-# hit 84% and decoded 2x faster); on the trained fixture LFU is at or above LRU at every budget.
+# ARC evict each expert just before its next use, while LFU keeps the popular ones; on the trained fixture
+# LFU is at or above LRU at every budget (docs/BENCHMARKS.md, "Cache policies").
 DEFAULT_POLICY = "lfu"
 
 
