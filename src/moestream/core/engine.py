@@ -1,13 +1,15 @@
 """Serve a loaded model's experts from disk through the cache: the streaming experts function.
 
 One decode step, as a reader follows it:
-1. transformers runs embeddings, attention, norms and the router (upstream code, unchanged);
-2. the router's top-k goes to the experts module, whose forward transformers dispatches through its
+1. the input embedding's pre-hook calls `ExpertEngine.start_step`: the step hooks hear that a forward
+   pass begins, and hash-routed layers' experts are read ahead (their ids alone determine them);
+2. transformers runs embeddings, attention, norms and the router (upstream code, unchanged);
+3. the router's top-k goes to the experts module, whose forward transformers dispatches through its
    ExpertsInterface to `streaming_experts_forward` below (registered as "moestream");
-3. `ExpertEngine.run` splits the needed experts into cache hits and misses, queues reads for the misses
-   into free (or evicted) cache slots, computes the hits while the reads are in flight, then computes
-   each miss as soon as its own read lands;
-4. per-(token, k) outputs are summed in a fixed order, so the numbers never depend on what was cached.
+4. `ExpertEngine.run` groups the tokens by expert and hands the experts to the scheduler
+   (scheduler.py), which looks them up, starts reads for the misses into free (or evicted) slots through
+   `submit`, has the hits computed while the reads are in flight, then each miss as soon as its read lands;
+5. per-(token, k) outputs are summed in a fixed order, so the numbers never depend on what was cached.
 """
 
 from __future__ import annotations
@@ -106,6 +108,11 @@ class ExpertEngine:
             self.prefetcher.record_use(entry.key[0], False)
 
     # -- one forward pass -------------------------------------------------------------------------------
+
+    def embedding_pre_hook(self, module, args) -> None:
+        """The input embedding's forward pre-hook: its input is the forward pass's token ids."""
+        if args and isinstance(args[0], torch.Tensor):
+            self.start_step(args[0])
 
     def start_step(self, input_ids: torch.Tensor) -> None:
         """A forward pass begins (the input embedding's pre-hook): tell the hooks, and read the experts of

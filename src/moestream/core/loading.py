@@ -94,7 +94,7 @@ def load(
     engine.step_hooks.append(engine.prefetcher)
     # The embedding sees each forward pass's input ids first: the engine's step start (the prefetcher's
     # clock, hash-routed layers' exact reads) hangs off it, not off the experts calls.
-    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: engine.start_step(args[0]))
+    model.get_input_embeddings().register_forward_pre_hook(engine.embedding_pre_hook)
 
     state = {}
     for f in manifest.resident_files:
