@@ -257,17 +257,6 @@ def _checkpoint_tokenizer(path: Path):
         return None
 
 
-def read_text(path: str | os.PathLike) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"--text {path} does not exist; pass a UTF-8 text file to evaluate on") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--text {path} is not UTF-8 text ({e}); pass a UTF-8 text file") from None
-    except OSError as e:
-        raise UsageError(f"--text {path} cannot be read ({e})") from None
-
-
 def _encode(tokenizer, text: str) -> torch.Tensor:
     # Without special tokens: the windows are cut from the middle of the text, and a BOS id on the first
     # window only would make that window unlike the others.
