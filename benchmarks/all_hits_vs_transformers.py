@@ -12,6 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import moestream
+from moestream.conversion.store import Store
+from moestream.core.loading import engine_of
 
 
 def decode_rate(model, ids, tokens: int) -> tuple[float, torch.Tensor]:
@@ -30,12 +32,12 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         store = moestream.convert(args.checkpoint, f"{tmp}/store", progress=False)
-        streamed, _ = moestream.load(store, moestream.conversion.store.Store(store).manifest.expert_bytes * 2)
+        streamed, _ = moestream.load(store, Store(store).manifest.expert_bytes * 2)
         reference = AutoModelForCausalLM.from_pretrained(args.checkpoint).eval()
         ids = AutoTokenizer.from_pretrained(args.checkpoint)(args.prompt, return_tensors="pt").input_ids
         decode_rate(streamed, ids, args.tokens)  # warm-up: reads every expert the prompt needs once
         decode_rate(reference, ids, args.tokens)
-        moestream.runtime.engine_of(streamed).reset_stats()
+        engine_of(streamed).reset_stats()
         rates = {"moestream": [], "transformers": []}
         for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
             r, a = decode_rate(streamed, ids, args.tokens)

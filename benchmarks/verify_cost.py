@@ -34,7 +34,7 @@ def main() -> None:
             result = generate(model, tokenizer, args.prompt, args.tokens, greedy=True, echo=False)
             s = result.stats
             rows.append((round_, mode, result.decode_tokens_per_second, s["bytes_read"], s["read_seconds"], s["verify_seconds"]))
-            moestream.runtime.engine_of(model).close()
+            moestream.close(model)
     print(f"{'round':>5} {'verify':>7} {'tok/s':>7} {'MB read':>8} {'read s':>7} {'hash s':>7} {'hash/read':>9}")
     for round_, mode, tps, read, read_s, verify_s in rows:
         print(f"{round_:>5} {mode:>7} {tps:>7.2f} {read / 1e6:>8.0f} {read_s:>7.2f} {verify_s:>7.3f} {verify_s / read_s:>9.1%}")
