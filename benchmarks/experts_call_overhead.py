@@ -26,8 +26,8 @@ def main() -> None:
     torch.set_num_threads(2)
     model, _ = moestream.load(args.store, args.memory, prefetch="off")
     try:
+        from moestream.conversion.skeleton import experts_modules
         from moestream.core.loading import engine_of
-        from moestream.core.skeleton import experts_modules
     except ImportError:  # a tree from before the layer sub-packages
         from moestream.runtime import engine_of
         from moestream.skeleton import experts_modules

@@ -17,13 +17,13 @@ from tiny import TINY
 
 import moestream
 from moestream.cli import main
+from moestream.conversion.skeleton import experts_modules
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.conversion.verify import verify_store
 from moestream.core.cache import State
 from moestream.core.engine import ExpertEngine
 from moestream.core.reader import RecordFile
-from moestream.core.skeleton import experts_modules
 from moestream.errors import ExpertReadError, RecordChecksumError, StoreError
 
 EXPERTS, TOP_K = 32, 2

@@ -5,9 +5,9 @@ import torch
 from tiny import TINY
 
 import moestream
+from moestream.conversion.skeleton import experts_modules
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.skeleton import experts_modules
 
 
 def test_prefill_reads_each_needed_expert_once_per_layer(tmp_path):

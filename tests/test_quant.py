@@ -17,10 +17,10 @@ from moestream.conversion.quant import (
     quantize,
     reference_dequantize,
 )
+from moestream.conversion.skeleton import expert_parameters, experts_modules
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core.kernels import expert_linear
-from moestream.core.skeleton import expert_parameters, experts_modules
 from moestream.errors import StoreError, UsageError
 
 FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("int3", 32), ("int2", 32), ("int2", 64)]

@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-from ..core.skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
 from ..errors import SourceError, UsageError
 from ..units import format_bytes
 from .quant import DEFAULT_GROUP_SIZE, QUANT_FORMATS, QuantFormat, expert_record_specs, pack, parse_layer_rules, quantize
+from .skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
 from .source import DecodedCheckpoint
 from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum, file_checksum
 

@@ -102,7 +102,7 @@ class ModelSizes:
     def of_config(config, bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE) -> "ModelSizes":
         """Exact sizes from a transformers config: the model built on the meta device (no memory), each
         record laid out by the converter's own code at the format `bits` gives (expert_format)."""
-        from ..core.skeleton import build_skeleton, expert_parameters, experts_modules, model_dtype
+        from .skeleton import build_skeleton, expert_parameters, experts_modules, model_dtype
 
         fmt, float_dtype, name = expert_format(bits, group_size)
         dtype = model_dtype(config)

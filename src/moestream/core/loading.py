@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from ..conversion.quant import expert_record_specs, int4_packing
 from ..conversion.sizes import routed_top_k
+from ..conversion.skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
 from ..conversion.store import DTYPES, Store, file_checksum
 from ..errors import StoreError, UsageError
 from ..units import parse_bytes
@@ -23,7 +24,6 @@ from . import engine as engine_module
 from .engine import IMPLEMENTATION, ExpertEngine
 from .policies import DEFAULT_POLICY
 from .prefetch import Prefetcher, find_router
-from .skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
 
 
 def _rebuild_buffers(model) -> None:

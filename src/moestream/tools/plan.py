@@ -38,8 +38,8 @@ import torch
 
 from ..conversion.quant import DEFAULT_GROUP_SIZE
 from ..conversion.sizes import ModelSizes, expert_format
+from ..conversion.skeleton import build_skeleton, experts_modules, model_dtype
 from ..core.policies import DEFAULT_POLICY
-from ..core.skeleton import build_skeleton, experts_modules, model_dtype
 from ..errors import UsageError
 from ..options import add_io_threads_argument, add_policy_argument, existing_file, positive
 from ..units import format_bytes

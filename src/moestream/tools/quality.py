@@ -224,7 +224,7 @@ def _load_checkpoint(path: Path, progress: bool, dtype_name: str | None = None):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from ..core.skeleton import load_source_config, model_dtype
+    from ..conversion.skeleton import load_source_config, model_dtype
 
     config = load_source_config(path)  # refuses auto_map (custom code) and unknown model types, clearly
     dtype = REFERENCE_DTYPES[dtype_name] if dtype_name else model_dtype(config)
