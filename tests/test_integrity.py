@@ -6,6 +6,7 @@ Faults are injected in two places only: the bytes of a copied store (flips, trun
 
 import errno
 import json
+import os
 import random
 import shutil
 import threading
@@ -143,8 +144,10 @@ def test_verify_cli_lists_problems_and_exits_nonzero(store, capsys):
     report = json.loads(capsys.readouterr().out)
     found = {(p["file"], p.get("layer"), p.get("expert")) for p in report["problems"]}
     assert found == {("experts/layer-001.bin", 1, 3), (resident.name, None, None)}
+    open_files = len(os.listdir("/proc/self/fd"))
     with pytest.raises(StoreError, match=f"resident file {resident.name} does not match its checksum"):
         moestream.load(store, "1MiB")
+    assert len(os.listdir("/proc/self/fd")) == open_files  # the refused load closed the store's files
 
 
 def test_verify_quick_checks_a_sample_and_headers(store):

@@ -81,44 +81,48 @@ def load(
     for layer, (_, module) in zip(manifest.layers, modules):
         _check_record_layout(layer, module)
     engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy)
-    for index, (_, module) in enumerate(modules):
-        for pname, _ in expert_parameters(module):
-            del module._parameters[pname]  # served from the store, never materialized
-        module._moestream_engine = engine
-        module._moestream_layer = index
-    engine.prefetcher = Prefetcher(
-        [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules],
-        routed_top_k(manifest.model_config),
-        prefetch,
-    )
-    engine.step_hooks.append(engine.prefetcher)
-    # The embedding sees each forward pass's input ids first: the engine's step start (the prefetcher's
-    # clock, hash-routed layers' exact reads) hangs off it, not off the experts calls.
-    model.get_input_embeddings().register_forward_pre_hook(engine.embedding_pre_hook)
-
-    state = {}
-    for f in manifest.resident_files:
-        path = opened.path(f.path)
-        # Resident weights are read in full once anyway, so hashing them costs one more pass over memory.
-        if verify != "off" and file_checksum(path) != f.checksum:
-            raise StoreError(
-                f"resident file {f.path} does not match its checksum in the manifest: the store is damaged. "
-                "Run `moestream verify` on it, then convert the model again."
-            )
-        state.update(load_file(path))
-    result = model.load_state_dict(state, strict=False, assign=True)
-    del state
-    model.tie_weights()
-    _rebuild_buffers(model)
-    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if still_meta:
-        raise StoreError(
-            f"the store lacks {len(still_meta)} resident tensors, e.g. {still_meta[:5]} "
-            f"(missing at load: {result.missing_keys[:5]}); convert the model again"
+    try:
+        for index, (_, module) in enumerate(modules):
+            for pname, _ in expert_parameters(module):
+                del module._parameters[pname]  # served from the store, never materialized
+            module._moestream_engine = engine
+            module._moestream_layer = index
+        engine.prefetcher = Prefetcher(
+            [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules],
+            routed_top_k(manifest.model_config),
+            prefetch,
         )
-    model._moestream_engine = engine
-    model.eval()
-    tokenizer = load_tokenizer(opened.directory)
+        engine.step_hooks.append(engine.prefetcher)
+        # The embedding sees each forward pass's input ids first: the engine's step start (the prefetcher's
+        # clock, hash-routed layers' exact reads) hangs off it, not off the experts calls.
+        model.get_input_embeddings().register_forward_pre_hook(engine.embedding_pre_hook)
+
+        state = {}
+        for f in manifest.resident_files:
+            path = opened.path(f.path)
+            # Resident weights are read in full once anyway, so hashing them costs one more pass over memory.
+            if verify != "off" and file_checksum(path) != f.checksum:
+                raise StoreError(
+                    f"resident file {f.path} does not match its checksum in the manifest: the store is damaged. "
+                    "Run `moestream verify` on it, then convert the model again."
+                )
+            state.update(load_file(path))
+        result = model.load_state_dict(state, strict=False, assign=True)
+        del state
+        model.tie_weights()
+        _rebuild_buffers(model)
+        still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if still_meta:
+            raise StoreError(
+                f"the store lacks {len(still_meta)} resident tensors, e.g. {still_meta[:5]} "
+                f"(missing at load: {result.missing_keys[:5]}); convert the model again"
+            )
+        model._moestream_engine = engine
+        model.eval()
+        tokenizer = load_tokenizer(opened.directory)
+    except BaseException:
+        engine.close()  # its store files are open: a load that fails must not keep them
+        raise
     return model, tokenizer
 
 
