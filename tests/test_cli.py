@@ -183,3 +183,22 @@ for name, sub in action.choices.items():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "usage: moestream serve" in done.stdout and "usage: moestream simulate" in done.stdout, done.stdout
+
+
+def test_top_level_help_imports_no_verb_module_nor_torch():
+    # `moestream --help` lists every verb from cli.py's table; the verb modules (and torch, transformers)
+    # are imported only for the verb that runs.
+    code = (
+        "import sys\n"
+        "from moestream.cli import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')]\n"
+        "verbs = [m for m in sys.modules if m.startswith('moestream.') and m.count('.') >= 2]\n"
+        "print(sorted(heavy + verbs))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "generate" in out and "simulate" in out  # the verbs are listed
+    assert out.strip().splitlines()[-1] == "[]"

@@ -9,7 +9,18 @@ Public API:
 
 __version__ = "0.1.0"
 
-from .conversion.convert import convert  # noqa: E402
-from .core.loading import close, load, stats  # noqa: E402
-
 __all__ = ["close", "convert", "load", "stats", "__version__"]
+
+
+def __getattr__(name: str):
+    # The API is imported on first use: `moestream --help` (which imports this package) must not wait
+    # seconds for torch and transformers before it knows whether it needs them.
+    if name == "convert":
+        from .conversion.convert import convert
+
+        return convert
+    if name in ("close", "load", "stats"):
+        from .core import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module 'moestream' has no attribute {name!r}")

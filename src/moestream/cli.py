@@ -1,8 +1,8 @@
 """The `moestream` command: one subcommand per verb, each defined by its own module.
 
-A verb module defines `HELP` (its line in `moestream --help`), optionally `DESCRIPTION`,
-`add_arguments(parser)` and `run(args) -> int` (the exit code). This file only lists the verbs, builds
-the parsers from those modules and turns moestream's own errors into one line. Options several verbs
+A verb module defines `DESCRIPTION` (optional), `add_arguments(parser)` and `run(args) -> int` (the exit
+code). This file lists the verbs with their one-line help, builds the parsers from those modules and turns
+moestream's own errors into one line. Only the verb being run is imported. Options several verbs
 share are in options.py. Verb modules import optional extras (FastAPI, matplotlib) inside `run`, so
 that every `--help` works without them.
 """
@@ -17,20 +17,22 @@ from types import ModuleType
 from . import __version__
 from .errors import MoestreamError
 
-#: verb -> module of this package that defines it, in the order `moestream --help` lists them.
+#: verb -> (module of this package that defines it, its line in `moestream --help`), in the order listed.
+#: The line lives here, not in the module, so that `moestream --help` imports no verb module (they import
+#: torch and transformers, seconds of start-up) and `moestream VERB` imports only that verb's module.
 VERBS = {
-    "convert": "conversion.convert",
-    "inspect": "conversion.inspect_store",
-    "verify": "conversion.verify",
-    "generate": "frontends.generate",
-    "chat": "frontends.chat",
-    "serve": "frontends.server",
-    "eval": "tools.quality",
-    "bench": "tools.bench",
-    "trace": "tools.trace",
-    "simulate": "tools.simulate",
-    "plan": "tools.plan",
-    "demo": "tools.demo",
+    "convert": ("conversion.convert", "convert a Hugging Face MoE checkpoint directory into a store"),
+    "inspect": ("conversion.inspect_store", "sizes of a store and what a memory budget buys"),
+    "verify": ("conversion.verify", "check a store's files and every record's checksum; exit 1 listing what is damaged"),
+    "generate": ("frontends.generate", "generate text, streaming experts under a memory budget"),
+    "chat": ("frontends.chat", "talk with a store in the terminal, through the checkpoint's chat template"),
+    "serve": ("frontends.server", "serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)"),
+    "eval": ("tools.quality", "how far a store's next-token predictions are from a reference's: perplexity, KL, top-1 agreement"),
+    "bench": ("tools.bench", "decode speed against the disk's limit, measured in one run (optionally against peers)"),
+    "trace": ("tools.trace", "record which experts a text routes to, per token and layer, into a trace file"),
+    "simulate": ("tools.simulate", "replay a trace through the cache policies at several budgets, next to the optimum"),
+    "plan": ("tools.plan", "sizes, cache and expected speed of a model from its config.json alone, before downloading it"),
+    "demo": ("tools.demo", "build a synthetic MoE, convert it and stream it under a sweep of budgets"),
 }
 
 EPILOG = """examples:
@@ -50,11 +52,13 @@ norms, shared experts, LM head) come on top of it. `moestream inspect` prints bo
 
 
 def verb_module(verb: str) -> ModuleType:
-    """The module that defines `verb` (HELP, DESCRIPTION, add_arguments, run)."""
-    return importlib.import_module(f"{__package__}.{VERBS[verb]}")
+    """The module that defines `verb` (DESCRIPTION, add_arguments, run)."""
+    return importlib.import_module(f"{__package__}.{VERBS[verb][0]}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `moestream` parser. With `only`, just that verb's module is imported and given its arguments:
+    the other verbs are listed (for `moestream --help` and argparse's errors) without their options."""
     parser = argparse.ArgumentParser(
         prog="moestream",
         description="Run Mixture-of-Experts models larger than memory: dense weights stay resident, "
@@ -64,12 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for verb in VERBS:
+    for verb, (_, help) in VERBS.items():
+        if only is not None and verb != only:
+            sub.add_parser(verb, help=help)
+            continue
         module = verb_module(verb)
-        p = sub.add_parser(verb, help=module.HELP, description=getattr(module, "DESCRIPTION", None) or module.HELP)
+        p = sub.add_parser(verb, help=help, description=getattr(module, "DESCRIPTION", None) or help)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
     return parser
+
+
+def _verb_in(argv: list[str]) -> str | None:
+    """The verb `argv` runs: its first argument that is not an option, if that names a verb."""
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    return first if first in VERBS else None
 
 
 def _attach_negative_layer_rules(argv: list[str]) -> list[str]:
@@ -85,7 +98,10 @@ def _attach_negative_layer_rules(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(_attach_negative_layer_rules(sys.argv[1:] if argv is None else argv))
+    argv = _attach_negative_layer_rules(sys.argv[1:] if argv is None else argv)
+    verb = _verb_in(argv)
+    # No verb (`moestream --help`, `--version`, a typo): list the verbs without importing any of them.
+    args = build_parser(only=verb or "").parse_args(argv)
     try:
         return args.func(args)
     except MoestreamError as e:

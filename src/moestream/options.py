@@ -1,7 +1,7 @@
 """Command-line options shared by the verbs, each defined once.
 
-Every verb module (convert.py, generate.py, chat.py, server.py, ...) owns its parser: `HELP`, optionally
-`DESCRIPTION`, `add_arguments(parser)` and `run(args)`; cli.py only lists the verbs. What several verbs
+Every verb module (convert.py, generate.py, chat.py, server.py, ...) owns its parser: optionally
+`DESCRIPTION`, `add_arguments(parser)` and `run(args)`; cli.py only lists the verbs (and their help line). What several verbs
 share lives here: the store and its engine options (generate, chat, serve, bench), the policy and
 I/O-thread options (also plan), and checks of argument values that turn bad input into one-line errors.
 

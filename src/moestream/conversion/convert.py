@@ -416,9 +416,8 @@ def _first_source_key(sources: dict[str, _ExpertSource]) -> str:
     return next(iter(src.per_expert[0].keys.values()))[0]
 
 
-# ---- CLI: `moestream convert` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream convert` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "convert a Hugging Face MoE checkpoint directory into a store"
 DESCRIPTION = (
     "Convert a Hugging Face MoE checkpoint directory (safetensors) into a moestream store, reading one tensor "
     "at a time, then print the store's sizes as `moestream inspect` does. The store appears only when complete."

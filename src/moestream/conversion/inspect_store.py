@@ -7,7 +7,6 @@ import os
 
 from ..units import format_bytes, parse_bytes
 
-HELP = "sizes of a store and what a memory budget buys"
 DESCRIPTION = (
     "Print a store's resident and expert bytes, bytes per expert and per token, the smallest --memory it "
     "runs under, and how many experts a few budgets (or the one given) cache."

@@ -186,9 +186,8 @@ def _check_resident(store: Store, entry, quick: bool, report: VerifyReport, bar)
         report.problems.append(Problem(entry.path, f"checksum {actual} does not match the manifest's {entry.checksum}"))
 
 
-# ---- CLI: `moestream verify` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream verify` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "check a store's files and every record's checksum; exit 1 listing what is damaged"
 DESCRIPTION = (
     "Check the manifest against the files (sizes, offsets, alignment), every expert record's "
     "checksum and the resident safetensors files. Exits 0 when the store is intact, 1 with a list of "

@@ -202,9 +202,8 @@ def run_chat(session: ChatSession, read: Callable[[str], str] = input, out: Text
             say("" if result.finish_reason != "cancelled" else "\n(stopped)")
 
 
-# ---- CLI: `moestream chat` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream chat` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "talk with a store in the terminal, through the checkpoint's chat template"
 DESCRIPTION = (
     "A conversation in the terminal. Each message goes through the checkpoint's chat template "
     "(a plain 'User: ... Assistant:' format when it has none) with the conversation so far; the answer "

@@ -400,9 +400,8 @@ def generate(
     return result
 
 
-# ---- CLI: `moestream generate` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream generate` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "generate text, streaming experts under a memory budget"
 DESCRIPTION = (
     "Generate a continuation of --prompt, streaming the text as it comes, then print tokens/s, time to first "
     "token, expert hit rate, MB read from disk and peak RSS (or, with --json, one JSON object with all of them)."

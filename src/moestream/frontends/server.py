@@ -20,7 +20,6 @@ import socket
 from ..errors import MoestreamError, UsageError
 from ..options import add_store_arguments, load_model, positive
 
-HELP = "serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)"
 DESCRIPTION = (
     "Serve a store over HTTP with OpenAI's API, so that the `openai` package and other clients work unchanged: "
     "GET /v1/models, POST /v1/chat/completions and /v1/completions (stream true or false; max_tokens, "

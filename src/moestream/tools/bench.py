@@ -402,9 +402,8 @@ def write_json(report: BenchReport, path: str) -> None:
     Path(path).write_text(json.dumps(report.to_json(), indent=1))
 
 
-# ---- CLI: `moestream bench` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream bench` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "decode speed against the disk's limit, measured in one run (optionally against peers)"
 DESCRIPTION = (
     "Measure decode tokens/s, time to first token, hit rate and expert bytes read per token, "
     "the disk bandwidth on this run's own decode reads (replayed with O_DIRECT through the engine's reader, in "

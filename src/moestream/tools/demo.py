@@ -129,9 +129,8 @@ def run_demo(workdir: str | None = None, tokens: int = 24, quick: bool = False) 
         return rows + pair
 
 
-# ---- CLI: `moestream demo` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream demo` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "build a synthetic MoE, convert it and stream it under a sweep of budgets"
 DESCRIPTION = (
     "Build a synthetic Qwen3-MoE checkpoint (random weights), convert it, stream it under a sweep of expert "
     "cache budgets and print hit rate, MB read, peak RSS and tokens/s for each."

@@ -588,9 +588,8 @@ def plan_from_args(
     return plan, title
 
 
-# ---- CLI: `moestream plan` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream plan` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "sizes, cache and expected speed of a model from its config.json alone, before downloading it"
 DESCRIPTION = (
     "From a config.json (or a checkpoint or store directory) alone, no weights: the exact resident "
     "and expert bytes moestream would store (the model is built on the meta device), bytes per expert and "

@@ -342,9 +342,8 @@ def compare(
     )
 
 
-# ---- CLI: `moestream eval` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream eval` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "how far a store's next-token predictions are from a reference's: perplexity, KL, top-1 agreement"
 DESCRIPTION = (
     "Run a store and a reference model on the same text and compare their next-token "
     "distributions: perplexity of each, the store's perplexity change in percent, KL(reference || store) mean "

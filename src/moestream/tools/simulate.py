@@ -293,9 +293,8 @@ def table(trace: Trace, rows: list[list[SimResult]]) -> str:
     return "\n".join(lines)
 
 
-# ---- CLI: `moestream simulate` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream simulate` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "replay a trace through the cache policies at several budgets, next to the optimum"
 DESCRIPTION = (
     "Replay a routing trace through the runtime's own cache and policies (no model, no disk): hit "
     "rate, fraction of the optimum and expert bytes read per token for each budget and policy, next to "

@@ -296,9 +296,8 @@ def reuse_distances(trace: Trace) -> np.ndarray:
     return out
 
 
-# ---- CLI: `moestream trace` (cli.py builds the subcommand from HELP, add_arguments and run) ----
+# ---- CLI: `moestream trace` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
 
-HELP = "record which experts a text routes to, per token and layer, into a trace file"
 DESCRIPTION = (
     "Feed a text through the model as decoding would (the first --prefill tokens as one prompt, "
     "then one token at a time with the KV cache) and record, for every token and MoE layer, the chosen "
