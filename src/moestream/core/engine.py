@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
-from ..conversion.sizes import routed_top_k
+from ..conversion.sizes import ModelSizes
 from ..conversion.store import DTYPES, Store
 from ..errors import ExpertReadError, UsageError
 from ..units import format_bytes
@@ -83,9 +83,8 @@ class ExpertEngine:
         self.lock = threading.Lock()
         self._verified: set[tuple[int, int]] = set()  # records whose checksum matched since load
         self.layers = store.manifest.layers
-        slot = store.manifest.max_record_stride
-        top_k = routed_top_k(store.manifest.model_config)
-        minimum = top_k * slot
+        sizes = ModelSizes.of_store(store.manifest)
+        slot, top_k, minimum = sizes.stride_bytes, sizes.top_k, sizes.minimum_budget
         if budget_bytes < minimum:
             raise UsageError(
                 f"a memory budget of {format_bytes(budget_bytes)} cannot hold the {top_k} experts one token needs "
