@@ -32,9 +32,15 @@ def main() -> None:
         from moestream.runtime import engine_of
         from moestream.skeleton import experts_modules
     engine = engine_of(model)
+
+    def no_math(*args, **kwargs):
+        call = args[0]
+        if getattr(call, "single", False):  # compute(call, entry) keeping one token's outputs for the end sum
+            call.ys[call.rows[args[1].key[1]]] = call.x
+
     for name in ("compute", "_compute"):  # the name differs between versions
         if hasattr(engine, name):
-            setattr(engine, name, lambda *a, **kw: None)
+            setattr(engine, name, no_math)
     modules = [m for _, m in experts_modules(model)]
     hidden, k, experts = model.config.hidden_size, model.config.num_experts_per_tok, engine.layers[0].num_experts
     dtype = next(model.parameters()).dtype

@@ -94,6 +94,8 @@ class ExpertEngine:
         self.cache = ExpertCache(budget_bytes, slot, make_policy(policy), on_evict=self._evicted)
         self.reader = RecordReader([store.path(layer.file) for layer in self.layers], io_threads, direct_io)
         self.layer_stats = [LayerStats() for _ in self.layers]
+        # Each layer's record tensors' dtypes by name (float records compute in their own dtype).
+        self.record_dtypes = [{t.name: DTYPES[t.dtype] for t in layer.layout.tensors} for layer in self.layers]
         self.trace = None  # a trace.TraceRecorder while routing is being recorded
         self.prefetcher = None  # a prefetch.Prefetcher, set by load()
         # Told when a forward pass starts (`start_step(tokens)`) and when an experts call ends
@@ -131,13 +133,18 @@ class ExpertEngine:
             if self.trace is not None:
                 self.trace.record(layer, top_k_index, top_k_weights)
             tokens, k = top_k_index.shape
-            flat = top_k_index.reshape(-1)
-            order = torch.argsort(flat, stable=True)
-            ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
-            rows, start = {}, 0
-            for e, c in zip(ids.tolist(), counts.tolist()):
-                rows[e] = order[start : start + c]  # positions t*k + j routed to expert e
-                start += c
+            single = tokens == 1  # decode: no sort, no tensors of positions; expert -> its choice j
+            if single:
+                rows = dict(sorted(zip(top_k_index.reshape(-1).tolist(), range(k))))
+                single = len(rows) == k  # an expert chosen twice (no router does) takes the general path
+            if not single:
+                flat = top_k_index.reshape(-1)
+                order = torch.argsort(flat, stable=True)
+                ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+                rows, start = {}, 0
+                for e, c in zip(ids.tolist(), counts.tolist()):
+                    rows[e] = order[start : start + c]  # positions t*k + j routed to expert e
+                    start += c
             self.cache.reclaim()
             self._collect_ahead()
             call = scheduler.lookup(self.cache, layer, rows)
@@ -148,13 +155,13 @@ class ExpertEngine:
                 for _ in call.used_ahead:
                     self.prefetcher.record_use(layer, True)
                 self.prefetcher.observe(layer, list(rows))
-            out = hidden.new_zeros(tokens * k, hidden.shape[-1])
+            io = _LayerCall(self, module, layer, hidden, rows, top_k_weights, tokens, k, single)
             try:
-                call.run(_LayerCall(self, module, layer, hidden, rows, top_k_weights.reshape(-1), k, out))
+                call.run(io)
             finally:
                 for hook in self.step_hooks:
                     hook.end_layer(layer)
-            return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+            return io.result()
 
     # -- reads ------------------------------------------------------------------------------------------
 
@@ -248,24 +255,24 @@ class ExpertEngine:
 
     # -- compute ----------------------------------------------------------------------------------------
 
-    def compute(self, module, entry: Entry, hidden, rows, weights, k: int, out: torch.Tensor) -> None:
+    def compute(self, call: _LayerCall, entry: Entry) -> None:
         """One expert on the tokens routed to it, with the module's own gate/activation semantics."""
-        idx = rows[entry.key[1]]
-        w = entry.tensors
-        fmt = self.layers[entry.key[0]].quantization
-        first = "gate_up_proj" if module.has_gate else "up_proj"
-        # Float records compute in their own dtype; quantized ones in the model's activation dtype.
-        x = hidden[idx // k].to(hidden.dtype if fmt else w[first].dtype)
-        h = expert_linear(x, w, first, fmt, module.is_transposed)
+        module, w, fmt = call.module, entry.tensors, call.fmt
+        pos = call.rows[entry.key[1]]
+        x = call.x if call.single else call.x[pos // call.k]
+        h = expert_linear(x, w, call.first, fmt, module.is_transposed)
         if module.has_bias:
-            h = h + w[first + "_bias"]
+            h = h + w[call.first + "_bias"]
         h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
         y = expert_linear(h, w, "down_proj", fmt, module.is_transposed)
         if module.has_bias:
             y = y + w["down_proj_bias"]
         if module.has_post_expert_norm:
             y = module.post_expert_norm(y)
-        out[idx] = (y * weights[idx, None]).to(out.dtype)
+        if call.single:
+            call.ys[pos] = y  # weighted and summed in k order once every expert is done (`result`)
+        else:
+            call.out[pos] = (y * call.weights[pos, None]).to(call.out.dtype)
 
     # -- reporting --------------------------------------------------------------------------------------
 
@@ -306,13 +313,45 @@ class ExpertEngine:
 
 
 class _LayerCall:
-    """The engine side of one experts call, as the scheduler drives it (scheduler.CallIO)."""
+    """The engine side of one experts call, as the scheduler drives it (scheduler.CallIO), and its output.
 
-    __slots__ = ("engine", "module", "layer", "hidden", "rows", "weights", "k", "out")
+    Each (token t, choice j) output lands in its own row, so the sum over j runs in the same order
+    whichever experts were cached and whenever their reads landed. One token (decode): the experts'
+    outputs are kept as they are and weighted and summed at the end, in three ops. Several: each expert
+    writes its weighted output into rows t*k + j of `out` [T*k, H]."""
 
-    def __init__(self, engine: ExpertEngine, module, layer: int, hidden, rows, weights, k: int, out):
-        self.engine, self.module, self.layer = engine, module, layer
-        self.hidden, self.rows, self.weights, self.k, self.out = hidden, rows, weights, k, out
+    __slots__ = (
+        "engine", "module", "layer", "hidden", "rows", "weights", "k", "single", "x", "fmt", "first", "ys", "out",
+    )  # fmt: skip
+
+    def __init__(self, engine: ExpertEngine, module, layer: int, hidden, rows, top_k_weights, tokens: int, k: int, single: bool):
+        self.engine, self.module, self.layer, self.hidden, self.rows, self.k = engine, module, layer, hidden, rows, k
+        self.single = single
+        spec = engine.layers[layer]
+        self.fmt = spec.quantization
+        self.first = "gate_up_proj" if module.has_gate else "up_proj"
+        # Float records compute in their own dtype, quantized ones in the model's activation dtype: cast once
+        # per call, not per expert.
+        dtype = hidden.dtype if self.fmt else engine.record_dtypes[layer][self.first]
+        self.x = hidden if hidden.dtype == dtype else hidden.to(dtype)
+        if single and not self.x.is_contiguous():  # the general path's gather copies; the kernels need rows
+            self.x = self.x.contiguous()
+        if self.single:
+            self.weights = top_k_weights.reshape(k, 1)
+            self.ys = [None] * k
+        else:
+            self.weights = top_k_weights.reshape(-1)
+            self.out = hidden.new_empty(tokens * k, hidden.shape[-1])  # every row is written once
+
+    def result(self) -> torch.Tensor:
+        """[T, H]: the weighted outputs summed over k, in k order."""
+        dtype = self.hidden.dtype
+        if self.single:
+            out = torch.cat(self.ys) * self.weights  # [k, H]; cat upcasts (exactly) to a common dtype
+            if out.dtype != dtype:
+                out = out.to(dtype)
+            return out.view(1, self.k, -1).sum(dim=1)
+        return self.out.view(-1, self.k, self.out.shape[-1]).sum(dim=1).to(dtype)
 
     def start_read(self, entry: Entry) -> None:
         self.engine.submit(entry)
@@ -329,7 +368,7 @@ class _LayerCall:
         self.engine.finish_read(entry)
 
     def compute(self, entry: Entry) -> None:
-        self.engine.compute(self.module, entry, self.hidden, self.rows, self.weights, self.k, self.out)
+        self.engine.compute(self, entry)
 
     def abandon(self, in_flight: list[Entry]) -> None:
         self.engine.abandon(in_flight)
