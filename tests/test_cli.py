@@ -43,6 +43,33 @@ def test_generate_json_is_greedy_and_deterministic(store, capsys):
     assert first["stats"]["bytes_read"] > second["stats"]["bytes_read"] > 0
 
 
+def test_threads_sets_the_compute_threads_the_run_uses(store, capsys, monkeypatch):
+    import torch
+
+    import moestream.frontends.generate as generate
+
+    seen = []
+    original = generate.generate_step
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(generate, "generate_step", spy)
+    before = torch.get_num_threads()
+    try:
+        args = ["generate", str(store), "--prompt", "def f(x):", "--max-new-tokens", "3", "--greedy", "--json"]
+        assert main([*args, "--threads", "1"]) == 0
+        assert seen and set(seen) == {1}
+        seen.clear()
+        assert main(args) == 0  # the default: this process's physical cores
+        from moestream.options import physical_cores
+
+        assert set(seen) == {physical_cores()}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
@@ -119,6 +146,7 @@ def test_empty_prompt_is_a_one_line_error_from_the_command_line(store):
         (["--temperature", "-1"], "--temperature must be 0 or more"),
         (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
         (["--io-threads", "0"], "--io-threads must be positive"),
+        (["--threads", "0"], "--threads must be positive"),
         (["--memory=-1GiB"], "-1GiB"),
         (["--trace-out", "routing.txt"], ".npz"),
     ],

@@ -16,6 +16,7 @@ from types import ModuleType
 
 from . import __version__
 from .errors import MoestreamError
+from .options import apply_threads
 
 #: verb -> (module of this package that defines it, its line in `moestream --help`), in the order listed.
 #: The line lives here, not in the module, so that `moestream --help` imports no verb module (they import
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # No verb (`moestream --help`, `--version`, a typo): list the verbs without importing any of them.
     args = build_parser(only=verb or "").parse_args(argv)
     try:
+        apply_threads(args)
         return args.func(args)
     except MoestreamError as e:
         print(f"moestream: error: {e}", file=sys.stderr)

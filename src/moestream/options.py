@@ -55,6 +55,41 @@ def add_io_threads_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def physical_cores() -> int:
+    """Cores (not hyper-threads) among the CPUs this process may run on: the default of --threads, since
+    two threads on one core share its vector units and slow a matmul down rather than up."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            return len(cpus)  # no topology exposed (containers, other systems): count every CPU
+    return len(cores)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """--threads: torch's intra-op threads, set by cli.main before the verb runs."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compute threads (torch intra-op; default: the physical cores this process may use, "
+        f"{physical_cores()} here). On a machine shared with other services, give each fewer; expert reads "
+        "run on --io-threads besides these",
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's compute threads from --threads (or to the physical cores) for verbs that have it."""
+    if not hasattr(args, "threads"):
+        return
+    import torch
+
+    torch.set_num_threads(positive(args.threads, "--threads") if args.threads is not None else physical_cores())
+
+
 def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "4GiB") -> None:
     """The store positional, --memory and the engine options of load(): for every verb that loads a model."""
     from .core.engine import VERIFY_MODES
@@ -62,6 +97,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_memory_argument(parser, memory_default)
+    add_threads_argument(parser)
     add_io_threads_argument(parser)
     parser.add_argument(
         "--io",

@@ -30,12 +30,15 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, dot
 from ..errors import SourceError, UsageError
 from ..units import format_bytes
 from .quant import DEFAULT_GROUP_SIZE, QUANT_FORMATS, QuantFormat, expert_record_specs, pack, parse_layer_rules, quantize
-from .skeleton import build_skeleton, expert_parameters, experts_modules, load_source_config, model_dtype
+from .skeleton import build_skeleton, dense_linears, expert_parameters, experts_modules, load_source_config, model_dtype
 from .source import DecodedCheckpoint
 from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum, file_checksum
 
 EXPERT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EXPERT_FORMATS = tuple(EXPERT_DTYPES) + QUANT_FORMATS
+# Resident linear layers (attention, shared experts, dense MLPs): kept in the model's float dtype, or
+# quantized into the experts' kernel formats (core/dense.py runs them).
+DENSE_FORMATS = ("float", "int8", "int4")
 # Files copied verbatim so that the store can build the tokenizer and generation defaults by itself.
 EXTRA_FILES = (
     "tokenizer.json",
@@ -218,6 +221,7 @@ def convert(
     *,
     layer_dtypes: list[str] = (),
     group_size: int = DEFAULT_GROUP_SIZE,
+    dense_dtype: str = "float",
     overwrite: bool = False,
     progress: bool = True,
     trust_remote_code: bool = False,
@@ -228,12 +232,17 @@ def convert(
         the checkpoint's own float dtype (bf16 for FP8/MXFP4 sources).
     layer_dtypes: per-layer overrides such as ["0-3=int3", "-1=int4"], counted over the MoE layers.
     group_size: inputs per scale of the int4/int3/int2 formats (32, 64 or 128).
+    dense_dtype: "float" (the model's dtype, default), "int8" or "int4": the resident linear layers
+        (attention projections, shared experts, dense MLPs; not the LM head or routers). A layer whose
+        shape the int4 kernel cannot take is stored int8, one neither kernel can take stays float.
     """
     src, dst = Path(src), Path(dst)
     # Checked before any work; the rules' syntax and layer numbers are checked once the model is known.
     for choice in [experts_dtype] + [rule.rpartition("=")[2] for rule in layer_dtypes if "=" in rule]:
         if choice is not None and choice not in EXPERT_FORMATS:
             raise UsageError(f"unknown experts dtype {choice!r}; choose one of {', '.join(EXPERT_FORMATS)}")
+    if dense_dtype not in DENSE_FORMATS:
+        raise UsageError(f"unknown dense dtype {dense_dtype!r}; choose one of {', '.join(DENSE_FORMATS)}")
     if dst.exists() and not overwrite:
         raise UsageError(f"{dst} already exists; choose another path, delete it, or pass --overwrite")
     config = load_source_config(src, trust_remote_code)
@@ -247,13 +256,14 @@ def convert(
         plan = plan_conversion(model, ckpt)
         rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
         formats = [_layer_format(rules.get(i, experts_dtype), group_size) for i in range(len(plan.experts))]
+        dense = _dense_formats(model, dense_dtype, group_size)
         dst.parent.mkdir(parents=True, exist_ok=True)
         _cleanup_stale(dst)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            manifest = _write_store(tmp, src, model, ckpt, plan, formats, progress)
+            manifest = _write_store(tmp, src, model, ckpt, plan, formats, dense, progress)
             manifest.write(tmp)
             _move_into_place(tmp, dst)
         except BaseException:
@@ -269,6 +279,24 @@ def _layer_format(choice: str | None, group_size: int) -> torch.dtype | QuantFor
     if choice is None:
         return None
     return EXPERT_DTYPES[choice] if choice in EXPERT_DTYPES else QuantFormat.make(choice, group_size)
+
+
+def _dense_formats(model, dense_dtype: str, group_size: int) -> dict[str, QuantFormat]:
+    """The format of each resident linear layer to quantize: the one asked for where its shape fits the
+    kernel, else the next wider one (int4 -> int8 -> float)."""
+    if dense_dtype == "float":
+        return {}
+    candidates = [QuantFormat.make(name, group_size) for name in (("int4", "int8") if dense_dtype == "int4" else ("int8",))]
+    chosen = {}
+    for name, linear in dense_linears(model):
+        for fmt in candidates:
+            try:
+                fmt.check_shape(linear.out_features, linear.in_features, name)
+            except UsageError:
+                continue
+            chosen[name] = fmt
+            break
+    return chosen
 
 
 def _layer_layout(name: str, module, sources, ckpt, storage) -> tuple[RecordLayout, QuantFormat | None]:
@@ -305,7 +333,7 @@ def _estimate_bytes(model, plan: ConversionPlan, layouts: list[RecordLayout]) ->
     return resident, experts
 
 
-def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, formats, progress) -> Manifest:
+def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, formats, dense, progress) -> Manifest:
     layouts = [
         _layer_layout(name, module, sources, ckpt, storage) for (name, module, sources), storage in zip(plan.experts, formats)
     ]
@@ -368,8 +396,14 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
             raise SourceError(f"{target} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(want.shape)}")
         if t.is_floating_point() and want.is_floating_point():
             t = t.to(want.dtype)
-        shard[target] = t.contiguous()
-        shard_bytes += t.numel() * t.element_size()
+        module, _, leaf = target.rpartition(".")
+        if leaf == "weight" and module in dense:
+            # FP8 sources arrive here decoded, one tensor at a time, like every other resident tensor.
+            parts = pack(quantize(t, dense[module]), dense[module], module)
+        else:
+            parts = {target: t.contiguous()}
+        shard.update(parts)
+        shard_bytes += sum(p.numel() * p.element_size() for p in parts.values())
         bar.update(want.numel() * want.element_size())
         if shard_bytes >= RESIDENT_SHARD_BYTES:
             flush_shard()
@@ -393,6 +427,7 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
         layers=layers,
         extra_files=extra,
         source={"path_name": src.name, "model_type": model.config.model_type},
+        dense=dense,
     )
 
 
@@ -452,6 +487,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=GROUP_SIZES,
         help=f"weights per scale for int4/int3/int2 (default {DEFAULT_GROUP_SIZE})",
     )
+    parser.add_argument(
+        "--dense-dtype",
+        choices=DENSE_FORMATS,
+        default="float",
+        help="how the resident linear layers (attention, shared experts, dense MLPs; not the LM head or routers) "
+        "are stored: float (the model's dtype, default), int8 (per channel) or int4 (per group, --group-size). "
+        "They are read for every token, so fewer bits decode faster and leave more memory to the expert cache",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow a config that names custom modeling code")
 
@@ -472,6 +515,7 @@ def run(args: argparse.Namespace) -> int:
         args.experts_dtype,
         layer_dtypes=args.layer_dtype,
         group_size=args.group_size,
+        dense_dtype=args.dense_dtype,
         overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code,
     )

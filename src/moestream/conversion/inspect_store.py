@@ -23,6 +23,7 @@ def print_inspect(store: str | os.PathLike, budget: int | None) -> int:
     rows = [
         ("model type", cfg.get("model_type")),
         ("experts dtype", s.manifest.experts_dtype),
+        ("dense dtype", _describe_dense(s.manifest)),
         ("resident bytes", format_bytes(sizes.resident_bytes)),
         (
             "expert bytes",
@@ -48,6 +49,15 @@ def print_inspect(store: str | os.PathLike, budget: int | None) -> int:
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     return 0
+
+
+def _describe_dense(manifest) -> str:
+    """Which resident linear layers are quantized (convert --dense-dtype), e.g. "int8 x 12, float x 2"."""
+    if not manifest.dense:
+        return "float (as the model)"
+    names = [f"{f.name}-g{f.group_size}" if f.group_size else f.name for f in manifest.dense.values()]
+    counts = ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names))
+    return f"{counts} linear layers (LM head, routers, norms and embeddings as the model)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,8 +19,10 @@ from ..errors import StoreError
 from .quant import GROUP_SIZES, QUANT_FORMATS, QuantFormat
 
 FORMAT_NAME = "moestream-store"
-FORMAT_VERSION = 2  # 2 added per-layer `quantization`; a version 1 store (all float) reads as before
-READABLE_FORMAT_VERSIONS = (1, 2)
+# 2 added per-layer `quantization`; 3 added `dense_quantization` (resident linears stored quantized).
+# Older stores read as before: their resident weights are all floats.
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 # Every record starts on a 4 KiB boundary and its stored length is a multiple of 4 KiB, so one O_DIRECT
 # read (offset, length and buffer all block-aligned) fetches exactly one expert.
@@ -158,6 +160,9 @@ class Manifest:
     extra_files: list[str] = field(default_factory=list)  # tokenizer / generation config copied from the source
     source: dict = field(default_factory=dict)
     created_by: str = f"moestream {__version__}"
+    # Resident linear layers stored quantized (module name -> format); their tensors are the module's
+    # `qweight` and `scales`/`scales_zeros` in the resident files, in the layout of quant.pack.
+    dense: dict[str, QuantFormat] = field(default_factory=dict)
 
     @property
     def expert_bytes(self) -> int:
@@ -178,6 +183,7 @@ class Manifest:
             "resident": {"bytes": self.resident_bytes, "files": [f.to_json() for f in self.resident_files]},
             "experts": {"layers": [layer.to_json() for layer in self.layers]},
             "extra_files": self.extra_files,
+            "dense_quantization": {name: fmt.to_json() for name, fmt in self.dense.items()},
         }
 
     def write(self, directory: Path) -> None:
@@ -254,7 +260,7 @@ def _parse_layer(directory: Path, raw: dict, i: int) -> ExpertLayer:
     file = _get(raw, "file", str, where)
     _confined_path(directory, file, where)
     return ExpertLayer(
-        quantization=_parse_quantization(raw.get("quantization"), where),
+        quantization=_parse_quantization(raw.get("quantization"), f"{where}.quantization"),
         index=_get(raw, "index", int, where),
         module=_get(raw, "module", str, where),
         file=file,
@@ -267,7 +273,6 @@ def _parse_layer(directory: Path, raw: dict, i: int) -> ExpertLayer:
 def _parse_quantization(raw, where: str) -> QuantFormat | None:
     if raw is None:
         return None
-    where = f"{where}.quantization"
     name = _get(raw, "format", str, where)
     _require(name in QUANT_FORMATS, where, f"unknown format {name!r}")
     group = raw.get("group_size")
@@ -324,7 +329,15 @@ def parse_manifest(directory: Path, raw) -> Manifest:
         extra_files=extra,
         source=raw.get("source", {}) if isinstance(raw.get("source", {}), dict) else {},
         created_by=str(raw.get("created_by", "")),
+        dense=_parse_dense(raw.get("dense_quantization", {})),
     )
+
+
+def _parse_dense(raw) -> dict[str, QuantFormat]:
+    _require(isinstance(raw, dict), "dense_quantization", "expected an object of module name -> format")
+    formats = {name: _parse_quantization(fmt, f"dense_quantization[{name!r}]") for name, fmt in raw.items()}
+    _require(None not in formats.values(), "dense_quantization", "every entry needs a format")
+    return formats
 
 
 class Store:

@@ -8,8 +8,9 @@ CPU kernels:
 - int4: `torch._weight_int4pack_mm_for_cpu`, bf16 activations (fp32 activations would make the AVX2
   kernel ~10x slower, so we cast in and out).
 - int8: `torch._weight_int8pack_mm`, in the activation dtype. Its bf16 path gives wrong results when
-  the inputs are not a multiple of 16 (K = 72: half the output wrong; K = 33: NaN or a crash), so
-  QuantFormat.check_shape refuses such matrices at conversion.
+  the inputs are not a multiple of 16 (K = 72: half the output wrong; K = 33: NaN or a crash, torch
+  2.13 on AVX512), so such matrices run it in float32 (slower, and rare: real models' widths are
+  multiples of 64).
 - int3, int2: expand the dense bytes to the int4 kernel's (byte-wide shifts and masks), then int4.
 """
 
@@ -22,6 +23,8 @@ from ..conversion.quant import QuantFormat, expand_kernel_bytes
 
 
 def _int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    if x.dtype == torch.bfloat16 and x.shape[1] % 16:
+        return torch._weight_int8pack_mm(x.float(), qweight, scales.float()).to(x.dtype)
     return torch._weight_int8pack_mm(x, qweight, scales if scales.dtype == x.dtype else scales.to(x.dtype))
 
 

@@ -20,6 +20,7 @@ from ..conversion.skeleton import build_skeleton, config_from_dict, expert_param
 from ..conversion.store import DTYPES, Store, file_checksum
 from ..errors import StoreError, UsageError
 from ..units import parse_bytes
+from . import dense
 from . import engine as engine_module
 from .engine import IMPLEMENTATION, ExpertEngine
 from .policies import DEFAULT_POLICY
@@ -71,7 +72,9 @@ def load(
     opened = Store(store)
     manifest = opened.manifest
     config = config_from_dict(manifest.model_config)
-    model = build_skeleton(config, model_dtype(config), experts_implementation=IMPLEMENTATION)
+    dtype = model_dtype(config)
+    model = build_skeleton(config, dtype, experts_implementation=IMPLEMENTATION)
+    dense.install(model, manifest.dense)  # resident linears stored quantized (--dense-dtype)
     modules = experts_modules(model)
     if [name for name, _ in modules] != [layer.module for layer in manifest.layers]:
         raise StoreError(
@@ -110,6 +113,7 @@ def load(
         result = model.load_state_dict(state, strict=False, assign=True)
         del state
         model.tie_weights()
+        dense.match_activation_dtype(model, dtype)
         _rebuild_buffers(model)
         still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if still_meta:

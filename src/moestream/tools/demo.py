@@ -138,7 +138,10 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..options import add_threads_argument
+
     parser.add_argument("--workdir", default=None, help="where to build the demo model (default: a temporary directory)")
+    add_threads_argument(parser)
     parser.add_argument("--tokens", type=int, default=24, metavar="N", help="tokens generated per budget (default 24)")
     parser.add_argument("--quick", action="store_true", help="a smaller model, for a fast check")
 

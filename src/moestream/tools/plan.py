@@ -41,7 +41,7 @@ from ..conversion.sizes import ModelSizes, expert_format
 from ..conversion.skeleton import build_skeleton, experts_modules, model_dtype
 from ..core.policies import DEFAULT_POLICY
 from ..errors import UsageError
-from ..options import add_io_threads_argument, add_policy_argument, existing_file, positive
+from ..options import add_io_threads_argument, add_policy_argument, add_threads_argument, existing_file, positive
 from ..units import format_bytes
 
 # Besides resident weights and the expert cache a process holds the Python/torch/transformers runtime
@@ -655,6 +655,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "random weights, convert and time it here; takes memory and time for big models), bandwidth (default: the "
         "active weights at this machine's memory bandwidth, a lower bound), none, or milliseconds per token",
     )
+    add_threads_argument(parser)  # for --compute measure
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 

@@ -354,7 +354,10 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..options import add_threads_argument
+
     parser.add_argument("store", help="store directory made by `moestream convert`")
+    add_threads_argument(parser)
     parser.add_argument(
         "--reference",
         required=True,

@@ -31,7 +31,7 @@ import torch
 
 from ..conversion.sizes import ModelSizes
 from ..errors import UsageError
-from ..options import add_memory_argument, non_negative, positive, read_text_file, trace_output
+from ..options import add_memory_argument, add_threads_argument, non_negative, positive, read_text_file, trace_output
 
 TRACE_FORMAT = "moestream-trace"
 TRACE_VERSION = 1
@@ -308,6 +308,7 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", help="store directory made by `moestream convert`")
+    add_threads_argument(parser)
     parser.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to route, ideally like what you will run")
     parser.add_argument("--max-tokens", type=int, default=1024, metavar="N", help="record the first N tokens (default 1024)")
     parser.add_argument(

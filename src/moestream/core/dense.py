@@ -1,0 +1,66 @@
+"""Resident linear layers stored quantized (`convert --dense-dtype int8|int4`): the module that runs them.
+
+The converter quantizes the weight of each linear that conversion.skeleton.dense_linears names and
+stores it in the layout its kernel consumes (quant.py), so loading is a plain state-dict load: `install`
+swaps those nn.Linear modules of the meta-device skeleton for QuantizedLinear before the weights arrive.
+The matmul is the experts' kernel table (kernels.py), so the dense path and the experts run the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..conversion.quant import QuantFormat, int4_packing
+from ..errors import StoreError
+from .kernels import quantized_matmul
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W [out, in] held as `qweight` plus `scales` (int8) or `scales_zeros` (int4)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, fmt: QuantFormat):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        # Meta tensors of the record's exact shapes and dtypes; load_state_dict(assign=True) replaces them.
+        for name, dtype, shape in fmt.record_specs("w", out_features, in_features):
+            self.register_buffer(name.removeprefix("w."), torch.empty(shape, dtype=dtype, device="meta"))
+        self.bias = bias
+        self.params_name = "scales" if fmt.name == "int8" else "scales_zeros"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = quantized_matmul(x.reshape(-1, self.in_features), self.qweight, getattr(self, self.params_name), self.fmt)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.fmt.group_size}" if self.fmt.group_size else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt.name}{group}"
+
+
+def install(model: nn.Module, formats: dict[str, QuantFormat]) -> None:
+    """Swap the named nn.Linear modules of a meta-device skeleton for QuantizedLinear."""
+    for name, fmt in formats.items():
+        if fmt.packing is not None and fmt.packing != int4_packing():
+            raise StoreError(
+                f"the {fmt.name} weights of {name} are packed for torch's {fmt.packing} kernels, this machine runs "
+                f"{int4_packing()}: convert the model again on this machine"
+            )
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            linear = None
+        if not isinstance(linear, nn.Linear):
+            raise StoreError(f"the store quantized {name}, which is not a linear layer of this model; convert it again")
+        parent, _, child = name.rpartition(".")
+        quantized = QuantizedLinear(linear.in_features, linear.out_features, linear.bias, fmt)
+        setattr(model.get_submodule(parent) if parent else model, child, quantized)
+
+
+def match_activation_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """int8 scales are stored as float32; the kernel wants them in the activations' dtype, so cast once
+    after loading rather than at every call."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.fmt.name == "int8":
+            module.scales = module.scales.to(dtype)
