@@ -10,12 +10,20 @@ whole or one token at a time, so one forward pass records it: --check-trace comp
 `moestream trace` file of the converted fixture).
 
 A random model of the chosen shape (default: the fixture's own, so the comparison is like for like;
---shape qwen3-30b-a3b: hidden 2048, 128 experts, top-8, built with --layers 2) gets routers of
+--shape qwen3-30b-a3b: hidden 2048, 128 experts, top-8, with the fixture's layer count) gets routers of
 RoutingParams(zipf, noise, topic) and routes the same text through the byte-level tokenizer of
 synthetic checkpoints. A coordinate search over a small grid of each parameter minimizes the squared
 distance between the two traces' (a) expert popularity (share of the routings taken by the top 5, 10,
 20, 50% of each layer's experts) and (b) hit rates at budgets of 5, 10, 20, 30% of all experts under
 lru, lfu and Belady's MIN (moestream.tools.simulate.replay, one decode call per token and layer).
+
+Layers: routing is per layer, but the budgets are shares of all layers' experts and one cache holds
+them all, so the layer count decides how LRU behaves when a token's experts (layers x top_k) outnumber
+the budget. With the fixture's 6 layers x top-4 over a 5% budget (19 of 384), no expert of a layer
+survives until the next token reaches that layer, and LRU hits nothing; with 2 layers x top-8 (13 of
+256) most of the previous token's last layer survives, and RoutingParams(0.35, 1, 0.5), 0% at 6 layers,
+hits 18% (distance 0.074, 0.034 of it that one number, against 0.016 at 6 layers). Keep
+--layers at the fixture's count (the default) for a like-for-like 5% budget; --expert-width can be small.
 
 It prints the fixture, the calibrated synthetic router, the plain Zipf router of the checkpoint builder
 (skew_router, --zipf 1.2) and the random router side by side, and the RoutingParams line to paste into
@@ -54,7 +62,7 @@ GRID = {
     "topic": (0.0, 0.25, 0.5, 1.0, 1.5),
 }
 SHAPES = {
-    # Qwen3-30B-A3B's per-layer shape (its config.json), with few layers: routing is per layer.
+    # Qwen3-30B-A3B's per-layer shape (its config.json); the layer count stays the fixture's (see above).
     "qwen3-30b-a3b": dict(
         hidden_size=2048,
         num_attention_heads=32,
@@ -65,7 +73,6 @@ SHAPES = {
         moe_intermediate_size=768,
         norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        num_hidden_layers=2,
     ),
 }
 
@@ -137,7 +144,7 @@ def main() -> None:
     parser.add_argument("--text", type=Path, help="UTF-8 text to route (default: FIXTURE/heldout.txt)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of the text to route, for both models (default 2048)")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="the synthetic model's shape (default: the fixture's)")
-    parser.add_argument("--layers", type=int, help="synthetic MoE layers (default: the fixture's, or the shape's 2)")
+    parser.add_argument("--layers", type=int, help="synthetic MoE layers (default: the fixture's)")
     parser.add_argument("--expert-width", type=int, help="synthetic moe_intermediate_size (the routing does not depend on it)")
     parser.add_argument("--rounds", type=int, default=2, help="coordinate-search rounds over the grid (default 2)")
     parser.add_argument("--check-trace", type=Path, help="a `moestream trace` of the converted fixture over the same text")

@@ -6,7 +6,8 @@ almost uniformly and without temporal locality; `zipf` skews expert popularity o
 
 `calibrated_router` goes further: a router of three interpretable parameters (`RoutingParams`: popularity,
 token-to-token spread, locality) whose values `CALIBRATED` were searched so that a synthetic model's trace
-over real text resembles a trained model's (benchmarks/calibrate_routing.py).
+over real text resembles a trained model's (benchmarks/calibrate_routing.py); `CALIBRATED_30B` are the
+values for Qwen3-30B-A3B's shape (128 experts, top-8).
 """
 
 from __future__ import annotations
@@ -106,9 +107,19 @@ class RoutingParams:
 # over its heldout.txt, the grid point whose expert popularity and lru/lfu/belady hit rates at 5-30% of
 # the experts are closest to the fixture's (distance 0.0137). topic barely moves that distance (0.0137 at
 # 0, 0.0149-0.0156 at 0.25-1): byte-level text repeats tokens enough to give the fixture's locality.
-# The values are logits, so they depend on experts and top-k: for Qwen3-30B-A3B's shape (128 experts,
-# top-8) run the same command with --shape qwen3-30b-a3b (not yet run).
+# The values are logits, so they depend on experts and top-k: for Qwen3-30B-A3B's shape see CALIBRATED_30B.
 CALIBRATED = RoutingParams(zipf=0.5, noise=1.0, topic=0.0)
+
+# Qwen3-30B-A3B's shape (hidden 2048, 128 experts, top-8), against the same fixture and text, compared as
+# shares of the experts. Chosen by `python benchmarks/calibrate_routing.py ../shared/models/tiny-code-moe
+# --shape qwen3-30b-a3b --layers 6 --expert-width 16 --rounds 2 --start 0.35,1.0,0.5 --grid
+# zipf=0.3,0.35,0.4,0.45 --grid noise=0.85,1,1.15 --grid topic=0.35,0.5,0.65` (distance 0.0092; a first
+# pass over the default grid, --rounds 1 from the same start, had found 0.35, 1.0, 0.5 at 0.0155, with
+# topic 0 at 0.0445). 6 layers, the fixture's count, so that a 5% budget holds fewer experts than a
+# token's layers x top-k, as in the fixture (and in the 48-layer model); with 2 layers LRU keeps the last
+# layer's experts and the 5% figure is not comparable. Here, unlike at the fixture's own shape, topic
+# matters: 128 experts with top-8 need the class preference to give the fixture's locality.
+CALIBRATED_30B = RoutingParams(zipf=0.4, noise=1.0, topic=0.5)
 
 TOKEN_CLASSES = ("space", "newline", "lower", "upper", "digit", "bracket", "punct", "other")
 
