@@ -134,7 +134,8 @@ def main() -> None:
         nargs="?",
         const="",
         metavar="zipf=Z,noise=N,topic=T",
-        help="route with synthetic.calibrated_router: its CALIBRATED parameters, with these overrides",
+        help="route with synthetic.calibrated_router: its CALIBRATED parameters (CALIBRATED_30B with --shape "
+        "qwen3-30b-a3b), with these overrides",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -174,7 +175,11 @@ def main() -> None:
         if set(overrides) - set(fields):
             parser.error(f"--calibrated takes {', '.join(fields)}")
         typed = {k: (int if fields[k] in (int, "int") else float)(v) for k, v in overrides.items()}
-        synthetic.calibrated_router(model, dataclasses.replace(synthetic.CALIBRATED, **typed))
+        # The calibration is in logits, so it depends on experts and top-k: the 30B shape has its own.
+        base = (
+            getattr(synthetic, "CALIBRATED_30B", synthetic.CALIBRATED) if args.shape == "qwen3-30b-a3b" else synthetic.CALIBRATED
+        )
+        synthetic.calibrated_router(model, dataclasses.replace(base, **typed))
     save_layerwise(model, args.out, max_shard_size=args.shard_size)
 
 
