@@ -115,6 +115,14 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
     )
     add_policy_argument(parser)
     parser.add_argument(
+        "--compute-dtype",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="dtype of the float weights and activations: auto (default: the model's; a bf16 model computes in "
+        "fp32 on a CPU without bf16 arithmetic, where bf16 matmuls are slower, holding its float resident "
+        "weights at twice their size), bf16 or fp32",
+    )
+    parser.add_argument(
         "--prefetch",
         choices=PREFETCH_MODES,
         default=PREFETCH_MODES[0],
@@ -135,6 +143,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         verify=args.verify,
         policy=args.policy,
         prefetch=args.prefetch,
+        compute_dtype=args.compute_dtype,
     )
 
 

@@ -58,9 +58,22 @@ def install(model: nn.Module, formats: dict[str, QuantFormat]) -> None:
         setattr(model.get_submodule(parent) if parent else model, child, quantized)
 
 
-def match_activation_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """int8 scales are stored as float32; the kernel wants them in the activations' dtype, so cast once
-    after loading rather than at every call."""
+def set_compute_dtype(model: nn.Module, stored: torch.dtype, dtype: torch.dtype) -> None:
+    """Make the model compute in `dtype`: float weights stored as `stored` are cast (tied ones stay tied),
+    and int8 scales, stored as float32, take the activations' dtype once here rather than at every call.
+    int4 scales and zeros stay bf16: the int4 kernel reads them so."""
+    cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        if isinstance(module, QuantizedLinear) and module.fmt.name == "int8":
-            module.scales = module.scales.to(dtype)
+        if isinstance(module, QuantizedLinear):
+            if module.fmt.name == "int8":
+                module.scales = module.scales.to(dtype)
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype == stored and stored != dtype:
+                if id(p) not in cast:
+                    cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+                setattr(module, name, cast[id(p)])
+        if isinstance(module, QuantizedLinear):
+            continue
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.dtype == stored and stored != dtype:
+                setattr(module, name, b.to(dtype))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..conversion.quant import QuantFormat, expand_kernel_bytes
+from ..errors import UsageError
 
 
 def _int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -54,3 +55,31 @@ def expert_linear(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat | None, 
         return x @ weight if transposed else F.linear(x, weight)
     params = w[f"{name}.scales"] if fmt.name == "int8" else w[f"{name}.scales_zeros"]
     return _KERNELS[fmt.name](x, w[f"{name}.qweight"], params, fmt)
+
+
+# -- the activations' dtype ------------------------------------------------------------------------------
+
+#: `load(compute_dtype=...)` / `--compute-dtype`: the dtype float weights and activations compute in.
+COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic (AVX512-BF16, AMX, or Arm's BF16): without it a bf16 matmul
+    converts every weight to float32 on the fly and is slower than a float32 one (docs/BENCHMARKS.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "").split()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
+def compute_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a model of `model_dtype` computes in: the choice, or with "auto" the model's own, except
+    bf16 on a CPU without bf16 arithmetic, which computes in float32 (its float weights held as float32,
+    twice their stored size)."""
+    if choice not in COMPUTE_DTYPES:
+        raise UsageError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {choice!r}")
+    if COMPUTE_DTYPES[choice] is not None:
+        return COMPUTE_DTYPES[choice]
+    return torch.float32 if model_dtype == torch.bfloat16 and not native_bf16() else model_dtype

@@ -20,7 +20,7 @@ from ..conversion.skeleton import build_skeleton, config_from_dict, expert_param
 from ..conversion.store import DTYPES, Store, file_checksum
 from ..errors import StoreError, UsageError
 from ..units import parse_bytes
-from . import dense
+from . import dense, kernels
 from . import engine as engine_module
 from .engine import IMPLEMENTATION, ExpertEngine
 from .policies import DEFAULT_POLICY
@@ -53,6 +53,7 @@ def load(
     verify: str = "first",
     policy: str = DEFAULT_POLICY,
     prefetch: str = "auto",
+    compute_dtype: str = "auto",
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
@@ -64,6 +65,9 @@ def load(
     prefetch: speculative reads of the next layer's likely experts: "auto" (default: times decode steps
         with speculation on and off, keeps it only if faster, probes again; prefetch.py), "on" or "off".
         Unless "off", hash-routed layers' experts are read exactly, before the layers run.
+    compute_dtype: "auto" (default: the model's dtype, except a bf16 model on a CPU without bf16
+        arithmetic computes in float32, its float resident weights then held at twice their stored
+        size), "bf16" or "fp32" (kernels.compute_dtype).
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     if device != "cpu":
@@ -72,8 +76,9 @@ def load(
     opened = Store(store)
     manifest = opened.manifest
     config = config_from_dict(manifest.model_config)
-    dtype = model_dtype(config)
-    model = build_skeleton(config, dtype, experts_implementation=IMPLEMENTATION)
+    stored = model_dtype(config)
+    dtype = kernels.compute_dtype(compute_dtype, stored)
+    model = build_skeleton(config, stored, experts_implementation=IMPLEMENTATION)
     dense.install(model, manifest.dense)  # resident linears stored quantized (--dense-dtype)
     modules = experts_modules(model)
     if [name for name, _ in modules] != [layer.module for layer in manifest.layers]:
@@ -113,7 +118,7 @@ def load(
         result = model.load_state_dict(state, strict=False, assign=True)
         del state
         model.tie_weights()
-        dense.match_activation_dtype(model, dtype)
+        dense.set_compute_dtype(model, stored, dtype)
         _rebuild_buffers(model)
         still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if still_meta:
