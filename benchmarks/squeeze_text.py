@@ -1,0 +1,162 @@
+"""moestream against llama.cpp's mmap on a machine squeezed below the model's size, decoding real text.
+
+    python benchmarks/squeeze_text.py --store STORE --gguf MODEL-Q4_0.gguf --text heldout.txt \
+        --available 2.5GiB --memory 1GiB [--tokens 128] [--prefill 32] [--threads 2] [--rounds 2]
+
+A helper process holds touched anonymous memory (moestream.tools.bench.Squeeze) so that only
+`--available` of the machine's memory is left for the run, less than the model's file: llama.cpp then
+pages its mmap'd GGUF in and out through the page cache (weights used from the mapping, no repacked
+copy, which would not fit), moestream keeps its resident weights plus a `--memory` expert cache and
+reads misses with O_DIRECT.
+
+Both engines decode the same real text one token at a time (teacher forcing: the first `--prefill`
+tokens as a prompt, untimed, then each of `--tokens` alone with the KV cache, timed), so routing follows text rather than a
+random model's own output, which loops. With a calibrated synthetic router
+(`make_synthetic_checkpoint.py --shape qwen3-30b-a3b --calibrated`) that routing resembles a trained
+model's. Each run is a fresh process; for each: decode tokens/s, bytes read from the disk per token
+(/proc/self/io read_bytes: O_DIRECT reads and mmap page-ins alike), moestream's hit rate, peak RSS.
+Rounds alternate the engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def text_ids(store: str, text: str, n: int) -> list[int]:
+    from moestream.core.loading import load_tokenizer
+
+    ids = load_tokenizer(store)(open(text).read()).input_ids[:n]
+    if len(ids) < n:
+        sys.exit(f"squeeze_text: {text} has only {len(ids)} tokens, fewer than --prefill + --tokens")
+    return ids
+
+
+def run_moestream(args) -> dict:
+    import torch
+
+    import moestream
+
+    torch.set_num_threads(args.threads)
+    ids = text_ids(args.store, args.text, args.prefill + args.tokens)
+    model, _ = moestream.load(args.store, args.memory, prefetch=args.prefetch)
+    with torch.inference_mode():
+        past = model(torch.tensor([ids[: args.prefill]]), use_cache=True).past_key_values
+        before, before_stats = read_bytes(), moestream.stats(model)
+        start = time.perf_counter()
+        for token in ids[args.prefill :]:
+            past = model(torch.tensor([[token]]), past_key_values=past, use_cache=True).past_key_values
+        seconds = time.perf_counter() - start
+    stats = moestream.stats(model)
+    hits, misses = stats["hits"] - before_stats["hits"], stats["misses"] - before_stats["misses"]
+    return dict(
+        seconds=seconds,
+        read_bytes=read_bytes() - before,
+        hit_rate=hits / max(1, hits + misses),
+        expert_bytes_read=stats["bytes_read"] - before_stats["bytes_read"],
+        peak_rss_bytes=peak_rss(),
+    )
+
+
+def run_llama_cpp(args) -> dict:
+    import llama_cpp.llama_cpp as low
+    from llama_cpp import Llama
+
+    defaults = low.llama_model_default_params
+
+    def no_repack():
+        # Weights used where the mmap puts them: a repacked copy is anonymous memory the squeeze leaves no room for.
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = no_repack
+    ids = text_ids(args.store, args.text, args.prefill + args.tokens)
+    llm = Llama(
+        model_path=args.gguf,
+        n_ctx=len(ids) + 8,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        use_mmap=True,
+        verbose=False,
+    )
+    llm.eval(ids[: args.prefill])
+    before = read_bytes()
+    start = time.perf_counter()
+    for token in ids[args.prefill :]:
+        llm.eval([token])
+    return dict(seconds=time.perf_counter() - start, read_bytes=read_bytes() - before, peak_rss_bytes=peak_rss())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--text", required=True)
+    parser.add_argument("--available", default="2.5GiB", help="memory left to the run by the squeeze")
+    parser.add_argument("--memory", default="1GiB", help="moestream's expert cache budget")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prefill", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--prefetch", default="off")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--child", choices=["moestream", "llama.cpp"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = run_moestream(args) if args.child == "moestream" else run_llama_cpp(args)
+        print(json.dumps(result))
+        return
+
+    from moestream.tools.bench import Squeeze, _memory_available
+    from moestream.units import format_bytes, parse_bytes
+
+    squeeze = max(0, _memory_available() - parse_bytes(args.available))
+    print(
+        f"squeeze: holding {format_bytes(squeeze)}, leaving {format_bytes(_memory_available() - squeeze)} available", flush=True
+    )
+    rows = {"moestream": [], "llama.cpp": []}
+    with Squeeze(squeeze):
+        for r in range(args.rounds):
+            for kind in ("moestream", "llama.cpp"):
+                done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", kind], capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(f"{kind} failed (exit {done.returncode}): {done.stderr.strip()[-800:]}", flush=True)
+                    continue
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                result["tokens_per_second"] = args.tokens / result["seconds"]
+                result["read_per_token"] = result["read_bytes"] / args.tokens
+                rows[kind].append(result)
+                extra = f", hit rate {result['hit_rate']:.1%}" if "hit_rate" in result else ""
+                print(
+                    f"round {r + 1} {kind:<9}: {result['tokens_per_second']:.2f} tok/s, "
+                    f"{format_bytes(result['read_per_token'])} read per token{extra}, "
+                    f"peak RSS {format_bytes(result['peak_rss_bytes'])}",
+                    flush=True,
+                )
+    if rows["moestream"] and rows["llama.cpp"]:
+        ratio = statistics.median(r["tokens_per_second"] for r in rows["moestream"]) / statistics.median(
+            r["tokens_per_second"] for r in rows["llama.cpp"]
+        )
+        print(f"moestream / llama.cpp (medians): {ratio:.2f}x tokens/s")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
