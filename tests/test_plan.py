@@ -34,6 +34,16 @@ def _resident_payload(store: Path) -> int:
     return total
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("dense_dtype", ["int8", "int4"])
+def test_planned_resident_bytes_with_quantized_dense_layers_equal_the_store(tmp_path, family, dense_dtype):
+    _, ckpt = tiny_checkpoint(family, tmp_path / "hf", seed=2)
+    store = moestream.convert(ckpt, tmp_path / "store", dense_dtype=dense_dtype, progress=False)
+    planned = ModelSizes.of_config(read_config(ckpt), 16, dense_dtype=dense_dtype)
+    assert planned.resident_bytes == _resident_payload(store)
+    assert planned.resident_bytes < ModelSizes.of_config(read_config(ckpt), 16).resident_bytes
+
+
 @pytest.mark.parametrize(
     "family, experts_dtype, bits",
     [

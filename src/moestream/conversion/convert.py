@@ -29,16 +29,23 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, dot
 
 from ..errors import SourceError, UsageError
 from ..units import format_bytes
-from .quant import DEFAULT_GROUP_SIZE, QUANT_FORMATS, QuantFormat, expert_record_specs, pack, parse_layer_rules, quantize
+from .quant import (
+    DEFAULT_GROUP_SIZE,
+    DENSE_FORMATS,
+    QUANT_FORMATS,
+    QuantFormat,
+    dense_formats,
+    expert_record_specs,
+    pack,
+    parse_layer_rules,
+    quantize,
+)
 from .skeleton import build_skeleton, dense_linears, expert_parameters, experts_modules, load_source_config, model_dtype
 from .source import DecodedCheckpoint
 from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum, file_checksum
 
 EXPERT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EXPERT_FORMATS = tuple(EXPERT_DTYPES) + QUANT_FORMATS
-# Resident linear layers (attention, shared experts, dense MLPs): kept in the model's float dtype, or
-# quantized into the experts' kernel formats (core/dense.py runs them).
-DENSE_FORMATS = ("float", "int8", "int4")
 # Files copied verbatim so that the store can build the tokenizer and generation defaults by itself.
 EXTRA_FILES = (
     "tokenizer.json",
@@ -256,7 +263,7 @@ def convert(
         plan = plan_conversion(model, ckpt)
         rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
         formats = [_layer_format(rules.get(i, experts_dtype), group_size) for i in range(len(plan.experts))]
-        dense = _dense_formats(model, dense_dtype, group_size)
+        dense = dense_formats([(n, m.out_features, m.in_features) for n, m in dense_linears(model)], dense_dtype, group_size)
         dst.parent.mkdir(parents=True, exist_ok=True)
         _cleanup_stale(dst)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
@@ -279,24 +286,6 @@ def _layer_format(choice: str | None, group_size: int) -> torch.dtype | QuantFor
     if choice is None:
         return None
     return EXPERT_DTYPES[choice] if choice in EXPERT_DTYPES else QuantFormat.make(choice, group_size)
-
-
-def _dense_formats(model, dense_dtype: str, group_size: int) -> dict[str, QuantFormat]:
-    """The format of each resident linear layer to quantize: the one asked for where its shape fits the
-    kernel, else the next wider one (int4 -> int8 -> float)."""
-    if dense_dtype == "float":
-        return {}
-    candidates = [QuantFormat.make(name, group_size) for name in (("int4", "int8") if dense_dtype == "int4" else ("int8",))]
-    chosen = {}
-    for name, linear in dense_linears(model):
-        for fmt in candidates:
-            try:
-                fmt.check_shape(linear.out_features, linear.in_features, name)
-            except UsageError:
-                continue
-            chosen[name] = fmt
-            break
-    return chosen
 
 
 def _layer_layout(name: str, module, sources, ckpt, storage) -> tuple[RecordLayout, QuantFormat | None]:

@@ -29,6 +29,9 @@ import torch
 from ..errors import UsageError
 
 QUANT_FORMATS = ("int8", "int4", "int3", "int2")
+# Resident linear layers (attention, shared experts, dense MLPs): kept in the model's float dtype, or
+# quantized into these kernel formats (core/dense.py runs them).
+DENSE_FORMATS = ("float", "int8", "int4")
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 
@@ -203,3 +206,23 @@ def expert_record_specs(
         fmt.check_shape(n, k, f"{where}.{name}")
         specs += fmt.record_specs(name, n, k)
     return specs
+
+
+def dense_formats(linears: list[tuple[str, int, int]], dense_dtype: str, group_size: int) -> dict[str, QuantFormat]:
+    """The format of each resident linear layer (name, out features, in features) to quantize: the one
+    asked for where its shape fits the kernel, else the next wider one (int4 -> int8 -> float)."""
+    if dense_dtype not in DENSE_FORMATS:
+        raise UsageError(f"unknown dense dtype {dense_dtype!r}; choose one of {', '.join(DENSE_FORMATS)}")
+    if dense_dtype == "float":
+        return {}
+    candidates = [QuantFormat.make(name, group_size) for name in (("int4", "int8") if dense_dtype == "int4" else ("int8",))]
+    chosen = {}
+    for name, n, k in linears:
+        for fmt in candidates:
+            try:
+                fmt.check_shape(n, k, name)
+            except UsageError:
+                continue
+            chosen[name] = fmt
+            break
+    return chosen

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from .quant import DEFAULT_GROUP_SIZE, QuantFormat, expert_record_specs
+from .quant import DEFAULT_GROUP_SIZE, QuantFormat, dense_formats, expert_record_specs
 from .store import Manifest, RecordLayout
 
 BITS = (16, 8, 4, 3, 2)  # `plan --bits`: bf16 experts, int8, int4, int3, int2
@@ -99,10 +99,11 @@ class ModelSizes:
         )
 
     @staticmethod
-    def of_config(config, bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE) -> "ModelSizes":
+    def of_config(config, bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, dense_dtype: str = "float") -> "ModelSizes":
         """Exact sizes from a transformers config: the model built on the meta device (no memory), each
-        record laid out by the converter's own code at the format `bits` gives (expert_format)."""
-        from .skeleton import build_skeleton, expert_parameters, experts_modules, model_dtype
+        record laid out by the converter's own code at the format `bits` gives (expert_format), and the
+        resident linears quantized as `convert --dense-dtype` would."""
+        from .skeleton import build_skeleton, dense_linears, expert_parameters, experts_modules, model_dtype
 
         fmt, float_dtype, name = expert_format(bits, group_size)
         dtype = model_dtype(config)
@@ -119,9 +120,17 @@ class ModelSizes:
             counts.append(module.num_experts)
             weights = max(weights, sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+        linears = dense_linears(model)
+        dense = dense_formats([(n, m.out_features, m.in_features) for n, m in linears], dense_dtype, group_size)
         resident = sum(
-            t.numel() * t.element_size() for n, t in model.state_dict().items() if n not in expert_names and n not in tied
+            t.numel() * t.element_size()
+            for n, t in model.state_dict().items()
+            if n not in expert_names and n not in tied and n.removesuffix(".weight") not in dense
         )
+        for linear_name, m in linears:
+            if linear_name in dense:
+                specs = dense[linear_name].record_specs(linear_name, m.out_features, m.in_features)
+                resident += sum(dtype.itemsize * int(np.prod(shape)) for _, dtype, shape in specs)
         embedding = model.get_input_embeddings().weight
         output = model.get_output_embeddings()
         untied = output is None or output.weight is not embedding

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..conversion.quant import DEFAULT_GROUP_SIZE
+from ..conversion.quant import DEFAULT_GROUP_SIZE, DENSE_FORMATS
 from ..conversion.sizes import ModelSizes, expert_format
 from ..conversion.skeleton import build_skeleton, experts_modules, model_dtype
 from ..core.policies import DEFAULT_POLICY
@@ -186,7 +186,9 @@ def _reduced_config(config, moe_layers: int):
     return CONFIG_MAPPING[config.model_type].from_dict(raw), len(indices)
 
 
-def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tokens: int = 24, workdir=None) -> dict:
+def measure_compute(
+    config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tokens: int = 24, workdir=None, dense_dtype: str = "float"
+) -> dict:
     """Seconds per decoded token with every expert cached, for the whole model, measured on this machine.
 
     Builds the config cut after its first MoE layer and after its fourth (or last), with random weights,
@@ -218,9 +220,14 @@ def measure_compute(config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tok
             ckpt = save_checkpoint(model, Path(tmp) / f"hf{m}")
             del model
             store = convert(
-                ckpt, Path(tmp) / f"store{m}", "bf16" if bits == 16 else f"int{bits}", group_size=group_size, progress=False
+                ckpt,
+                Path(tmp) / f"store{m}",
+                "bf16" if bits == 16 else f"int{bits}",
+                group_size=group_size,
+                dense_dtype=dense_dtype,
+                progress=False,
             )
-            sizes = ModelSizes.of_config(small, bits, group_size)
+            sizes = ModelSizes.of_config(small, bits, group_size, dense_dtype)
             loaded, _ = load(store, sizes.all_experts_budget)
             ids = torch.randint(0, int(small.vocab_size), (1, 8), generator=torch.Generator().manual_seed(0))
             timed(loaded, ids, tokens)  # fills the cache with every expert these tokens need
@@ -514,6 +521,7 @@ def plan_from_args(
     cache: str | None = None,
     bits: int = 16,
     group_size: int = DEFAULT_GROUP_SIZE,
+    dense_dtype: str = "float",
     overhead: str = DEFAULT_OVERHEAD,
     trace_path: str | None = None,
     policy: str = DEFAULT_POLICY,
@@ -530,7 +538,7 @@ def plan_from_args(
     if policy not in POLICIES:
         raise UsageError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
     config = read_config(path)
-    sizes = ModelSizes.of_config(config, bits, group_size)
+    sizes = ModelSizes.of_config(config, bits, group_size, dense_dtype)
     title = Path(path).parent.name if Path(path).name == "config.json" else Path(path).name.removesuffix(".json")
     memory_bytes, overhead_bytes = parse_bytes(memory), parse_bytes(overhead)
     if cache is not None:  # the cache budget itself: the memory is what it implies
@@ -552,7 +560,7 @@ def plan_from_args(
         notes.append("no tokens/s forecast without a disk speed: pass --disk-bandwidth 3GB/s (or auto to measure the disk here)")
     seconds, source, miss_seconds = None, "", 0.0
     if compute == "measure":
-        measured = measure_compute(config, bits, group_size)
+        measured = measure_compute(config, bits, group_size, dense_dtype=dense_dtype)
         seconds, miss_seconds = measured["seconds_per_token"], measured["seconds_per_miss"]
         source = "measured here: " + ", ".join(
             f"{t * 1e3:.1f} ms with {m} MoE layer{'s' if m > 1 else ''}" for m, t in measured["measured"].items()
@@ -629,6 +637,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"weights per scale for 4/3/2 bits (default {DEFAULT_GROUP_SIZE})",
     )
     parser.add_argument(
+        "--dense-dtype",
+        choices=DENSE_FORMATS,
+        default="float",
+        help="resident linear layers as `convert --dense-dtype` stores them: float (default), int8 or int4; "
+        "fewer resident bytes leave more of --memory to the expert cache",
+    )
+    parser.add_argument(
         "--overhead",
         default=DEFAULT_OVERHEAD,
         help=f"memory for the Python/torch runtime, activations and KV cache (default {DEFAULT_OVERHEAD})",
@@ -677,6 +692,7 @@ def run(args: argparse.Namespace) -> int:
         cache=args.cache,
         bits=args.bits,
         group_size=args.group_size,
+        dense_dtype=args.dense_dtype,
         overhead=args.overhead,
         trace_path=args.trace,
         policy=args.policy,
