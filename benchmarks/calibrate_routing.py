@@ -77,26 +77,13 @@ SHAPES = {
 }
 
 
-def as_trace(experts: np.ndarray) -> Trace:
-    """[tokens, layers, top_k] -> a decode trace: one call per token and layer, every record one slot."""
-    tokens, layers, k = experts.shape
-    return Trace(
-        experts=experts.reshape(-1, k).astype(np.int32),
-        weights=np.full((tokens * layers, k), 1.0 / k, np.float32),
-        call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens),
-        call_rows=np.ones(tokens * layers, np.int32),
-        record_bytes=np.full(layers, 4096, np.int64),
-        layer_experts=np.full(layers, int(experts.max()) + 1, np.int32),
-    )
-
-
 def measure(experts: np.ndarray, n_experts: int) -> dict:
     """Popularity shares and hit rates per (budget, policy) of a [tokens, layers, top_k] routing."""
     tokens, layers, k = experts.shape
     counts = np.stack([np.bincount(experts[:, layer].ravel(), minlength=n_experts) for layer in range(layers)])
     ranked = -np.sort(-counts, axis=1)
     pop = {s: float(ranked[:, : max(1, round(s * n_experts))].sum() / ranked.sum()) for s in SHARES}
-    trace = as_trace(experts)
+    trace = Trace.of_decode(experts, int(experts.max()) + 1)
     trace.layer_experts[:] = n_experts
     records = layers * n_experts
     hits = {(b, p): replay(trace, max(k, round(b * records)), p).hit_rate for b in BUDGETS for p in POLICIES}

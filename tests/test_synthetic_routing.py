@@ -47,25 +47,13 @@ def model():
     return make_model("qwen3_moe", seed=0, **TINY)
 
 
-def _trace(experts: np.ndarray) -> Trace:
-    tokens, layers, k = experts.shape
-    return Trace(
-        experts=experts.reshape(-1, k).astype(np.int32),
-        weights=np.full((tokens * layers, k), 1.0 / k, np.float32),
-        call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens),
-        call_rows=np.ones(tokens * layers, np.int32),
-        record_bytes=np.full(layers, 4096, np.int64),
-        layer_experts=np.full(layers, EXPERTS, np.int32),
-    )
-
-
 def _measure(experts: np.ndarray) -> dict:
     """Share of routings taken by each layer's top 25% experts; lru and lfu hit rates with 25% of all
     experts cached; the excess of next-token expert overlap over that of the same tokens shuffled."""
     tokens = experts.shape[0]
     counts = np.stack([np.bincount(experts[:, layer].ravel(), minlength=EXPERTS) for layer in range(LAYERS)])
     top = -np.sort(-counts, axis=1)[:, : EXPERTS // 4]
-    trace = _trace(experts)
+    trace = Trace.of_decode(experts, EXPERTS)
     slots = LAYERS * EXPERTS // 4
     onehot = np.zeros((tokens, LAYERS, EXPERTS), bool)
     np.put_along_axis(onehot, experts.astype(np.int64), True, axis=2)

@@ -106,6 +106,20 @@ class Trace:
         return path
 
     @staticmethod
+    def of_decode(experts: np.ndarray, layer_experts: int, record_bytes: int = 4096) -> "Trace":
+        """A decode trace from routing alone, [tokens, layers, top_k] expert ids: one call per token and
+        layer, equal weights, every record `record_bytes` (what simulate needs of synthetic routing)."""
+        tokens, layers, k = experts.shape
+        return Trace(
+            experts=experts.reshape(-1, k).astype(np.int32),
+            weights=np.full((tokens * layers, k), 1.0 / k, np.float32),
+            call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens),
+            call_rows=np.ones(tokens * layers, np.int32),
+            record_bytes=np.full(layers, record_bytes, np.int64),
+            layer_experts=np.full(layers, layer_experts, np.int32),
+        )
+
+    @staticmethod
     def load(path: str | os.PathLike) -> "Trace":
         path = Path(path)
         try:
