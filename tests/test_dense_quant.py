@@ -12,7 +12,7 @@ import moestream
 from moestream.conversion.quant import QuantFormat, pack, quantize, reference_dequantize
 from moestream.conversion.store import MANIFEST, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.dense import QuantizedLinear
+from moestream.core.dense import QuantizedLinear, align_weights
 from moestream.errors import StoreError, UsageError
 
 
@@ -50,8 +50,8 @@ def test_int8_dense_model_equals_transformers_on_dequantized_weights(family, tmp
     ckpt = save_checkpoint(make_model(family, seed=4, **TINY[family]), tmp_path / "hf")
     store = moestream.convert(ckpt, tmp_path / "store", dense_dtype="int8", progress=False)
     formats = Store(store).manifest.dense
-    # Attention (and deepseek's dense first layer and shared expert) quantized; the LM head never.
-    assert any(n.endswith("self_attn.o_proj") for n in formats) and "lm_head" not in formats
+    # Attention (and deepseek's dense first layer and shared expert) quantized; the untied LM head at int8.
+    assert any(n.endswith("self_attn.o_proj") for n in formats) and formats["lm_head"] == QuantFormat.make("int8")
     if family == "deepseek_v3":
         assert any(".shared_experts." in n for n in formats) and any(n.startswith("model.layers.0.mlp.") for n in formats)
     streamed, _ = moestream.load(store, Store(store).manifest.max_record_stride * 2)  # two experts: evicts all the time
@@ -72,6 +72,7 @@ def test_int4_dense_falls_back_to_int8_where_the_int4_kernel_cannot_take_the_sha
     formats = Store(store).manifest.dense
     assert formats["model.layers.0.self_attn.q_proj"].name == "int8"
     assert formats["model.layers.0.self_attn.o_proj"] == QuantFormat.make("int4", 64)
+    assert formats["lm_head"] == QuantFormat.make("int8")  # the LM head never below 8 bits
     reference = _dequantized_reference(ckpt, formats)
     streamed, _ = moestream.load(store, "64MiB")
     ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(2))
@@ -134,3 +135,31 @@ def test_the_int8_kernel_is_right_for_inputs_that_are_not_a_multiple_of_16(input
     expected = x.double() @ reference_dequantize(q, fmt).T
     relative = ((layer(x).double() - expected).norm() / expected.norm()).item()
     assert relative <= 1e-2, relative
+
+
+def test_a_tied_lm_head_stays_as_the_embeddings(tmp_path):
+    model = make_model("qwen3_moe", seed=8, **dict(TINY["qwen3_moe"], tie_word_embeddings=True))
+    store = moestream.convert(save_checkpoint(model, tmp_path / "hf"), tmp_path / "store", dense_dtype="int8", progress=False)
+    assert "lm_head" not in Store(store).manifest.dense
+    loaded, _ = moestream.load(store, "1MiB")
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+
+
+def test_quantized_weights_get_aligned_memory():
+    # safetensors places tensors at file offsets; the bf16 int8 kernel crashed on a weight 8 bytes off.
+    fmt = QuantFormat.make("int8")
+    g = torch.Generator().manual_seed(12)
+    q = quantize(torch.randn(64, 256, generator=g), fmt)
+    packed = pack(q, fmt, "w")
+    backing = torch.empty(64 * 256 + 8, dtype=torch.int8)
+    misaligned = backing[8:].view(64, 256)
+    misaligned.copy_(packed["w.qweight"])
+    layer = QuantizedLinear(256, 64, None, fmt)
+    layer.load_state_dict({"qweight": misaligned, "scales": packed["w.scales"]}, assign=True)
+    assert layer.qweight.data_ptr() % 64 != 0
+    container = torch.nn.Sequential(layer)
+    align_weights(container)
+    assert layer.qweight.data_ptr() % 64 == 0 and torch.equal(layer.qweight, packed["w.qweight"])
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    expected = x.double() @ reference_dequantize(q, fmt).T
+    assert ((layer(x).double() - expected).norm() / expected.norm()).item() <= 1e-2

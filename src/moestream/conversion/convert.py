@@ -240,8 +240,9 @@ def convert(
     layer_dtypes: per-layer overrides such as ["0-3=int3", "-1=int4"], counted over the MoE layers.
     group_size: inputs per scale of the int4/int3/int2 formats (32, 64 or 128).
     dense_dtype: "float" (the model's dtype, default), "int8" or "int4": the resident linear layers
-        (attention projections, shared experts, dense MLPs; not the LM head or routers). A layer whose
-        shape the int4 kernel cannot take is stored int8, one neither kernel can take stays float.
+        (attention projections, shared experts, dense MLPs, an untied LM head at int8 at least; not the
+        routers). A layer whose shape the int4 kernel cannot take is stored int8, one neither kernel can
+        take stays float.
     """
     src, dst = Path(src), Path(dst)
     # Checked before any work; the rules' syntax and layer numbers are checked once the model is known.
@@ -263,7 +264,9 @@ def convert(
         plan = plan_conversion(model, ckpt)
         rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
         formats = [_layer_format(rules.get(i, experts_dtype), group_size) for i in range(len(plan.experts))]
-        dense = dense_formats([(n, m.out_features, m.in_features) for n, m in dense_linears(model)], dense_dtype, group_size)
+        dense = dense_formats(
+            [(n, m.out_features, m.in_features, head) for n, m, head in dense_linears(model)], dense_dtype, group_size
+        )
         dst.parent.mkdir(parents=True, exist_ok=True)
         _cleanup_stale(dst)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
@@ -480,8 +483,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dense-dtype",
         choices=DENSE_FORMATS,
         default="float",
-        help="how the resident linear layers (attention, shared experts, dense MLPs; not the LM head or routers) "
-        "are stored: float (the model's dtype, default), int8 (per channel) or int4 (per group, --group-size). "
+        help="how the resident linear layers (attention, shared experts, dense MLPs, an untied LM head; not the "
+        "routers) are stored: float (the model's dtype, default), int8 (per channel) or int4 (per group, "
+        "--group-size; the LM head int8). "
         "They are read for every token, so fewer bits decode faster and leave more memory to the expert cache",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")

@@ -57,7 +57,7 @@ def _describe_dense(manifest) -> str:
         return "float (as the model)"
     names = [f"{f.name}-g{f.group_size}" if f.group_size else f.name for f in manifest.dense.values()]
     counts = ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names))
-    return f"{counts} linear layers (LM head, routers, norms and embeddings as the model)"
+    return f"{counts} linear layers (routers, norms, embeddings and a tied LM head as the model)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

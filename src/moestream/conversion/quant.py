@@ -208,17 +208,18 @@ def expert_record_specs(
     return specs
 
 
-def dense_formats(linears: list[tuple[str, int, int]], dense_dtype: str, group_size: int) -> dict[str, QuantFormat]:
-    """The format of each resident linear layer (name, out features, in features) to quantize: the one
-    asked for where its shape fits the kernel, else the next wider one (int4 -> int8 -> float)."""
+def dense_formats(linears: list[tuple[str, int, int, bool]], dense_dtype: str, group_size: int) -> dict[str, QuantFormat]:
+    """The format of each resident linear layer (name, out features, in features, is the LM head) to
+    quantize: the one asked for where its shape fits the kernel, else the next wider one (int4 -> int8
+    -> float); the LM head never below int8."""
     if dense_dtype not in DENSE_FORMATS:
         raise UsageError(f"unknown dense dtype {dense_dtype!r}; choose one of {', '.join(DENSE_FORMATS)}")
     if dense_dtype == "float":
         return {}
-    candidates = [QuantFormat.make(name, group_size) for name in (("int4", "int8") if dense_dtype == "int4" else ("int8",))]
+    int8 = QuantFormat.make("int8")
     chosen = {}
-    for name, n, k in linears:
-        for fmt in candidates:
+    for name, n, k, head in linears:
+        for fmt in [int8] if head or dense_dtype == "int8" else [QuantFormat.make("int4", group_size), int8]:
             try:
                 fmt.check_shape(n, k, name)
             except UsageError:

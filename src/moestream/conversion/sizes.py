@@ -121,13 +121,13 @@ class ModelSizes:
             weights = max(weights, sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         linears = dense_linears(model)
-        dense = dense_formats([(n, m.out_features, m.in_features) for n, m in linears], dense_dtype, group_size)
+        dense = dense_formats([(n, m.out_features, m.in_features, head) for n, m, head in linears], dense_dtype, group_size)
         resident = sum(
             t.numel() * t.element_size()
             for n, t in model.state_dict().items()
             if n not in expert_names and n not in tied and n.removesuffix(".weight") not in dense
         )
-        for linear_name, m in linears:
+        for linear_name, m, _ in linears:
             if linear_name in dense:
                 specs = dense[linear_name].record_specs(linear_name, m.out_features, m.in_features)
                 resident += sum(dtype.itemsize * int(np.prod(shape)) for _, dtype, shape in specs)

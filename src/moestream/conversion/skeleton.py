@@ -95,11 +95,13 @@ def expert_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == module.num_experts]
 
 
-def dense_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The resident linear layers `--dense-dtype` may quantize: attention projections, shared experts,
-    dense MLP layers. Not the LM head (its logits decide every token, and it is tied to the embeddings
-    in many models), and not a router written as an nn.Linear (its top-k decides which experts run)."""
+def dense_linears(model: nn.Module) -> list[tuple[str, nn.Linear, bool]]:
+    """The resident linear layers `--dense-dtype` may quantize, each with whether it is the LM head:
+    attention projections, shared experts, dense MLP layers, and an LM head not tied to the embeddings
+    (stored at 8 bits at least: its logits decide every token). Not a router written as an nn.Linear (its
+    top-k decides which experts run)."""
     output = model.get_output_embeddings()
+    tied = output is not None and output.weight is model.get_input_embeddings().weight
     routers = set()
     for name, module in experts_modules(model):
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
@@ -107,5 +109,7 @@ def dense_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
             id(child) for child in parent.children() if isinstance(child, nn.Linear) and child.out_features == module.num_experts
         }
     return [
-        (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not output and id(m) not in routers
+        (name, m, m is output)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m) not in routers and not (m is output and tied)
     ]

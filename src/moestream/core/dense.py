@@ -58,6 +58,17 @@ def install(model: nn.Module, formats: dict[str, QuantFormat]) -> None:
         setattr(model.get_submodule(parent) if parent else model, child, quantized)
 
 
+def align_weights(model: nn.Module, alignment: int = 64) -> None:
+    """Give each quantized weight its own `alignment`-byte aligned memory. safetensors hands back tensors
+    at whatever offset they sit in the file, and torch's bf16 int8 kernel reads past or crashes on a
+    weight 8 bytes off (a segmentation fault, seen with torch 2.13); torch's own allocations are aligned."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.data_ptr() % alignment:
+                    setattr(module, name, buffer.clone())
+
+
 def set_compute_dtype(model: nn.Module, stored: torch.dtype, dtype: torch.dtype) -> None:
     """Make the model compute in `dtype`: float weights stored as `stored` are cast (tied ones stay tied),
     and int8 scales, stored as float32, take the activations' dtype once here rather than at every call.

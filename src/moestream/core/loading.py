@@ -118,6 +118,7 @@ def load(
         result = model.load_state_dict(state, strict=False, assign=True)
         del state
         model.tie_weights()
+        dense.align_weights(model)
         dense.set_compute_dtype(model, stored, dtype)
         _rebuild_buffers(model)
         still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
