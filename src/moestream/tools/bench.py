@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from queue import Empty
 
 import torch
 
@@ -295,7 +296,13 @@ def _run_peer(kind: str, checkpoint: str, memory: int, ids: torch.Tensor, new_to
     queue = context.Queue()
     process = context.Process(target=_peer, args=(kind, checkpoint, memory, ids.tolist(), new_tokens, queue))
     process.start()
-    result = queue.get()
+    result = None
+    while result is None:
+        try:
+            result = queue.get(timeout=1.0)
+        except Empty:
+            if not process.is_alive():  # died without a word (a crash in native code, killed for memory)
+                result = {"error": f"the process exited with code {process.exitcode} before reporting"}
     process.join()
     name = {
         "transformers": "transformers (fully loaded)",
