@@ -45,15 +45,18 @@ def _dequantized_reference(ckpt, formats: dict[str, QuantFormat]):
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "deepseek_v4"])
 def test_int8_dense_model_equals_transformers_on_dequantized_weights(family, tmp_path):
     ckpt = save_checkpoint(make_model(family, seed=4, **TINY[family]), tmp_path / "hf")
     store = moestream.convert(ckpt, tmp_path / "store", dense_dtype="int8", progress=False)
     formats = Store(store).manifest.dense
     # Attention (and deepseek's dense first layer and shared expert) quantized; the untied LM head at int8.
-    assert any(n.endswith("self_attn.o_proj") for n in formats) and formats["lm_head"] == QuantFormat.make("int8")
+    assert any(n.endswith(("self_attn.o_proj", "self_attn.o_b_proj")) for n in formats)
+    assert formats["lm_head"] == QuantFormat.make("int8")
     if family == "deepseek_v3":
         assert any(".shared_experts." in n for n in formats) and any(n.startswith("model.layers.0.mlp.") for n in formats)
+    if family == "deepseek_v4":  # its grouped output projection is an nn.Linear subclass with its own forward
+        assert not any(n.endswith("o_a_proj") for n in formats)
     streamed, _ = moestream.load(store, Store(store).manifest.max_record_stride * 2)  # two experts: evicts all the time
     assert all(isinstance(streamed.get_submodule(n), QuantizedLinear) for n in formats)
     reference = _dequantized_reference(ckpt, formats)

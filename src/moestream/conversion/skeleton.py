@@ -111,5 +111,7 @@ def dense_linears(model: nn.Module) -> list[tuple[str, nn.Linear, bool]]:
     return [
         (name, m, m is output)
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and id(m) not in routers and not (m is output and tied)
+        # Exactly nn.Linear: a subclass has a forward of its own (DeepSeek-V4's grouped o_a_proj), which a
+        # plain quantized matmul would not compute.
+        if type(m) is nn.Linear and id(m) not in routers and not (m is output and tied)
     ]
