@@ -116,7 +116,7 @@ def test_a_store_quantizing_a_module_the_model_lacks_is_refused(tmp_path):
     manifest = json.loads((store / MANIFEST).read_text())
     manifest["dense_quantization"]["model.layers.0.input_layernorm"] = {"format": "int8", "group_size": None, "packing": None}
     (store / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(StoreError, match="input_layernorm, which is not a linear layer"):
+    with pytest.raises(StoreError, match="input_layernorm, which is not a plain linear layer"):
         moestream.load(store, "64MiB")
 
 

@@ -1,4 +1,5 @@
-"""Low-bit weight formats (experts, and resident linears with --dense-dtype): how a weight matrix is quantized, packed into a record, and what it means.
+"""Low-bit weight formats (experts, and resident linears with --dense-dtype): how a weight matrix is
+quantized, packed into a record, and what it means.
 
 Every format works on one weight matrix W [N, K] (out features, in features) and produces the record
 tensors a kernel consumes directly (kernels.py), so a record goes from disk to the matmul unchanged:

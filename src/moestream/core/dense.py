@@ -51,8 +51,8 @@ def install(model: nn.Module, formats: dict[str, QuantFormat]) -> None:
             linear = model.get_submodule(name)
         except AttributeError:
             linear = None
-        if not isinstance(linear, nn.Linear):
-            raise StoreError(f"the store quantized {name}, which is not a linear layer of this model; convert it again")
+        if type(linear) is not nn.Linear:  # a subclass has its own forward (skeleton.dense_linears)
+            raise StoreError(f"the store quantized {name}, which is not a plain linear layer of this model; convert it again")
         parent, _, child = name.rpartition(".")
         quantized = QuantizedLinear(linear.in_features, linear.out_features, linear.bias, fmt)
         setattr(model.get_submodule(parent) if parent else model, child, quantized)
