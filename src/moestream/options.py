@@ -6,7 +6,7 @@ share lives here: the store and its engine options (generate, chat, serve, bench
 I/O-thread options (also plan), and checks of argument values that turn bad input into one-line errors.
 
 The choices come from the modules that define them (policies.POLICIES, prefetch.PREFETCH_MODES,
-engine.VERIFY_MODES), imported when a parser is built rather than at import time, so that a verb module
+engine.VERIFY_MODES, kernels.COMPUTE_DTYPES), imported when a parser is built rather than at import time, so that a verb module
 can import this one without pulling in the engine (or an import cycle through it).
 """
 
@@ -93,6 +93,7 @@ def apply_threads(args: argparse.Namespace) -> None:
 def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "4GiB") -> None:
     """The store positional, --memory and the engine options of load(): for every verb that loads a model."""
     from .core.engine import VERIFY_MODES
+    from .core.kernels import COMPUTE_DTYPES
     from .core.prefetch import PREFETCH_MODES
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
@@ -116,7 +117,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
     add_policy_argument(parser)
     parser.add_argument(
         "--compute-dtype",
-        choices=["auto", "bf16", "fp32"],
+        choices=list(COMPUTE_DTYPES),
         default="auto",
         help="dtype of the float weights and activations: auto (default: the model's; a bf16 model computes in "
         "fp32 on a CPU without bf16 arithmetic, where bf16 matmuls are slower, holding its float resident "

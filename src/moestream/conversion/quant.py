@@ -54,6 +54,12 @@ class QuantFormat:
     def bits(self) -> int:
         return int(self.name[3:])
 
+    @property
+    def params(self) -> str:
+        """The name of the tensor beside `qweight` that its kernel reads: int8's per-channel scales, or
+        the int4 kernel's interleaved scales and zeros."""
+        return "scales" if self.name == "int8" else "scales_zeros"
+
     @staticmethod
     def make(name: str, group_size: int = DEFAULT_GROUP_SIZE) -> "QuantFormat":
         if name not in QUANT_FORMATS:

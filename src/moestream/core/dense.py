@@ -26,10 +26,9 @@ class QuantizedLinear(nn.Module):
         for name, dtype, shape in fmt.record_specs("w", out_features, in_features):
             self.register_buffer(name.removeprefix("w."), torch.empty(shape, dtype=dtype, device="meta"))
         self.bias = bias
-        self.params_name = "scales" if fmt.name == "int8" else "scales_zeros"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = quantized_matmul(x.reshape(-1, self.in_features), self.qweight, getattr(self, self.params_name), self.fmt)
+        y = quantized_matmul(x.reshape(-1, self.in_features), self.qweight, getattr(self, self.fmt.params), self.fmt)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -41,7 +41,7 @@ _KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4}
 
 
 def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """x [M, K] -> [M, N] with a quantized matrix: `qweight` and its `scales` (int8) or `scales_zeros`."""
+    """x [M, K] -> [M, N] with a quantized matrix: `qweight` and its `fmt.params` tensor."""
     return _KERNELS[fmt.name](x, qweight, params, fmt)
 
 
@@ -53,8 +53,7 @@ def expert_linear(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat | None, 
     if fmt is None:
         weight = w[name]
         return x @ weight if transposed else F.linear(x, weight)
-    params = w[f"{name}.scales"] if fmt.name == "int8" else w[f"{name}.scales_zeros"]
-    return _KERNELS[fmt.name](x, w[f"{name}.qweight"], params, fmt)
+    return _KERNELS[fmt.name](x, w[f"{name}.qweight"], w[f"{name}.{fmt.params}"], fmt)
 
 
 # -- the activations' dtype ------------------------------------------------------------------------------
