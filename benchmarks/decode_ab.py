@@ -3,6 +3,8 @@
     git worktree add /tmp/moestream-old <old commit>
     python benchmarks/decode_ab.py --tree old=/tmp/moestream-old --tree new=. \\
         --store tiny-code-int4.moe --store tiny-code-bf16.moe --memory 8MiB --text heldout.txt
+    python benchmarks/decode_ab.py --tree lfu=.@lfu --tree forecast=.@forecast --store tiny-code.moe \
+        --memory 8MiB --text heldout.txt --prefetch off       # two cache policies of one tree
 
 Each measurement is a fresh process that imports moestream from its tree's src/, loads the store through
 the public API only (`moestream.load`, which every version has), decodes a warm-up pass, then times a greedy
@@ -27,7 +29,8 @@ from transformers.generation.streamers import BaseStreamer
 
 store, memory, text, prompt_tokens, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(int(sys.argv[6]))
-model, tokenizer = moestream.load(store, memory, prefetch=sys.argv[7])
+options = {"policy": sys.argv[8]} if sys.argv[8] else {}  # NAME=PATH@POLICY; else the tree's default
+model, tokenizer = moestream.load(store, memory, prefetch=sys.argv[7], **options)
 ids = tokenizer(open(text).read(), return_tensors="pt").input_ids[:, :prompt_tokens]
 
 class Times(BaseStreamer):
@@ -52,6 +55,7 @@ print(json.dumps({"rate": rate, "hit_rate": moestream.stats(model)["hit_rate"]})
 
 
 def measure(tree: str, store: str, args) -> dict:
+    tree, _, policy = tree.partition("@")
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"))
     cmd = [
         sys.executable,
@@ -64,6 +68,7 @@ def measure(tree: str, store: str, args) -> dict:
         str(args.tokens),
         str(args.threads),
         args.prefetch,
+        policy,
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -73,7 +78,7 @@ def measure(tree: str, store: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", required=True, metavar="NAME=PATH", help="a source tree (give two)")
+    parser.add_argument("--tree", action="append", required=True, metavar="NAME=PATH[@POLICY]", help="a source tree (give two), with a cache policy if given")
     parser.add_argument("--store", action="append", required=True, help="a store to decode (repeatable)")
     parser.add_argument("--memory", default="8MiB")
     parser.add_argument("--text", required=True, help="the prompt's text (its first --prompt-tokens tokens)")

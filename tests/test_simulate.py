@@ -9,9 +9,9 @@ from tiny import tiny_checkpoint
 
 import moestream
 from moestream.conversion.store import Store
-from moestream.core.policies import POLICIES
+from moestream.core.policies import DEFAULT_POLICY, POLICIES
 from moestream.errors import UsageError
-from moestream.tools.simulate import BELADY, replay, sweep
+from moestream.tools.simulate import BELADY, replay, shares_of_optimum, sweep
 from moestream.tools.trace import Trace, recording, store_identity
 
 
@@ -41,7 +41,7 @@ def _run(store, slots: int, policy: str):
 
 # 2 and 3 slots: the prefill needs more distinct experts per layer than the cache holds (it runs in waves);
 # 6: a layer's working set fits but not both layers'; 16: everything fits.
-@pytest.mark.parametrize("policy", ["lru", "lfu", "arc"])
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("slots", [2, 3, 6, 16])
 def test_simulator_hits_equal_runtime_hits(store, policy, slots):
     stats, trace = _run(store, slots, policy)
@@ -181,9 +181,17 @@ def test_cli_trace_simulate_and_generate_trace_out(store, tmp_path, capsys):
     assert trace.tokens == 20 and trace.calls == 2 * 16  # one prefill call and 15 decode calls per layer
     assert list(trace.call_rows[:2]) == [5, 5] and set(trace.call_rows[2:]) == {1}
     capsys.readouterr()
-    assert main(["simulate", str(out), "--memory", "64KiB,50%", "--policy", "lru,arc"]) == 0
+    assert main(["simulate", str(out), "--memory", "64KiB,50%", "--policy", f"lru,arc,{DEFAULT_POLICY}"]) == 0
     printed = capsys.readouterr().out
     assert "belady" in printed and "closest to the optimum" in printed
+    # Each policy's mean share of Belady's hits, the default marked; the rows' shares are those of the table.
+    rows = sweep(trace, [64 * 1024, round(0.5 * int(trace.layer_experts.sum())) * trace.slot_bytes], ["lru", "arc", DEFAULT_POLICY])
+    shares = shares_of_optimum(rows)
+    summary = printed.split("share of Belady's hits, on average over these budgets:")[1].splitlines()
+    for name, values in shares.items():
+        line = next(line for line in summary if line.split() and line.split()[0] == name)
+        assert f"{sum(values) / len(values):.2f}x" in line and f"lowest {min(values):.2f}x" in line
+        assert ("(the default)" in line) == (name == DEFAULT_POLICY)
     assert main(["simulate", str(out), "--memory", "1KiB"]) == 2  # below one token's experts
     assert "minimum is" in capsys.readouterr().err
 
@@ -208,7 +216,9 @@ def test_cli_trace_simulate_and_generate_trace_out(store, tmp_path, capsys):
     assert trace.tokens == result["prompt_tokens"] + len(result["token_ids"]) - 1
     assert trace.calls == 2 * len(result["token_ids"]) and trace.meta["prompt"] == "def f(x):"
     assert main(["simulate", str(tmp_path / "g.npz"), "--memory", str(5 * slot), "--policy", "lfu", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["results"][0][0]["slots"] == 5
+    report = json.loads(capsys.readouterr().out)
+    assert report["results"][0][0]["slots"] == 5 and report["default_policy"] == DEFAULT_POLICY
+    assert report["mean_share_of_optimum"]["lfu"] == pytest.approx(report["results"][0][0]["hits"] / report["results"][0][1]["hits"])
 
 
 def test_reuse_distances_and_popularity_match_their_definitions():

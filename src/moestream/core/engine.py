@@ -91,7 +91,7 @@ class ExpertEngine:
                 f"in one layer ({format_bytes(slot)} each); the minimum is {format_bytes(minimum)} "
                 f"({minimum} bytes). Pass --memory {format_bytes(minimum).replace(' ', '')} or more."
             )
-        self.cache = ExpertCache(budget_bytes, slot, make_policy(policy), on_evict=self._evicted)
+        self.cache = ExpertCache(budget_bytes, slot, make_policy(policy, sizes.layer_experts), on_evict=self._evicted)
         self.reader = RecordReader([store.path(layer.file) for layer in self.layers], io_threads, direct_io)
         self.layer_stats = [LayerStats() for _ in self.layers]
         # Each layer's record tensors' dtypes by name (float records compute in their own dtype).

@@ -6,8 +6,9 @@ lives here, once. The engine (engine.py) drives it with real reads into real slo
 exactly the runtime's hits (tests/test_simulate.py).
 
 Per call of layer L that needs the distinct experts E (ascending ids):
-  1. `lookup`: look up each expert of E in order. A hit is pinned (or, if its read ahead of need is still
-     in flight, becomes a demand read that the call waits for); a miss waits for a slot.
+  1. `lookup`: tell the policy the call's experts (`on_call`), then look up each expert of E in order. A
+     hit is pinned (or, if its read ahead of need is still in flight, becomes a demand read that the call
+     waits for); a miss waits for a slot.
   2. `Call.run`: allocate slots for the misses in order while a slot can be had, starting each read;
      once every miss has a slot, tell the I/O side (the engine then reads ahead for layer L+1). Compute
      the hits while the reads are in flight and unpin them, then allocate again (their slots may now be
@@ -104,6 +105,7 @@ class Call:
 def lookup(cache: ExpertCache, layer: int, experts) -> Call:
     """Step 1 of a call: look up `experts` (distinct, ascending ids) of `layer`."""
     call = Call(cache, layer)
+    cache.policy.on_call(layer, experts)
     for e in experts:
         entry = cache.lookup((layer, e))
         if entry is None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..core import scheduler
 from ..core.cache import Entry, ExpertCache, State
-from ..core.policies import POLICIES, make_policy
+from ..core.policies import DEFAULT_POLICY, POLICIES, make_policy
 from ..errors import UsageError
 from ..options import existing_file, positive
 from .trace import Trace
@@ -98,6 +98,9 @@ class BeladyPolicy:
         self._seq = 0
 
     def attach(self, capacity: int) -> None:
+        pass
+
+    def on_call(self, layer: int, experts) -> None:
         pass
 
     def _touch(self, key) -> None:
@@ -181,7 +184,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
         belady = BeladyPolicy(next_uses(calls))
         pol = belady
     else:
-        pol = make_policy(policy)
+        pol = make_policy(policy, trace.layer_experts.tolist())
     cache = ExpertCache(slots * slot_bytes, slot_bytes, pol, arena=False)
     io = InstantReads()
     hits = decode_hits = 0
@@ -262,15 +265,21 @@ def parse_budgets(spec: str, trace: Trace) -> list[int]:
     return budgets
 
 
-def closest_to_optimum(rows: list[list[SimResult]]) -> tuple[str, float]:
-    """The online policy with the highest mean fraction of Belady's hits over the budgets."""
-    scores: dict[str, list[float]] = {}
+def shares_of_optimum(rows: list[list[SimResult]]) -> dict[str, list[float]]:
+    """Each online policy's hits as a share of Belady's, per budget (rows from `sweep`)."""
+    shares: dict[str, list[float]] = {}
     for row in rows:
         best = row[-1].hits
         for r in row[:-1]:
-            scores.setdefault(r.policy, []).append(r.hits / best if best else 1.0)
-    name = max(scores, key=lambda p: sum(scores[p]) / len(scores[p]))
-    return name, sum(scores[name]) / len(scores[name])
+            shares.setdefault(r.policy, []).append(r.hits / best if best else 1.0)
+    return shares
+
+
+def closest_to_optimum(rows: list[list[SimResult]]) -> tuple[str, float]:
+    """The online policy with the highest mean share of Belady's hits over the budgets."""
+    means = {name: sum(v) / len(v) for name, v in shares_of_optimum(rows).items()}
+    name = max(means, key=means.get)
+    return name, means[name]
 
 
 def table(trace: Trace, rows: list[list[SimResult]]) -> str:
@@ -279,17 +288,22 @@ def table(trace: Trace, rows: list[list[SimResult]]) -> str:
     records = int(trace.layer_experts.sum())
     lines = [
         f"trace: {trace.describe()}; {format_bytes(trace.slot_bytes)} per expert read",
-        f"{'budget':>10} {'experts':>14}  {'policy':<7} {'hit rate':>8} {'of optimum':>10} {'read/token':>11}",
+        f"{'budget':>10} {'experts':>14}  {'policy':<8} {'hit rate':>8} {'of optimum':>10} {'read/token':>11}",
     ]
     for row in rows:
         best = row[-1].hits
         for i, r in enumerate(row):
             budget = f"{format_bytes(r.budget_bytes):>10} {f'{r.slots} ({r.slots / records:.0%})':>14}" if i == 0 else " " * 25
             of_best = f"{r.hits / best:.2f}x" if best else "-"
-            lines.append(f"{budget}  {r.policy:<7} {r.hit_rate:>8.1%} {of_best:>10} {format_bytes(r.bytes_per_token):>11}")
-    if rows and len(rows[0]) > 1:
+            lines.append(f"{budget}  {r.policy:<8} {r.hit_rate:>8.1%} {of_best:>10} {format_bytes(r.bytes_per_token):>11}")
+    shares = shares_of_optimum(rows)
+    if shares:
+        lines.append("share of Belady's hits, on average over these budgets:")
+        for name, values in sorted(shares.items(), key=lambda item: -sum(item[1])):
+            mark = "  (the default)" if name == DEFAULT_POLICY else ""
+            lines.append(f"  {name:<8} {sum(values) / len(values):.2f}x  (lowest {min(values):.2f}x){mark}")
         name, score = closest_to_optimum(rows)
-        lines.append(f"closest to the optimum: {name} ({score:.2f}x of Belady's hits on average over these budgets)")
+        lines.append(f"closest to the optimum: {name} ({score:.2f}x); the default policy is {DEFAULT_POLICY}")
     return "\n".join(lines)
 
 
@@ -340,7 +354,18 @@ def run(args: argparse.Namespace) -> int:
         positive(budget, "--memory")
     rows = sweep(trace, budgets, policies)
     if args.json:
-        print(json.dumps({"trace": trace.meta, "results": [[r.to_json() for r in row] for row in rows]}))
+        shares = shares_of_optimum(rows)
+        print(
+            json.dumps(
+                {
+                    "trace": trace.meta,
+                    "results": [[r.to_json() for r in row] for row in rows],
+                    "share_of_optimum": shares,  # per policy, per budget: hits / Belady's hits
+                    "mean_share_of_optimum": {name: sum(v) / len(v) for name, v in shares.items()},
+                    "default_policy": DEFAULT_POLICY,
+                }
+            )
+        )
     else:
         print(table(trace, rows))
     if args.plot:

@@ -1,0 +1,172 @@
+"""Which signals help the forecast policy: router probabilities, the next layer's guess, token ids, an oracle.
+
+    python benchmarks/policy_signals.py ../shared/models/tiny-code-moe validation-olmoe ...
+
+The `forecast` policy (moestream.core.policies.ForecastPolicy) predicts, for every expert, whether its
+layer's next call will use it, from the expert ids of past calls alone. The engine knows more at run time,
+and this measures what each extra signal would add if it were one more feature of the same online
+logistic regression (so a trace would have to record it):
+
+    router-rank   the rank of the expert in its router's full probability at the current token (dense
+                  evidence: the experts just below the top-k)
+    next-layer    the next layer's router applied to this layer's input, as the prefetcher guesses; for
+                  layer l+1 it is known one call ahead, while layer l runs
+    token-table   which experts each layer chose the last times the step's input token id came (a table
+                  per token id, known when a step starts, for all layers of that step)
+    oracle        not a feature: the forecast replaced by the truth (used at the next call or not), the
+                  bound for any forecast of the next call
+
+Each checkpoint (with heldout.txt beside it) is run once by transformers over the first --tokens tokens of
+its held-out text, with hooks on its routers: a causal model routes each token the same whether it comes
+alone or in a sequence, so one forward pass gives the routing that decoding the text would see. The routing
+is replayed one decode call per token and layer through the runtime's cache and scheduler (simulate.py),
+and each variant's hits are printed as a share of Belady's MIN, per budget and on average.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moestream.core import scheduler
+from moestream.core.cache import ExpertCache
+from moestream.core.policies import ForecastPolicy, make_policy
+from moestream.core.prefetch import find_router
+from moestream.tools.simulate import BeladyPolicy, InstantReads, next_uses
+from moestream.tools.trace import Trace
+
+
+def routing(checkpoint: Path, tokens: int) -> dict[str, np.ndarray]:
+    """ids [T], experts [T, L, k], probs [T, L, E] (softmax of the router logits), next_layer [T, L, E]
+    (layer l's router on layer l-1's router input; zeros for layer 0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(checkpoint)((checkpoint / "heldout.txt").read_text())["input_ids"][:tokens]
+    routers = [r for r in (find_router(m) for m in model.modules() if hasattr(m, "experts")) if r is not None]
+    seen: dict[int, tuple] = {}
+    for i, router in enumerate(routers):
+        # Routers return (logits, ..., top-k indices) in the families here; their input is the normed hidden.
+        router.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out[0], out[-1])))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]))
+        experts = np.stack([seen[i][2].reshape(len(ids), -1).numpy() for i in range(len(routers))], 1)
+        probs = np.stack([torch.softmax(seen[i][1].float(), -1).reshape(len(ids), -1).numpy() for i in range(len(routers))], 1)
+        guess = np.zeros_like(probs)
+        for i in range(1, len(routers)):
+            logits = routers[i](seen[i - 1][0].reshape(len(ids), -1))[0]
+            guess[:, i] = torch.softmax(logits.float(), -1).numpy()
+    return {"ids": np.array(ids), "experts": experts.astype(np.int64), "probs": probs, "next_layer": guess}
+
+
+def _ranks(scores: np.ndarray) -> np.ndarray:
+    rank = np.empty(len(scores))
+    rank[np.argsort(-scores)] = np.arange(len(scores))
+    return np.log1p(rank)
+
+
+class WithSignal(ForecastPolicy):
+    """ForecastPolicy with one more feature row (before the bias), filled by `signal`."""
+
+    def __init__(self, layer_experts, data: dict[str, np.ndarray], signal: str):
+        super().__init__(layer_experts)
+        self.data, self.signal, self.token = data, signal, -1
+        rows = self._features.shape[1] + 1
+        self._features = np.ones((self.layers, rows, self.experts))
+        self._weights, self._grad_sq = np.zeros(rows), np.full(rows, 1e-3)
+        self.extra = rows - 2  # the row after the transition share; the bias stays last
+        # The feature's value where the signal says nothing (no guess for this layer yet, a token id not seen
+        # before): a token table row of zeros; for a guess, the mean over the ranks.
+        self.unknown = np.log(0.1) if signal == "token-table" else float(np.mean(np.log1p(np.arange(self.experts))))
+        self._features[:, self.extra] = self.unknown
+        self.table: dict[int, np.ndarray] = {}
+        self.this_token = np.zeros((self.layers, self.experts))
+
+    def _refresh(self, layer: int) -> None:
+        self._forecast[layer] = 1.0 / (1.0 + np.exp(-(self._weights @ self._features[layer])))
+        self._masked[layer] = np.where(self._cached[layer], self._forecast[layer], np.inf)
+
+    def on_call(self, layer: int, experts) -> None:
+        if layer == 0:
+            self._start_token()
+        self.this_token[layer, list(experts)] = 1.0
+        super().on_call(layer, experts)
+        t, row = self.token, self._features[layer, self.extra]
+        if self.signal == "router-rank":
+            row[:] = _ranks(self.data["probs"][t, layer])
+        elif self.signal in ("next-layer", "token-table"):
+            row[:] = self.unknown  # filled again before this layer's next call
+        self._refresh(layer)
+        if self.signal == "next-layer" and layer + 1 < self.layers:
+            self._features[layer + 1, self.extra] = _ranks(self.data["next_layer"][t, layer + 1])
+            self._refresh(layer + 1)
+        if self.signal == "oracle" and t + 1 < len(self.data["ids"]):
+            truth = np.zeros(self.experts)
+            truth[self.data["experts"][t + 1, layer]] = 1.0
+            self._forecast[layer] = truth + 1e-3 * self._forecast[layer]  # the base forecast breaks ties
+            self._masked[layer] = np.where(self._cached[layer], self._forecast[layer], np.inf)
+
+    def _start_token(self) -> None:
+        if self.token >= 0:  # the finished token's routing joins its id's table row
+            ident = int(self.data["ids"][self.token])
+            self.table[ident] = self.table.get(ident, 0.0) + self.this_token
+        self.token += 1
+        self.this_token = np.zeros((self.layers, self.experts))
+        if self.signal == "token-table":
+            known = self.table.get(int(self.data["ids"][self.token]))
+            self._features[:, self.extra] = np.log(known + 0.1) if known is not None else self.unknown
+            for layer in range(self.layers):
+                self._refresh(layer)
+
+
+def replay(trace: Trace, slots: int, policy) -> int:
+    cache, io, hits = ExpertCache(slots, 1, policy, arena=False), InstantReads(), 0
+    for c, (layer, experts) in enumerate(trace.call_experts):
+        if isinstance(policy, BeladyPolicy):
+            policy.now = c
+        call = scheduler.lookup(cache, layer, experts)
+        call.run(io)
+        hits += call.hits
+    return hits
+
+
+VARIANTS = ("lfu", "forecast", "router-rank", "next-layer", "token-table", "oracle")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", nargs="+", type=Path)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--budgets", default="5,10,20,30", help="percent of all experts")
+    args = parser.parse_args()
+    budgets = [float(b) / 100 for b in args.budgets.split(",")]
+    summary = {}
+    for checkpoint in args.checkpoints:
+        data = routing(checkpoint, args.tokens)
+        tokens, layers, k = data["experts"].shape
+        experts = data["probs"].shape[2]
+        trace = Trace.of_decode(data["experts"].astype(np.int32), experts)
+        table = [experts] * layers
+        print(f"\n{checkpoint.name}: {tokens} tokens, {layers} MoE layers x {experts} experts, top-{k}")
+        print(f"{'budget':>7} {'belady':>7} " + " ".join(f"{v:>12}" for v in VARIANTS))
+        shares = {v: [] for v in VARIANTS}
+        for share in budgets:
+            slots = max(k, round(share * layers * experts))
+            best = replay(trace, slots, BeladyPolicy(next_uses(trace.call_experts)))
+            for v in VARIANTS:
+                policy = make_policy(v, table) if v in ("lfu", "forecast") else WithSignal(table, data, v)
+                shares[v].append(replay(trace, slots, policy) / best)
+            print(f"{share:>7.0%} {best / (tokens * layers * k):>7.1%} " + " ".join(f"{shares[v][-1]:>11.3f}x" for v in VARIANTS))
+        summary[checkpoint.name] = {v: float(np.mean(s)) for v, s in shares.items()}
+        print("   mean         " + " ".join(f"{summary[checkpoint.name][v]:>11.3f}x" for v in VARIANTS))
+    print(f"\nmean share of Belady's hits over {args.budgets}%")
+    print(f"{'model':<24}" + " ".join(f"{v:>12}" for v in VARIANTS))
+    for name, means in summary.items():
+        print(f"{name:<24}" + " ".join(f"{means[v]:>11.3f}x" for v in VARIANTS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Eviction policies on their own: what each may evict, and what the forecast policy learns."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moestream.core.policies import DEFAULT_POLICY, POLICIES, ForecastPolicy, make_policy
+from moestream.tools.simulate import BELADY, replay, shares_of_optimum, sweep
+from moestream.tools.trace import Trace
+
+TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
+
+
+def _decode_trace(experts: np.ndarray, layer_experts: int) -> Trace:
+    """experts [tokens, layers, k] -> a trace of one decode call per token and layer."""
+    return Trace.of_decode(experts.astype(np.int32), layer_experts)
+
+
+def _drifting_routing(seed: int, layers=4, experts=32, k=2, tokens=600, stay=0.5) -> np.ndarray:
+    """Each layer's k choices walk on a ring of its experts (in a random order): from token to token each
+    stays with probability `stay`, else moves to a neighbour. Over the run every expert is about equally
+    popular, so long-run counts say little; what the last tokens used says a lot."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((tokens, layers, k), np.int64)
+    for layer in range(layers):
+        order, position = rng.permutation(experts), rng.choice(experts, k, replace=False)
+        for t in range(tokens):
+            nxt = []
+            for p in position:
+                c = (p + (0 if rng.random() < stay else rng.choice([-1, 1]))) % experts
+                while c in nxt:
+                    c = (c + 1) % experts
+                nxt.append(c)
+            position = np.array(nxt)
+            out[t, layer] = order[position]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("slots", [12, 24])
+def test_forecast_learns_recency_where_counts_mislead(seed, slots):
+    """LFU, tuned for stable popularity, holds on to experts the walk has left; the forecast learns from
+    the routing that recent use predicts the next (as LRU assumes) and gets close to MIN."""
+    trace = _decode_trace(_drifting_routing(seed), 32)  # 128 experts; a token needs 8
+    best = replay(trace, slots, BELADY).hits
+    hits = {p: replay(trace, slots, p).hits for p in ("lru", "lfu", "forecast")}
+    assert hits["forecast"] > 2 * hits["lfu"], hits
+    assert hits["forecast"] >= hits["lru"], hits
+    assert hits["forecast"] > 0.8 * best, (hits, best)
+
+
+def test_forecast_learns_popularity_too():
+    """Zipf-popular experts drawn independently per token (no transitions to learn): as good as LFU."""
+    rng = np.random.default_rng(5)
+    layers, experts, k = 4, 32, 2
+    ranks = np.arange(1, experts + 1.0) ** -1.2
+    p = ranks / ranks.sum()
+    routing = np.array([[rng.choice(experts, k, replace=False, p=p) for _ in range(layers)] for _ in range(800)])
+    trace = _decode_trace(routing, experts)
+    for slots in (12, 24, 40):
+        assert replay(trace, slots, "forecast").hits >= 0.97 * replay(trace, slots, "lfu").hits, slots
+
+
+def _policy(name: str, layers=2, experts=8):
+    policy = make_policy(name, [experts] * layers)
+    policy.attach(4)
+    return policy
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_victim_is_never_a_pinned_key_and_none_when_all_are(name):
+    policy = _policy(name)
+    cached = [(0, 1), (0, 5), (1, 2), (1, 7)]
+    policy.on_call(0, [1, 5])
+    for key in cached:
+        policy.on_insert(key)
+    policy.on_hit((0, 1))
+    pinned = {(0, 1), (1, 2)}
+    for _ in range(3):
+        victim = policy.victim(lambda key: key not in pinned)
+        assert victim in set(cached) - pinned
+    assert policy.victim(lambda key: False) is None
+    policy.on_remove((0, 5))
+    policy.on_remove((1, 7))
+    assert policy.victim(lambda key: key not in pinned) is None  # the rest are pinned
+
+
+def test_forecast_never_evicts_a_removed_key():
+    policy = _policy("forecast")
+    for key in [(0, 0), (0, 1), (1, 0)]:
+        policy.on_insert(key)
+    policy.on_remove((0, 1))
+    seen = set()
+    for _ in range(2):
+        victim = policy.victim(lambda key: key not in seen)
+        assert victim in {(0, 0), (1, 0)}
+        seen.add(victim)
+
+
+def test_forecast_needs_the_layer_table():
+    with pytest.raises(Exception, match="experts of each layer"):
+        ForecastPolicy([])
+
+
+def _shipped_traces() -> list[Path]:
+    return sorted(TRACES.glob("*.npz"))
+
+
+def test_the_repository_carries_trained_traces():
+    names = {p.stem for p in _shipped_traces()}
+    assert len(names) >= 3, names
+
+
+@pytest.mark.parametrize("path", _shipped_traces(), ids=lambda p: p.stem)
+def test_default_policy_is_never_below_lfu_on_trained_routing(path):
+    """Routing of trained models decoding held-out text (benchmarks/traces, made by
+    benchmarks/policy_validation.py): the default is at or above LFU at every budget."""
+    trace = Trace.load(path)
+    records = int(trace.layer_experts.sum())
+    budgets = [max(trace.top_k, round(s * records)) * trace.slot_bytes for s in (0.05, 0.10, 0.20, 0.30)]
+    rows = sweep(trace, budgets, sorted({DEFAULT_POLICY, "lfu"}))
+    shares = shares_of_optimum(rows)
+    for default, lfu in zip(shares[DEFAULT_POLICY], shares["lfu"]):
+        assert default >= lfu, (path.stem, shares)
