@@ -228,35 +228,31 @@ class ForecastPolicy:
     """Evict the cached expert least likely to be needed at its layer's next call, as forecast online.
 
     Belady's MIN evicts the entry needed farthest in the future; knowing only whether each expert is needed
-    at its layer's next call would already give 0.87x of MIN's hits on the trained fixture. So this policy
-    forecasts exactly that probability, for every (layer, expert), from what the engine has seen of the
-    routing, and evicts the lowest. Per expert, after each call of its layer (a visit: one per token in
-    decode):
-        - its decayed use counts at half-lives of 2, 8, 32 and 128 visits (short bursts to long popularity),
-        - the visits since its last use (reuse distance so far),
-        - the layer's transitions: of the times the experts this call used were used, how often this one
-          followed at the next visit (an expert-to-expert table per layer, counted online; consecutive tokens
-          of a text take related paths, which counts alone do not see),
-    as logarithms, are the features of a logistic regression whose weights are learned online: each visit
-    labels the previous visit's features with which experts it used, and one AdaGrad step follows. Nothing
-    is fitted to a model beforehand; the weights start at zero and settle within a few dozen tokens.
+    at its layer's next call would already give about 0.85x of MIN's hits on the trained fixture. So this
+    policy forecasts that probability for every (layer, expert) from what the engine has seen of the
+    routing, and evicts the cached expert with the lowest, whatever its layer. After each call of a layer
+    (one per token in decode), per expert of that layer:
+        - its use counts decayed with half-lives of 1, 8 and 64 calls (the last use, a topic, popularity),
+        - the layer's transitions: of the times the experts this call used were followed at their layer's
+          next call, the share that went to this expert (an expert-to-expert count table per layer; the
+          consecutive tokens of a text take related paths, which counts alone do not see),
+    as logarithms, are the features of a logistic regression whose weights are learned online: a call
+    labels the previous call's features of its layer with the experts it used, and an AdaGrad step
+    follows (every LEARN_EVERY calls). Nothing is fitted to a model beforehand: the weights start at zero.
 
-    The victim is the cached expert with the lowest forecast, whatever its layer. (Weighing it by the calls
-    until its layer runs again, as hits per slot-call held, gained 0.006x of Belady's hits on the two models
-    it was tried on and lost 0.05x on a third, held-out one: docs/BENCHMARKS.md.)
+    Measured and left out (docs/BENCHMARKS.md, "Cache policies near the optimum"): the router's full
+    probabilities (their rank at the current token), the next layer's router applied to this layer's
+    input (the prefetcher's guess), the experts the step's token id took before, a reuse-distance feature
+    and weighing the forecast by the calls until its layer runs again. None gained more than 0.02x of
+    Belady's hits on any trained model here, and the last lost 0.05x on one, so the policy needs only
+    the expert ids of each call, which traces hold.
 
-    What was measured and left out (docs/BENCHMARKS.md, "Cache policies near the optimum"): the router's
-    probabilities over all experts add nothing over these features on the trained models here (their rank
-    predicts the next token's choice worse than the counts do), nor does knowing the next layer's experts
-    one call ahead (the next layer's router on this layer's hidden state, as the prefetcher guesses), so the
-    policy needs only the expert ids of each call, which traces already hold.
-
-    Cost: a few vector operations over one layer's experts per call, a masked argmin over all experts per
-    eviction; the transition tables take layers x experts^2 float32 (15 MiB for DeepSeek-V3's 58 layers of
-    256 experts, 3 MiB for Qwen3-30B-A3B's 48 of 128)."""
+    Cost: about 20 small vector operations over one layer's experts per call; an eviction compares one
+    number per layer. The transition tables take layers x experts^2 float32 (15 MiB for DeepSeek-V3's 58
+    layers of 256 experts, 3 MiB for Qwen3-30B-A3B's 48 of 128)."""
 
     name = "forecast"
-    HALF_LIVES = (2.0, 8.0, 32.0, 128.0)  # in visits of the layer
+    HALF_LIVES = (1.0, 8.0, 64.0)  # in calls of the layer; (2, 8, 32, 128) and (2, 16, 128) gave the same hits
     LEARN_EVERY = 4  # calls per learning step: 1, 2, 4 and 8 give the same hits within 0.002x of Belady's
     LEARNING_RATE = 0.2  # AdaGrad's step; hit rates vary by under 0.5% between 0.05 and 1 on the fixture
 
@@ -265,59 +261,53 @@ class ForecastPolicy:
             raise UsageError("the forecast policy needs the number of experts of each layer")
         self.layers, self.experts = len(layer_experts), int(max(layer_experts))
         layers, experts, n = self.layers, self.experts, len(self.HALF_LIVES)
-        shape = (layers, experts)
-        self._decay = np.array([0.5 ** (1.0 / h) for h in self.HALF_LIVES])[:, None]
-        self._counts = np.zeros((layers, n, experts))  # decayed uses, per half-life
-        self._follow = np.full((layers, experts * experts), 0.01, np.float32)  # [l, s*E + e]: e after s
+        f32 = np.float32
+        self._decay = np.array([0.5 ** (1.0 / h) for h in self.HALF_LIVES], f32)[:, None]
+        self._follow = np.full((layers, experts * experts), 0.01, f32)  # [l, s*E + e]: e followed s
         self._previous: list[np.ndarray | None] = [None] * layers  # experts of each layer's last call, times E
-        self._outcome = np.zeros((layers, experts), np.float32)  # 1 where the layer's last call used the expert
-        # Each layer's state at its last call, [quantity, expert]: the decayed counts, the calls since the last
-        # use, the transition share; the features are their logs (plus these offsets, which keep a zero
-        # finite), and a constant 1 (the bias) in the last row.
-        self._raw = np.zeros((layers, n + 2, experts))
-        self._raw[:, n] = 1e3  # never used: long ago
-        self._offsets = np.array([1e-3] * n + [1.0, 1e-4])[:, None]
-        self._features = np.ones((layers, n + 3, experts))
-        self._weights = np.zeros(n + 3)
-        self._grad_sq = np.full(n + 3, 1e-3)
+        self._used = np.zeros((layers, experts), f32)  # 1 where the layer's last call used the expert
+        # Each layer at its last call, [quantity, expert]: the decayed counts and the transition share; the
+        # features are their logs (after these offsets, which keep a zero finite) and a constant 1, the bias.
+        self._raw = np.zeros((layers, n + 1, experts), f32)
+        self._offsets = np.array([1e-3] * n + [1e-4], f32)[:, None]
+        self._features = np.ones((layers, n + 2, experts), f32)
+        self._weights = np.zeros(n + 2, f32)
+        self._grad_sq = np.full(n + 2, 1e-3, f32)
         self._calls = 0
-        # Per layer: the logit of every expert's use at the layer's next call, and of the cached ones (+inf
-        # for the rest), with each layer's lowest: the probability is monotone in the logit, so a victim
-        # search compares one number per layer.
-        self._logit = np.zeros(shape)
-        self._masked = np.full(shape, np.inf)
-        self._uncached = np.full(shape, np.inf)  # 0 for cached experts: masked = logit + uncached
-        self._layer_min = np.full(layers, np.inf)
+        # Per layer: the logit of every expert's use at the layer's next call, the same for cached experts
+        # only (+inf for the rest), and each layer's lowest: the probability is monotone in the logit, so an
+        # eviction compares one number per layer.
+        self._logit = np.zeros((layers, experts), f32)
+        self._masked = np.full((layers, experts), np.inf, f32)
+        self._uncached = np.full((layers, experts), np.inf, f32)  # 0 for cached experts: masked = logit + this
+        self._layer_min = np.full(layers, np.inf, f32)
         self._layer_argmin = np.zeros(layers, dtype=np.intp)
 
     def attach(self, capacity: int) -> None:
         pass
 
     def on_call(self, layer: int, experts) -> None:
-        used = np.fromiter(experts, dtype=np.intp)
-        features, raw, logit, outcome = self._features[layer], self._raw[layer], self._logit[layer], self._outcome[layer]
-        outcome[:] = 0.0
-        outcome[used] = 1.0
+        ids = np.fromiter(experts, dtype=np.intp)
+        features, raw, logit, used = self._features[layer], self._raw[layer], self._logit[layer], self._used[layer]
+        used[:] = 0.0
+        used[ids] = 1.0
         previous = self._previous[layer]
         if previous is not None:
             if self._calls % self.LEARN_EVERY == 0:  # learn: the last call's forecast against this call's use
-                grad = features @ (1.0 / (1.0 + np.exp(-logit)) - outcome) / self.experts
+                grad = features @ (1.0 / (1.0 + np.exp(-logit)) - used) / self.experts
                 self._grad_sq += grad * grad
                 self._weights -= self.LEARNING_RATE * grad / np.sqrt(self._grad_sq)
             self._calls += 1
-            self._follow[layer][(previous[:, None] + used).ravel()] += 1.0
-        self._previous[layer] = used * self.experts
+            self._follow[layer][(previous[:, None] + ids).ravel()] += 1.0
+        self._previous[layer] = ids * self.experts
         n = len(self.HALF_LIVES)
         counts = raw[:n]
         counts *= self._decay
-        counts += outcome
-        since = raw[n]
-        since += 1.0
-        since[used] = 0.0
-        # Of the times this call's experts were followed at their layer's next call, the share of each expert.
-        follows = outcome @ self._follow[layer].reshape(self.experts, self.experts)
-        np.divide(follows, follows.sum(), out=raw[n + 1])
-        np.log(raw + self._offsets, out=features[:-1])
+        counts += used
+        follows = np.dot(used, self._follow[layer].reshape(self.experts, self.experts), out=raw[n])
+        follows /= follows.sum()
+        np.add(raw, self._offsets, out=features[:-1])
+        np.log(features[:-1], out=features[:-1])
         np.dot(self._weights, features, out=logit)
         np.add(logit, self._uncached[layer], out=self._masked[layer])
         self._update_min(layer)
