@@ -39,8 +39,9 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
         "--policy",
         choices=list(POLICIES),
         default=DEFAULT_POLICY,
-        help="expert cache eviction policy: lfu (decayed use counts: keeps popular experts; default, best on real "
-        "routing and when the budget holds less than one token's experts), lru (least recently used), arc "
+        help="expert cache eviction policy: forecast (default: evicts the expert least likely to be used at its layer's "
+        "next call, forecast online from use counts and expert-to-expert transitions; the closest to the optimum on "
+        "trained models' routing), lfu (decayed use counts: keeps popular experts), lru (least recently used), arc "
         "(adaptive recency/frequency). `moestream simulate` compares them on a recorded trace",
     )
 
