@@ -13,8 +13,9 @@ logistic regression (so a trace would have to record it):
                   layer l+1 it is known one call ahead, while layer l runs
     token-table   which experts each layer chose the last times the step's input token id came (a table
                   per token id, known when a step starts, for all layers of that step)
-    oracle        not a feature: the forecast replaced by the truth (used at the next call or not), the
-                  bound for any forecast of the next call
+    oracle        not a feature: the truth of the next call (used or not) decides, the forecast only breaks
+                  ties; what a perfect forecast of the next call would give where the budget is small (with
+                  a larger one, what matters lies beyond the next call, and it falls behind the forecast)
 
 Each checkpoint (with heldout.txt beside it) is run once by transformers over the first --tokens tokens of
 its held-out text, with hooks on its routers: a causal model routes each token the same whether it comes
@@ -75,9 +76,10 @@ class WithSignal(ForecastPolicy):
         super().__init__(layer_experts)
         self.data, self.signal, self.token = data, signal, -1
         rows = self._features.shape[1] + 1
-        self._features = np.ones((self.layers, rows, self.experts))
-        self._weights, self._grad_sq = np.zeros(rows), np.full(rows, 1e-3)
-        self.extra = rows - 2  # the row after the transition share; the bias stays last
+        self._features = np.ones((self.layers, rows, self.experts), np.float32)
+        self._scratch = np.empty((rows, self.experts), np.float32)
+        self._weights, self._grad_sq = np.zeros(rows, np.float32), np.full(rows, 1e-3, np.float32)
+        self.extra = rows - 2  # the row after the counts and the transition share; the bias stays last
         # The feature's value where the signal says nothing (no guess for this layer yet, a token id not seen
         # before): a token table row of zeros; for a guess, the mean over the ranks.
         self.unknown = np.log(0.1) if signal == "token-table" else float(np.mean(np.log1p(np.arange(self.experts))))
@@ -86,8 +88,9 @@ class WithSignal(ForecastPolicy):
         self.this_token = np.zeros((self.layers, self.experts))
 
     def _refresh(self, layer: int) -> None:
-        self._forecast[layer] = 1.0 / (1.0 + np.exp(-(self._weights @ self._features[layer])))
-        self._masked[layer] = np.where(self._cached[layer], self._forecast[layer], np.inf)
+        self._logit[layer] = self._weights @ self._features[layer]
+        self._masked[layer] = self._logit[layer] + self._uncached[layer]
+        self._update_min(layer)
 
     def on_call(self, layer: int, experts) -> None:
         if layer == 0:
@@ -104,10 +107,13 @@ class WithSignal(ForecastPolicy):
             self._features[layer + 1, self.extra] = _ranks(self.data["next_layer"][t, layer + 1])
             self._refresh(layer + 1)
         if self.signal == "oracle" and t + 1 < len(self.data["ids"]):
-            truth = np.zeros(self.experts)
+            truth = np.zeros(self.experts, np.float32)
             truth[self.data["experts"][t + 1, layer]] = 1.0
-            self._forecast[layer] = truth + 1e-3 * self._forecast[layer]  # the base forecast breaks ties
-            self._masked[layer] = np.where(self._cached[layer], self._forecast[layer], np.inf)
+            # The truth decides; the base forecast, squashed below 1, breaks ties among the used and unused.
+            with np.errstate(over="ignore"):
+                self._logit[layer] = truth + 0.5 / (1.0 + np.exp(-self._logit[layer]))
+            self._masked[layer] = self._logit[layer] + self._uncached[layer]
+            self._update_min(layer)
 
     def _start_token(self) -> None:
         if self.token >= 0:  # the finished token's routing joins its id's table row

@@ -307,8 +307,9 @@ class ForecastPolicy:
         counts += used
         follows = self._follow[layer].reshape(self.experts, self.experts)[ids].sum(axis=0, out=raw[n])
         follows /= follows.sum()
-        np.add(raw, self._offsets, out=features[:-1])
-        np.log(features[:-1], out=features[:-1])
+        logs = features[: n + 1]  # the rows after them are constant (the bias, last)
+        np.add(raw, self._offsets, out=logs)
+        np.log(logs, out=logs)
         np.multiply(features, self._weights[:, None], out=self._scratch)
         self._scratch.sum(axis=0, out=logit)
         np.add(logit, self._uncached[layer], out=self._masked[layer])
