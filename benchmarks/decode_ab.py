@@ -78,7 +78,13 @@ def measure(tree: str, store: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", required=True, metavar="NAME=PATH[@POLICY]", help="a source tree (give two), with a cache policy if given")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        required=True,
+        metavar="NAME=PATH[@POLICY]",
+        help="a source tree (give two), with a cache policy if given",
+    )
     parser.add_argument("--store", action="append", required=True, help="a store to decode (repeatable)")
     parser.add_argument("--memory", default="8MiB")
     parser.add_argument("--text", required=True, help="the prompt's text (its first --prompt-tokens tokens)")

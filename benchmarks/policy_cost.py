@@ -79,8 +79,12 @@ def main() -> None:
         calls, layer_experts = widened(trace, layers, experts), [experts] * layers
         slots = round(slots / int(trace.layer_experts.sum()) * layers * experts)
     tokens = sum(1 for layer, _ in calls if layer == 0)
-    print(f"{len(calls)} experts calls ({tokens} tokens), {len(layer_experts)} layers x {max(layer_experts)} experts, {slots} slots")
-    print(f"{'policy':<9} {'hit rate':>8} {'on_call':>9} {'on_hit':>8} {'insert':>8} {'remove':>8} {'victim':>8}   {'per token':>10}")
+    print(
+        f"{len(calls)} experts calls ({tokens} tokens), {len(layer_experts)} layers x {max(layer_experts)} experts, {slots} slots"
+    )
+    print(
+        f"{'policy':<9} {'hit rate':>8} {'on_call':>9} {'on_hit':>8} {'insert':>8} {'remove':>8} {'victim':>8}   {'per token':>10}"
+    )
     for name in args.policies.split(","):
         best = None
         for _ in range(args.rounds):

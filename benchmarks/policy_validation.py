@@ -81,7 +81,9 @@ def main() -> None:
             print(f"{pct:>6g}% {belady:>7.1%}  " + " ".join(f"{shares[p][i]:>7.3f}x" for p in policies))
         means = {p: float(np.mean(shares[p])) for p in policies}
         print("   mean          " + " ".join(f"{means[p]:>7.3f}x" for p in policies))
-        at_or_above = all(d >= f for d, f in zip(shares.get(DEFAULT_POLICY, []), shares.get("lfu", []))) if "lfu" in shares else None
+        at_or_above = (
+            all(d >= f for d, f in zip(shares.get(DEFAULT_POLICY, []), shares.get("lfu", []))) if "lfu" in shares else None
+        )
         summary.append((name, means, at_or_above))
         report[name] = {
             "trace": trace.meta,

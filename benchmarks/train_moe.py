@@ -229,8 +229,10 @@ def main() -> None:
     model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(args.output)
     (args.output / "training.json").write_text(
-        json.dumps(dict(vars(args), output=str(args.output), steps_taken=step, heldout_loss=held, curve=curve,
-                        parameters=params), indent=1)
+        json.dumps(
+            dict(vars(args), output=str(args.output), steps_taken=step, heldout_loss=held, curve=curve, parameters=params),
+            indent=1,
+        )
     )
 
 

@@ -185,7 +185,9 @@ def test_cli_trace_simulate_and_generate_trace_out(store, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "belady" in printed and "closest to the optimum" in printed
     # Each policy's mean share of Belady's hits, the default marked; the rows' shares are those of the table.
-    rows = sweep(trace, [64 * 1024, round(0.5 * int(trace.layer_experts.sum())) * trace.slot_bytes], ["lru", "arc", DEFAULT_POLICY])
+    rows = sweep(
+        trace, [64 * 1024, round(0.5 * int(trace.layer_experts.sum())) * trace.slot_bytes], ["lru", "arc", DEFAULT_POLICY]
+    )
     shares = shares_of_optimum(rows)
     summary = printed.split("share of Belady's hits, on average over these budgets:")[1].splitlines()
     for name, values in shares.items():
@@ -218,7 +220,9 @@ def test_cli_trace_simulate_and_generate_trace_out(store, tmp_path, capsys):
     assert main(["simulate", str(tmp_path / "g.npz"), "--memory", str(5 * slot), "--policy", "lfu", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["results"][0][0]["slots"] == 5 and report["default_policy"] == DEFAULT_POLICY
-    assert report["mean_share_of_optimum"]["lfu"] == pytest.approx(report["results"][0][0]["hits"] / report["results"][0][1]["hits"])
+    assert report["mean_share_of_optimum"]["lfu"] == pytest.approx(
+        report["results"][0][0]["hits"] / report["results"][0][1]["hits"]
+    )
 
 
 def test_reuse_distances_and_popularity_match_their_definitions():
