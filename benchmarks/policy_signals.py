@@ -3,16 +3,16 @@
     python benchmarks/policy_signals.py ../shared/models/tiny-code-moe validation-olmoe ...
 
 The `forecast` policy (moestream.core.policies.ForecastPolicy) predicts, for every expert, whether its
-layer's next call will use it, from the expert ids of past calls alone. The engine knows more at run time,
-and this measures what each extra signal would add if it were one more feature of the same online
-logistic regression (so a trace would have to record it):
+layer's next call will use it, from the expert ids of past calls and the token ids of each step. The
+engine knows more at run time, and this measures what each extra signal would add if it were one more
+feature of the same online logistic regression (so a trace would have to record it), and what the token
+ids add:
 
+    no-token-ids  forecast without the step's token ids (the token table never consulted)
     router-rank   the rank of the expert in its router's full probability at the current token (dense
                   evidence: the experts just below the top-k)
     next-layer    the next layer's router applied to this layer's input, as the prefetcher guesses; for
                   layer l+1 it is known one call ahead, while layer l runs
-    token-table   which experts each layer chose the last times the step's input token id came (a table
-                  per token id, known when a step starts, for all layers of that step)
     oracle        not a feature: the truth of the next call (used or not) decides, the forecast only breaks
                   ties; what a perfect forecast of the next call would give where the budget is small (with
                   a larger one, what matters lies beyond the next call, and it falls behind the forecast)
@@ -79,13 +79,15 @@ class WithSignal(ForecastPolicy):
         self._features = np.ones((self.layers, rows, self.experts), np.float32)
         self._scratch = np.empty((rows, self.experts), np.float32)
         self._weights, self._grad_sq = np.zeros(rows, np.float32), np.full(rows, 1e-3, np.float32)
-        self.extra = rows - 2  # the row after the counts and the transition share; the bias stays last
-        # The feature's value where the signal says nothing (no guess for this layer yet, a token id not seen
-        # before): a token table row of zeros; for a guess, the mean over the ranks.
-        self.unknown = np.log(0.1) if signal == "token-table" else float(np.mean(np.log1p(np.arange(self.experts))))
+        self.extra = rows - 2  # the row after the counts, the transition share and the token; the bias last
+        # The feature's value where the guess says nothing (no guess for this layer yet): the mean rank.
+        self.unknown = float(np.mean(np.log1p(np.arange(self.experts))))
         self._features[:, self.extra] = self.unknown
-        self.table: dict[int, np.ndarray] = {}
-        self.this_token = np.zeros((self.layers, self.experts))
+
+    def on_step(self, token_ids) -> None:
+        self.token += 1
+        if self.signal != "no-token-ids":
+            super().on_step(token_ids)
 
     def _refresh(self, layer: int) -> None:
         self._logit[layer] = self._weights @ self._features[layer]
@@ -93,14 +95,11 @@ class WithSignal(ForecastPolicy):
         self._update_min(layer)
 
     def on_call(self, layer: int, experts) -> None:
-        if layer == 0:
-            self._start_token()
-        self.this_token[layer, list(experts)] = 1.0
         super().on_call(layer, experts)
         t, row = self.token, self._features[layer, self.extra]
         if self.signal == "router-rank":
             row[:] = _ranks(self.data["probs"][t, layer])
-        elif self.signal in ("next-layer", "token-table"):
+        elif self.signal == "next-layer":
             row[:] = self.unknown  # filled again before this layer's next call
         self._refresh(layer)
         if self.signal == "next-layer" and layer + 1 < self.layers:
@@ -115,31 +114,21 @@ class WithSignal(ForecastPolicy):
             self._masked[layer] = self._logit[layer] + self._uncached[layer]
             self._update_min(layer)
 
-    def _start_token(self) -> None:
-        if self.token >= 0:  # the finished token's routing joins its id's table row
-            ident = int(self.data["ids"][self.token])
-            self.table[ident] = self.table.get(ident, 0.0) + self.this_token
-        self.token += 1
-        self.this_token = np.zeros((self.layers, self.experts))
-        if self.signal == "token-table":
-            known = self.table.get(int(self.data["ids"][self.token]))
-            self._features[:, self.extra] = np.log(known + 0.1) if known is not None else self.unknown
-            for layer in range(self.layers):
-                self._refresh(layer)
-
 
 def replay(trace: Trace, slots: int, policy) -> int:
-    cache, io, hits = ExpertCache(slots, 1, policy, arena=False), InstantReads(), 0
+    cache, io, hits, starts = ExpertCache(slots, 1, policy, arena=False), InstantReads(), 0, trace.step_starts
     for c, (layer, experts) in enumerate(trace.call_experts):
         if isinstance(policy, BeladyPolicy):
             policy.now = c
+        if c in starts:
+            policy.on_step(starts[c])
         call = scheduler.lookup(cache, layer, experts)
         call.run(io)
         hits += call.hits
     return hits
 
 
-VARIANTS = ("lfu", "forecast", "router-rank", "next-layer", "token-table", "oracle")
+VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer", "oracle")
 
 
 def main() -> None:
@@ -154,7 +143,7 @@ def main() -> None:
         data = routing(checkpoint, args.tokens)
         tokens, layers, k = data["experts"].shape
         experts = data["probs"].shape[2]
-        trace = Trace.of_decode(data["experts"].astype(np.int32), experts)
+        trace = Trace.of_decode(data["experts"].astype(np.int32), experts, token_ids=data["ids"])
         table = [experts] * layers
         print(f"\n{checkpoint.name}: {tokens} tokens, {layers} MoE layers x {experts} experts, top-{k}")
         print(f"{'budget':>7} {'belady':>7} " + " ".join(f"{v:>12}" for v in VARIANTS))

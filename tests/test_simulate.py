@@ -141,6 +141,33 @@ def test_trace_file_round_trip_and_damage(tmp_path):
         Trace.load(tmp_path / "junk.npz")
 
 
+def test_trace_steps_round_trip_and_version_1_still_loads(tmp_path):
+    """Version 2 records each step's token ids; a version 1 file (no steps) still loads and replays, and a
+    step table that does not add up is refused."""
+    import json
+
+    routing = np.random.default_rng(1).integers(0, 16, size=(30, 3, 2))
+    routing[:, :, 1] = (routing[:, :, 0] + 1) % 16  # two distinct experts per call
+    trace = Trace.of_decode(routing.astype(np.int32), 16, token_ids=np.arange(30) % 7)
+    again = Trace.load(trace.save(tmp_path / "v2.npz"))
+    assert again.meta["format_version"] == 2 and again.step_starts == trace.step_starts
+    assert replay(again, 6, "forecast").hits == replay(trace, 6, "forecast").hits
+    # Version 1, as earlier releases wrote it: the same arrays without the steps.
+    with np.load(tmp_path / "v2.npz") as z:
+        arrays = {n: z[n] for n in z.files if n not in ("step_tokens", "step_rows", "call_step")}
+    meta = json.loads(str(arrays.pop("meta")))
+    np.savez(tmp_path / "v1.npz", **arrays, meta=np.array(json.dumps(dict(meta, format_version=1))))
+    old = Trace.load(tmp_path / "v1.npz")
+    assert old.step_tokens is None and old.step_starts == {} and replay(old, 6, "lfu").hits == replay(trace, 6, "lfu").hits
+    np.savez(tmp_path / "v9.npz", **arrays, meta=np.array(json.dumps(dict(meta, format_version=9))))
+    with pytest.raises(UsageError, match="version 9"):
+        Trace.load(tmp_path / "v9.npz")
+    trace.step_rows[0] = 5  # more token ids than the trace holds
+    trace.save(tmp_path / "bad.npz")
+    with pytest.raises(UsageError, match="inconsistent"):
+        Trace.load(tmp_path / "bad.npz")
+
+
 def test_sweep_refuses_budgets_below_one_tokens_experts():
     trace = _synthetic_trace(0, 1.0)
     with pytest.raises(UsageError, match="minimum is 8192 bytes"):

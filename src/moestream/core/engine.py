@@ -1,8 +1,9 @@
 """Serve a loaded model's experts from disk through the cache: the streaming experts function.
 
 One decode step, as a reader follows it:
-1. the input embedding's pre-hook calls `ExpertEngine.start_step`: the step hooks hear that a forward
-   pass begins, and hash-routed layers' experts are read ahead (their ids alone determine them);
+1. the input embedding's pre-hook calls `ExpertEngine.start_step`: the step hooks and the cache policy
+   hear that a forward pass begins (the policy gets its token ids), and hash-routed layers' experts are
+   read ahead (their ids alone determine them);
 2. transformers runs embeddings, attention, norms and the router (upstream code, unchanged);
 3. the router's top-k goes to the experts module, whose forward transformers dispatches through its
    ExpertsInterface to `streaming_experts_forward` below (registered as "moestream");
@@ -121,6 +122,10 @@ class ExpertEngine:
         with self.lock:
             for hook in self.step_hooks:
                 hook.start_step(input_ids.numel())
+            token_ids = input_ids.reshape(-1).tolist()
+            if self.trace is not None:
+                self.trace.start_step(token_ids)
+            self.cache.policy.on_step(token_ids)  # before any read of this step, as a replay tells it
             if self.prefetcher is not None:
                 for layer, experts in self.prefetcher.exact(input_ids).items():
                     self._read_ahead(layer, experts, exact=True)

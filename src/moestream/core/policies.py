@@ -6,6 +6,7 @@ in `moestream simulate` is the hit rate the runtime gets on the same routing.
 
 A policy sees, on the model thread:
     attach(capacity)            once, with the number of slots
+    on_step(token_ids)          a forward pass begins, on these input token ids
     on_call(layer, experts)     an experts call of `layer` begins; `experts` are the distinct ids it needs
                                 (called before its lookups)
     on_hit(key)                 a lookup found key
@@ -42,6 +43,9 @@ class LRUPolicy:
         self._order: OrderedDict[Key, None] = OrderedDict()
 
     def attach(self, capacity: int) -> None:
+        pass
+
+    def on_step(self, token_ids) -> None:
         pass
 
     def on_call(self, layer: int, experts) -> None:
@@ -99,6 +103,9 @@ class LFUPolicy:
             # Scale memory with the cache: a cache of C slots turns over about every C misses; remembering
             # popularity over many turnovers is what separates the hot set from a passing burst.
             self.half_life = max(1.0, self.half_life_per_slot * capacity)
+
+    def on_step(self, token_ids) -> None:
+        pass
 
     def on_call(self, layer: int, experts) -> None:
         pass
@@ -173,6 +180,9 @@ class ARCPolicy:
     def attach(self, capacity: int) -> None:
         self.c = max(1, capacity)
 
+    def on_step(self, token_ids) -> None:
+        pass
+
     def on_call(self, layer: int, experts) -> None:
         pass
 
@@ -236,25 +246,32 @@ class ForecastPolicy:
         - the layer's transitions: of the times the experts this call used were followed at their layer's
           next call, the share that went to this expert (an expert-to-expert count table per layer; the
           consecutive tokens of a text take related paths, which counts alone do not see),
+        - once the next step's input token is known (`on_step`, before its first layer runs): whether this
+          expert was among those its layer chose the last time that token id came in a one-token step
+          (a table of the last TOKEN_TABLE_SIZE token ids' routing, layers x top-k ids each),
     as logarithms, are the features of a logistic regression whose weights are learned online: a call
     labels the previous call's features of its layer with the experts it used, and an AdaGrad step
     follows (every LEARN_EVERY calls). Nothing is fitted to a model beforehand: the weights start at zero.
 
     Measured and left out (docs/BENCHMARKS.md, "Cache policies near the optimum"): the router's full
     probabilities (their rank at the current token), the next layer's router applied to this layer's
-    input (the prefetcher's guess), the experts the step's token id took before, a reuse-distance feature
-    and weighing the forecast by the calls until its layer runs again. None gained more than 0.02x of
-    Belady's hits on any trained model here, and the last lost 0.05x on one, so the policy needs only
-    the expert ids of each call, which traces hold.
+    input (the prefetcher's guess), a reuse-distance feature and weighing the forecast by the calls until
+    its layer runs again. None gained on average on the trained models here, and the last lost 0.05x of
+    Belady's hits on one, so the policy needs only the expert ids of each call and the token ids of each
+    step, which traces hold.
 
-    Cost: about 20 small vector operations over one layer's experts per call, none through BLAS (numpy's
-    BLAS threads would compete with torch's for the cores); an eviction compares one number per layer. The transition tables take layers x experts^2 float32 (15 MiB for DeepSeek-V3's 58
-    layers of 256 experts, 3 MiB for Qwen3-30B-A3B's 48 of 128)."""
+    Cost: about 20 small vector operations over one layer's experts per call and 10 over all layers per
+    step, none through BLAS (numpy's BLAS threads would compete with torch's for the cores); an eviction
+    compares one number per layer. The transition tables take layers x experts^2 float32 (15 MiB for
+    DeepSeek-V3's 58 layers of 256 experts, 3 MiB for Qwen3-30B-A3B's 48 of 128), the token table up to
+    TOKEN_TABLE_SIZE x layers x top-k int16 (7.6 MiB for DeepSeek-V3)."""
 
     name = "forecast"
     HALF_LIVES = (1.0, 8.0, 64.0)  # in calls of the layer; (2, 8, 32, 128) and (2, 16, 128) gave the same hits
     LEARN_EVERY = 4  # calls per learning step: 1, 2, 4 and 8 give the same hits within 0.002x of Belady's
     LEARNING_RATE = 0.2  # AdaGrad's step; hit rates vary by under 0.5% between 0.05 and 1 on the fixture
+    TOKEN_TABLE_SIZE = 8192  # token ids whose last routing is kept (the least recently seen leave first)
+    TOKEN_STEP_LIMIT = 16  # longer steps (prompts) are not looked up: they use most experts anyway
 
     def __init__(self, layer_experts: Sequence[int]):
         if not len(layer_experts):
@@ -266,15 +283,22 @@ class ForecastPolicy:
         self._follow = np.full((layers, experts * experts), 0.01, f32)  # [l, s*E + e]: e followed s
         self._previous: list[np.ndarray | None] = [None] * layers  # experts of each layer's last call, times E
         self._used = np.zeros((layers, experts), f32)  # 1 where the layer's last call used the expert
-        # Each layer at its last call, [quantity, expert]: the decayed counts and the transition share; the
-        # features are their logs (after these offsets, which keep a zero finite) and a constant 1, the bias.
-        self._raw = np.zeros((layers, n + 1, experts), f32)
-        self._offsets = np.array([1e-3] * n + [1e-4], f32)[:, None]
-        self._features = np.ones((layers, n + 2, experts), f32)
-        self._scratch = np.empty((n + 2, experts), f32)
-        self._weights = np.zeros(n + 2, f32)
-        self._grad_sq = np.full(n + 2, 1e-3, f32)
+        # Each layer at its last call, [quantity, expert]: the decayed counts, the transition share and the
+        # token table's choices (0 until a step's token is known); the features are their logs (after these
+        # offsets, which keep a zero finite) and a constant 1, the bias.
+        self._raw = np.zeros((layers, n + 2, experts), f32)
+        self._offsets = np.array([1e-3] * n + [1e-4, 0.1], f32)[:, None]
+        self._features = np.ones((layers, n + 3, experts), f32)
+        self._features[:, : n + 2] = np.log(self._offsets)  # nothing seen yet
+        self._scratch = np.empty((n + 3, experts), f32)
+        self._weights = np.zeros(n + 3, f32)
+        self._grad_sq = np.full(n + 3, 1e-3, f32)
         self._calls = 0
+        # The token table: token id -> [layers, top-k] expert ids it took in its last one-token step.
+        self._token_routing: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._step_token: int | None = None  # the current step's token, if it is a one-token step
+        self._step_calls = 0  # calls since the step began (its routing is whole once every layer ran)
+        self._last_ids: list[np.ndarray | None] = [None] * layers
         # Per layer: the logit of every expert's use at the layer's next call, the same for cached experts
         # only (+inf for the rest), and each layer's lowest: the probability is monotone in the logit, so an
         # eviction compares one number per layer.
@@ -287,8 +311,37 @@ class ForecastPolicy:
     def attach(self, capacity: int) -> None:
         pass
 
+    def on_step(self, token_ids) -> None:
+        if self._step_token is not None and self._step_calls == self.layers:  # remember the finished token
+            ids = self._last_ids
+            if len({len(i) for i in ids}) == 1:
+                self._token_routing[self._step_token] = np.stack(ids).astype(np.int16)
+                self._token_routing.move_to_end(self._step_token)
+                if len(self._token_routing) > self.TOKEN_TABLE_SIZE:
+                    self._token_routing.popitem(last=False)
+        tokens = list(token_ids) if len(token_ids) <= self.TOKEN_STEP_LIMIT else []
+        self._step_token = int(tokens[0]) if len(tokens) == 1 else None
+        self._step_calls = 0
+        known = [self._token_routing[t] for t in tokens if t in self._token_routing]
+        if not known:
+            return  # every layer's token row already says "unknown" (reset at each call)
+        n = len(self.HALF_LIVES)
+        choices = self._raw[:, n + 1]  # [layers, experts]
+        layer_index = np.arange(self.layers)[:, None]
+        for routing in known:
+            choices[layer_index, routing] += 1.0
+        # Every layer's forecast again, with the token's row.
+        logs = self._features[:, n + 1]
+        np.log(choices + self._offsets[n + 1], out=logs)
+        np.einsum("lfe,f->le", self._features, self._weights, out=self._logit)
+        np.add(self._logit, self._uncached, out=self._masked)
+        self._layer_argmin[:] = self._masked.argmin(axis=1)
+        self._layer_min[:] = self._masked[np.arange(self.layers), self._layer_argmin]
+
     def on_call(self, layer: int, experts) -> None:
         ids = np.fromiter(experts, dtype=np.intp)
+        self._last_ids[layer] = ids
+        self._step_calls += 1
         features, raw, logit, used = self._features[layer], self._raw[layer], self._logit[layer], self._used[layer]
         used[:] = 0.0
         used[ids] = 1.0
@@ -307,7 +360,8 @@ class ForecastPolicy:
         counts += used
         follows = self._follow[layer].reshape(self.experts, self.experts)[ids].sum(axis=0, out=raw[n])
         follows /= follows.sum()
-        logs = features[: n + 1]  # the rows after them are constant (the bias, last)
+        raw[n + 1] = 0.0  # the next step's token is not known yet
+        logs = features[: n + 2]  # the row after them is constant (the bias, last)
         np.add(raw, self._offsets, out=logs)
         np.log(logs, out=logs)
         np.multiply(features, self._weights[:, None], out=self._scratch)

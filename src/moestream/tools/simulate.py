@@ -100,6 +100,9 @@ class BeladyPolicy:
     def attach(self, capacity: int) -> None:
         pass
 
+    def on_step(self, token_ids) -> None:
+        pass
+
     def on_call(self, layer: int, experts) -> None:
         pass
 
@@ -192,9 +195,12 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
     decode_misses_per_layer = np.zeros(trace.layers, dtype=np.int64)
     decode = (trace.call_rows == 1).tolist()
     miss_calls = [0] * (int(trace.layer_experts.max()) + 1)
+    step_starts = trace.step_starts
     for c, (layer, experts) in enumerate(calls):
         if belady is not None:
             belady.now = c
+        if c in step_starts:  # as ExpertEngine.start_step tells it, before the step's first call
+            pol.on_step(step_starts[c])
         call = scheduler.lookup(cache, layer, experts)
         call.run(io)
         hits += call.hits

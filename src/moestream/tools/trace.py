@@ -13,6 +13,12 @@ File format (`.npz`, written by numpy, no pickles):
     record_bytes int64 [layers]        bytes read per expert of each layer (the store's record stride)
     layer_experts int32 [layers]       experts per layer
     meta         str                   JSON: format, store_id, model_type, top_k, tokens, source text, ...
+  since format version 2 (version 1 files still load, without them):
+    step_tokens  int32 [step tokens]   the input token ids of every forward pass, in order
+    step_rows    int32 [steps]         token ids per forward pass (rows of `step_tokens` it owns)
+    call_step    int32 [calls]         the forward pass each experts call belongs to
+The policy hears a step's token ids before its first call (policies.py `on_step`), in the runtime and in
+a replay alike.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from ..errors import UsageError
 from ..options import add_memory_argument, add_threads_argument, non_negative, positive, read_text_file, trace_output
 
 TRACE_FORMAT = "moestream-trace"
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+STEP_ARRAYS = ("step_tokens", "step_rows", "call_step")
 
 
 def store_identity(manifest) -> str:
@@ -53,6 +61,9 @@ class Trace:
     record_bytes: np.ndarray
     layer_experts: np.ndarray
     meta: dict = field(default_factory=dict)
+    step_tokens: np.ndarray | None = None  # None: a version 1 trace, or routing without token ids
+    step_rows: np.ndarray | None = None
+    call_step: np.ndarray | None = None
 
     @property
     def layers(self) -> int:
@@ -77,6 +88,19 @@ class Trace:
         return int(self.record_bytes.max())
 
     @cached_property
+    def step_starts(self) -> dict[int, list[int]]:
+        """call index -> the token ids of the step that call begins (empty without token ids)."""
+        if self.step_tokens is None:
+            return {}
+        bounds = np.concatenate([[0], np.cumsum(self.step_rows)]).tolist()
+        starts, previous = {}, -1
+        for c, step in enumerate(self.call_step.tolist()):
+            if step != previous:
+                starts[c] = self.step_tokens[bounds[step] : bounds[step + 1]].tolist()
+                previous = step
+        return starts
+
+    @cached_property
     def call_experts(self) -> list[tuple[int, tuple[int, ...]]]:
         """(layer, distinct experts in ascending id order) per call: the order ExpertEngine.run looks them up."""
         out, start = [], 0
@@ -92,8 +116,10 @@ class Trace:
             raise UsageError(f"a trace file ends in .npz (numpy's format): {path}")
         meta = dict(self.meta, format=TRACE_FORMAT, format_version=TRACE_VERSION)
         tmp = path.with_name(path.name + ".partial.npz")
+        steps = {} if self.step_tokens is None else {n: getattr(self, n).astype(np.int32) for n in STEP_ARRAYS}
         np.savez_compressed(
             tmp,
+            **steps,
             experts=self.experts.astype(np.int32),
             weights=self.weights.astype(np.float32),
             call_layer=self.call_layer.astype(np.int32),
@@ -106,11 +132,20 @@ class Trace:
         return path
 
     @staticmethod
-    def of_decode(experts: np.ndarray, layer_experts: int, record_bytes: int = 4096) -> "Trace":
+    def of_decode(experts: np.ndarray, layer_experts: int, record_bytes: int = 4096, token_ids=None) -> "Trace":
         """A decode trace from routing alone, [tokens, layers, top_k] expert ids: one call per token and
-        layer, equal weights, every record `record_bytes` (what simulate needs of synthetic routing)."""
+        layer, equal weights, every record `record_bytes` (what simulate needs of synthetic routing); with
+        `token_ids` [tokens], each token is its own step."""
         tokens, layers, k = experts.shape
+        steps = {}
+        if token_ids is not None:
+            steps = dict(
+                step_tokens=np.asarray(token_ids, np.int32),
+                step_rows=np.ones(tokens, np.int32),
+                call_step=np.repeat(np.arange(tokens, dtype=np.int32), layers),
+            )
         return Trace(
+            **steps,
             experts=experts.reshape(-1, k).astype(np.int32),
             weights=np.full((tokens * layers, k), 1.0 / k, np.float32),
             call_layer=np.tile(np.arange(layers, dtype=np.int32), tokens),
@@ -141,9 +176,13 @@ class Trace:
             meta = None
         if not isinstance(meta, dict) or meta.get("format") != TRACE_FORMAT:
             raise UsageError(f"{path} is not a moestream trace; record one with `moestream trace`")
-        if meta.get("format_version") != TRACE_VERSION:
-            raise UsageError(f"{path} is trace format version {meta.get('format_version')}; this moestream reads {TRACE_VERSION}")
-        trace = Trace(**{n: arrays[n] for n in needed if n != "meta"}, meta=meta)
+        if meta.get("format_version") not in READABLE_VERSIONS:
+            raise UsageError(
+                f"{path} is trace format version {meta.get('format_version')}; this moestream reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}: record it again with this version"
+            )
+        steps = {n: arrays[n] for n in STEP_ARRAYS} if all(n in arrays for n in STEP_ARRAYS) else {}
+        trace = Trace(**{n: arrays[n] for n in needed if n != "meta"}, meta=meta, **steps)
         trace.check(str(path))
         return trace
 
@@ -163,6 +202,14 @@ class Trace:
         if ok and len(self.experts):
             per_row_limit = self.layer_experts[np.repeat(self.call_layer, self.call_rows)]
             ok = bool(((self.experts >= 0) & (self.experts < per_row_limit[:, None])).all())
+        if ok and self.step_tokens is not None:
+            ok = (
+                self.step_rows.ndim == 1
+                and int(self.step_rows.sum()) == len(self.step_tokens)
+                and self.call_step.shape == self.call_layer.shape
+                and bool((np.diff(self.call_step) >= 0).all())
+                and bool(((self.call_step >= 0) & (self.call_step < len(self.step_rows))).all())
+            )
         if not ok:
             raise UsageError(f"{where}: the trace's arrays are inconsistent (damaged or edited); record it again")
 
@@ -191,11 +238,19 @@ class TraceRecorder:
         self._experts: list[np.ndarray] = []
         self._weights: list[np.ndarray] = []
         self._layers: list[int] = []
+        self._step_tokens: list[list[int]] = []
+        self._call_step: list[int] = []
+
+    def start_step(self, token_ids: list[int]) -> None:
+        self._step_tokens.append(list(token_ids))
 
     def record(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         self._experts.append(top_k_index.detach().to(torch.int32).cpu().numpy().copy())
         self._weights.append(top_k_weights.detach().to(torch.float32).cpu().numpy().copy())
         self._layers.append(layer)
+        if not self._step_tokens:  # recording began inside a forward pass: its token ids are not known
+            self._step_tokens.append([])
+        self._call_step.append(len(self._step_tokens) - 1)
 
     def trace(self, **meta) -> Trace:
         k = self._experts[0].shape[1] if self._experts else 1
@@ -207,6 +262,9 @@ class TraceRecorder:
             record_bytes=self.record_bytes,
             layer_experts=self.layer_experts,
             meta=dict(self.meta, **meta),
+            step_tokens=np.array([t for step in self._step_tokens for t in step], dtype=np.int32),
+            step_rows=np.array([len(step) for step in self._step_tokens], dtype=np.int32),
+            call_step=np.array(self._call_step, dtype=np.int32),
         )
 
 
