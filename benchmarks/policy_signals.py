@@ -1,4 +1,4 @@
-"""Which signals help the forecast policy: router probabilities, the next layer's guess, token ids, an oracle.
+"""Which signals help the forecast policy: token ids, router probabilities, the next layer's guess.
 
     python benchmarks/policy_signals.py ../shared/models/tiny-code-moe validation-olmoe ...
 
@@ -13,9 +13,6 @@ ids add:
                   evidence: the experts just below the top-k)
     next-layer    the next layer's router applied to this layer's input, as the prefetcher guesses; for
                   layer l+1 it is known one call ahead, while layer l runs
-    oracle        not a feature: the truth of the next call (used or not) decides, the forecast only breaks
-                  ties; what a perfect forecast of the next call would give where the budget is small (with
-                  a larger one, what matters lies beyond the next call, and it falls behind the forecast)
 
 Each checkpoint (with heldout.txt beside it) is run once by transformers over the first --tokens tokens of
 its held-out text, with hooks on its routers: a causal model routes each token the same whether it comes
@@ -105,14 +102,6 @@ class WithSignal(ForecastPolicy):
         if self.signal == "next-layer" and layer + 1 < self.layers:
             self._features[layer + 1, self.extra] = _ranks(self.data["next_layer"][t, layer + 1])
             self._refresh(layer + 1)
-        if self.signal == "oracle" and t + 1 < len(self.data["ids"]):
-            truth = np.zeros(self.experts, np.float32)
-            truth[self.data["experts"][t + 1, layer]] = 1.0
-            # The truth decides; the base forecast, squashed below 1, breaks ties among the used and unused.
-            with np.errstate(over="ignore"):
-                self._logit[layer] = truth + 0.5 / (1.0 + np.exp(-self._logit[layer]))
-            self._masked[layer] = self._logit[layer] + self._uncached[layer]
-            self._update_min(layer)
 
 
 def replay(trace: Trace, slots: int, policy) -> int:
@@ -128,7 +117,7 @@ def replay(trace: Trace, slots: int, policy) -> int:
     return hits
 
 
-VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer", "oracle")
+VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer")
 
 
 def main() -> None:
