@@ -326,15 +326,17 @@ class ForecastPolicy:
         if not known:
             return  # every layer's token row already says "unknown" (reset at each call)
         n = len(self.HALF_LIVES)
-        choices = self._raw[:, n + 1]  # [layers, experts]
+        choices = np.zeros((self.layers, self.experts), np.float32)
         layer_index = np.arange(self.layers)[:, None]
         for routing in known:
             choices[layer_index, routing] += 1.0
-        # Every layer's forecast again, with the token's row.
-        logs = self._features[:, n + 1]
-        np.log(choices + self._offsets[n + 1], out=logs)
-        np.einsum("lfe,f->le", self._features, self._weights, out=self._logit)
-        np.add(self._logit, self._uncached, out=self._masked)
+        rows, cols = np.nonzero(choices)
+        # Only the named experts' features change (their token row was log(offset) since their layer's last
+        # call), and so their logits, by the token row's weight times the change.
+        new = np.log(choices[rows, cols] + self._offsets[n + 1, 0])
+        self._logit[rows, cols] += self._weights[n + 1] * (new - self._features[rows, n + 1, cols])
+        self._features[rows, n + 1, cols] = new
+        self._masked[rows, cols] = self._logit[rows, cols] + self._uncached[rows, cols]
         self._layer_argmin[:] = self._masked.argmin(axis=1)
         self._layer_min[:] = self._masked[np.arange(self.layers), self._layer_argmin]
 
