@@ -237,10 +237,9 @@ class ARCPolicy:
 class ForecastPolicy:
     """Evict the cached expert least likely to be needed at its layer's next call, as forecast online.
 
-    Belady's MIN evicts the entry needed farthest in the future; knowing only whether each expert is needed
-    at its layer's next call would already give about 0.85x of MIN's hits on the trained fixture. So this
-    policy forecasts that probability for every (layer, expert) from what the engine has seen of the
-    routing, and evicts the cached expert with the lowest, whatever its layer. After each call of a layer
+    Belady's MIN evicts the entry needed farthest in the future, which only a replay knows. This policy
+    forecasts, for every (layer, expert), the probability that its layer's next call uses it, from what
+    the engine has seen of the routing, and evicts the cached expert with the lowest, whatever its layer. After each call of a layer
     (one per token in decode), per expert of that layer:
         - its use counts decayed with half-lives of 1, 8 and 64 calls (the last use, a topic, popularity),
         - the layer's transitions: of the times the experts this call used were followed at their layer's
@@ -283,9 +282,10 @@ class ForecastPolicy:
         self._follow = np.full((layers, experts * experts), 0.01, f32)  # [l, s*E + e]: e followed s
         self._previous: list[np.ndarray | None] = [None] * layers  # experts of each layer's last call, times E
         self._used = np.zeros((layers, experts), f32)  # 1 where the layer's last call used the expert
-        # Each layer at its last call, [quantity, expert]: the decayed counts, the transition share and the
-        # token table's choices (0 until a step's token is known); the features are their logs (after these
-        # offsets, which keep a zero finite) and a constant 1, the bias.
+        # Each layer at its last call, [quantity, expert]: the decayed counts, the transition share and a row
+        # of zeros for the token (not known until the next step starts; `on_step` then writes the token's
+        # features itself); the features are their logs (after these offsets, which keep a zero finite) and
+        # a constant 1, the bias.
         self._raw = np.zeros((layers, n + 2, experts), f32)
         self._offsets = np.array([1e-3] * n + [1e-4, 0.1], f32)[:, None]
         self._features = np.ones((layers, n + 3, experts), f32)
@@ -362,7 +362,6 @@ class ForecastPolicy:
         counts += used
         follows = self._follow[layer].reshape(self.experts, self.experts)[ids].sum(axis=0, out=raw[n])
         follows /= follows.sum()
-        raw[n + 1] = 0.0  # the next step's token is not known yet
         logs = features[: n + 2]  # the row after them is constant (the bias, last)
         np.add(raw, self._offsets, out=logs)
         np.log(logs, out=logs)
