@@ -13,6 +13,8 @@ ids add:
                   evidence: the experts just below the top-k)
     next-layer    the next layer's router applied to this layer's input, as the prefetcher guesses; for
                   layer l+1 it is known one call ahead, while layer l runs
+    step-stale    not a signal: every call's update deferred to the next step's start (one vectorized
+                  pass per step would cost a layer count less), so each forecast is up to a step old
 
 Each checkpoint (with heldout.txt beside it) is run once by transformers over the first --tokens tokens of
 its held-out text, with hooks on its routers: a causal model routes each token the same whether it comes
@@ -104,6 +106,29 @@ class WithSignal(ForecastPolicy):
             self._refresh(layer + 1)
 
 
+class StepStale(ForecastPolicy):
+    """ForecastPolicy whose per-call updates wait for the next step to start."""
+
+    def __init__(self, layer_experts):
+        super().__init__(layer_experts)
+        self.waiting: list = []
+
+    def on_call(self, layer: int, experts) -> None:
+        self.waiting.append((layer, tuple(experts)))
+
+    def on_step(self, token_ids) -> None:
+        for layer, experts in self.waiting:
+            super().on_call(layer, experts)
+        self.waiting = []
+        super().on_step(token_ids)
+
+
+def make(variant: str, table, data):
+    if variant in ("lfu", "forecast"):
+        return make_policy(variant, table)
+    return StepStale(table) if variant == "step-stale" else WithSignal(table, data, variant)
+
+
 def replay(trace: Trace, slots: int, policy) -> int:
     cache, io, hits, starts = ExpertCache(slots, 1, policy, arena=False), InstantReads(), 0, trace.step_starts
     for c, (layer, experts) in enumerate(trace.call_experts):
@@ -117,7 +142,7 @@ def replay(trace: Trace, slots: int, policy) -> int:
     return hits
 
 
-VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer")
+VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer", "step-stale")
 
 
 def main() -> None:
@@ -141,8 +166,7 @@ def main() -> None:
             slots = max(k, round(share * layers * experts))
             best = replay(trace, slots, BeladyPolicy(next_uses(trace.call_experts)))
             for v in VARIANTS:
-                policy = make_policy(v, table) if v in ("lfu", "forecast") else WithSignal(table, data, v)
-                shares[v].append(replay(trace, slots, policy) / best)
+                shares[v].append(replay(trace, slots, make(v, table, data)) / best)
             print(f"{share:>7.0%} {best / (tokens * layers * k):>7.1%} " + " ".join(f"{shares[v][-1]:>11.3f}x" for v in VARIANTS))
         summary[checkpoint.name] = {v: float(np.mean(s)) for v, s in shares.items()}
         print("   mean         " + " ".join(f"{summary[checkpoint.name][v]:>11.3f}x" for v in VARIANTS))
