@@ -100,6 +100,19 @@ def test_forecast_never_evicts_a_removed_key():
         seen.add(victim)
 
 
+def test_forecast_does_no_work_when_the_cache_holds_every_expert():
+    """Nothing is ever evicted then; the forecast would only cost the model thread time."""
+    trace = _decode_trace(_drifting_routing(0, tokens=50), 32)
+    assert replay(trace, 128, "forecast").hits == replay(trace, 128, "lfu").hits  # compulsory misses only
+    full, partial = _policy("forecast", 4, 32), _policy("forecast", 4, 32)
+    full.attach(128)
+    partial.attach(127)
+    for layer, experts in trace.call_experts:
+        full.on_call(layer, experts)
+        partial.on_call(layer, experts)
+    assert not full._weights.any() and partial._weights.any()
+
+
 def test_forecast_needs_the_layer_table():
     with pytest.raises(Exception, match="experts of each layer"):
         ForecastPolicy([])
