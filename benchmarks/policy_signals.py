@@ -19,7 +19,7 @@ ids add:
 Each checkpoint (with heldout.txt beside it) is run once by transformers over the first --tokens tokens of
 its held-out text, with hooks on its routers: a causal model routes each token the same whether it comes
 alone or in a sequence, so one forward pass gives the routing that decoding the text would see. The routing
-is replayed one decode call per token and layer through the runtime's cache and scheduler (simulate.py),
+is replayed one decode call per token and layer through the runtime's cache and scheduler (simulate.replay),
 and each variant's hits are printed as a share of Belady's MIN, per budget and on average.
 """
 
@@ -31,11 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moestream.core import scheduler
-from moestream.core.cache import ExpertCache
 from moestream.core.policies import ForecastPolicy, make_policy
 from moestream.core.prefetch import find_router
-from moestream.tools.simulate import BeladyPolicy, InstantReads, next_uses
+from moestream.tools.simulate import BELADY, replay
 from moestream.tools.trace import Trace
 
 
@@ -129,19 +127,6 @@ def make(variant: str, table, data):
     return StepStale(table) if variant == "step-stale" else WithSignal(table, data, variant)
 
 
-def replay(trace: Trace, slots: int, policy) -> int:
-    cache, io, hits, starts = ExpertCache(slots, 1, policy, arena=False), InstantReads(), 0, trace.step_starts
-    for c, (layer, experts) in enumerate(trace.call_experts):
-        if isinstance(policy, BeladyPolicy):
-            policy.now = c
-        if c in starts:
-            policy.on_step(starts[c])
-        call = scheduler.lookup(cache, layer, experts)
-        call.run(io)
-        hits += call.hits
-    return hits
-
-
 VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer", "step-stale")
 
 
@@ -164,9 +149,9 @@ def main() -> None:
         shares = {v: [] for v in VARIANTS}
         for share in budgets:
             slots = max(k, round(share * layers * experts))
-            best = replay(trace, slots, BeladyPolicy(next_uses(trace.call_experts)))
+            best = replay(trace, slots, BELADY).hits
             for v in VARIANTS:
-                shares[v].append(replay(trace, slots, make(v, table, data)) / best)
+                shares[v].append(replay(trace, slots, make(v, table, data)).hits / best)
             print(f"{share:>7.0%} {best / (tokens * layers * k):>7.1%} " + " ".join(f"{shares[v][-1]:>11.3f}x" for v in VARIANTS))
         summary[checkpoint.name] = {v: float(np.mean(s)) for v, s in shares.items()}
         print("   mean         " + " ".join(f"{summary[checkpoint.name][v]:>11.3f}x" for v in VARIANTS))

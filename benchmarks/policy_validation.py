@@ -29,7 +29,7 @@ import numpy as np
 
 import moestream
 from moestream.core.policies import DEFAULT_POLICY, POLICIES
-from moestream.tools.simulate import shares_of_optimum, sweep
+from moestream.tools.simulate import parse_budgets, shares_of_optimum, sweep
 from moestream.tools.trace import Trace, record_text
 
 
@@ -70,8 +70,7 @@ def main() -> None:
     report, summary = {}, []
     for source in args.inputs:
         name, trace = trace_of(source, args.tokens, args.save_traces)
-        records = int(trace.layer_experts.sum())
-        budgets = [max(trace.top_k, round(s / 100 * records)) * trace.slot_bytes for s in shares_pct]
+        budgets = parse_budgets(",".join(f"{pct:g}%" for pct in shares_pct), trace)
         rows = sweep(trace, budgets, policies)
         shares = shares_of_optimum(rows)
         print(f"\n{name}: {trace.describe()}")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moestream.core.policies import DEFAULT_POLICY, POLICIES, ForecastPolicy, make_policy
-from moestream.tools.simulate import BELADY, replay, shares_of_optimum, sweep
+from moestream.tools.simulate import BELADY, parse_budgets, replay, shares_of_optimum, sweep
 from moestream.tools.trace import Trace
 
 TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
@@ -132,8 +132,7 @@ def test_default_policy_is_never_below_lfu_on_trained_routing(path):
     """Routing of trained models decoding held-out text (benchmarks/traces, made by
     benchmarks/policy_validation.py): the default is at or above LFU at every budget."""
     trace = Trace.load(path)
-    records = int(trace.layer_experts.sum())
-    budgets = [max(trace.top_k, round(s * records)) * trace.slot_bytes for s in (0.05, 0.10, 0.20, 0.30)]
+    budgets = parse_budgets("5%,10%,20%,30%", trace)
     rows = sweep(trace, budgets, sorted({DEFAULT_POLICY, "lfu"}))
     shares = shares_of_optimum(rows)
     for default, lfu in zip(shares[DEFAULT_POLICY], shares["lfu"]):

@@ -280,7 +280,6 @@ class ForecastPolicy:
         f32 = np.float32
         self._decay = np.array([0.5 ** (1.0 / h) for h in self.HALF_LIVES], f32)[:, None]
         self._follow = np.full((layers, experts * experts), 0.01, f32)  # [l, s*E + e]: e followed s
-        self._previous: list[np.ndarray | None] = [None] * layers  # experts of each layer's last call, times E
         self._used = np.zeros((layers, experts), f32)  # 1 where the layer's last call used the expert
         # Each layer at its last call, [quantity, expert]: the decayed counts, the transition share and a row
         # of zeros for the token (not known until the next step starts; `on_step` then writes the token's
@@ -298,7 +297,7 @@ class ForecastPolicy:
         self._token_routing: OrderedDict[int, np.ndarray] = OrderedDict()
         self._step_token: int | None = None  # the current step's token, if it is a one-token step
         self._step_calls = 0  # calls since the step began (its routing is whole once every layer ran)
-        self._last_ids: list[np.ndarray | None] = [None] * layers
+        self._last_ids: list[np.ndarray | None] = [None] * layers  # the experts of each layer's last call
         # Per layer: the logit of every expert's use at the layer's next call, the same for cached experts
         # only (+inf for the rest), and each layer's lowest: the probability is monotone in the logit, so an
         # eviction compares one number per layer.
@@ -349,20 +348,18 @@ class ForecastPolicy:
         if self._idle:
             return
         ids = np.fromiter(experts, dtype=np.intp)
-        self._last_ids[layer] = ids
+        previous, self._last_ids[layer] = self._last_ids[layer], ids
         self._step_calls += 1
         features, raw, logit, used = self._features[layer], self._raw[layer], self._logit[layer], self._used[layer]
         used[:] = 0.0
         used[ids] = 1.0
-        previous = self._previous[layer]
         if previous is not None:
             if self._calls % self.LEARN_EVERY == 0:  # learn: the last call's forecast against this call's use
                 grad = (features * (1.0 / (1.0 + np.exp(-logit)) - used)).sum(axis=1) / self.experts
                 self._grad_sq += grad * grad
                 self._weights -= self.LEARNING_RATE * grad / np.sqrt(self._grad_sq)
             self._calls += 1
-            self._follow[layer][(previous[:, None] + ids).ravel()] += 1.0
-        self._previous[layer] = ids * self.experts
+            self._follow[layer][(previous[:, None] * self.experts + ids).ravel()] += 1.0
         n = len(self.HALF_LIVES)
         counts = raw[:n]
         counts *= self._decay

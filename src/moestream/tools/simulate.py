@@ -172,8 +172,9 @@ class InstantReads:
         pass
 
 
-def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarray | None = None) -> SimResult:
-    """Replay `trace` through a cache of `slots` records under `policy` (a POLICIES name or "belady").
+def replay(trace: Trace, slots: int, policy="lru", record_bytes: np.ndarray | None = None) -> SimResult:
+    """Replay `trace` through a cache of `slots` records under `policy`: a POLICIES name, "belady", or a
+    fresh policy object (a variant under study: benchmarks/policy_signals.py).
 
     record_bytes: bytes read per miss of each layer (default: the trace's store); the slot size is their
     maximum, as in the runtime."""
@@ -186,8 +187,10 @@ def replay(trace: Trace, slots: int, policy: str = "lru", record_bytes: np.ndarr
     if policy == BELADY:
         belady = BeladyPolicy(next_uses(calls))
         pol = belady
-    else:
+    elif isinstance(policy, str):
         pol = make_policy(policy, trace.layer_experts.tolist())
+    else:
+        pol, policy = policy, policy.name
     cache = ExpertCache(slots * slot_bytes, slot_bytes, pol, arena=False)
     io = InstantReads()
     hits = decode_hits = 0
