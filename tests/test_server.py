@@ -143,7 +143,7 @@ def _generate_cli(store, prompt: str, n: int, capsys) -> dict:
 def test_models_health_and_help(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
     assert server.client.models.retrieve(MODEL).id == MODEL
-    assert server.http.get("/health").json() == {"status": "ok", "model": MODEL, "queued": 0, "running": False}
+    assert server.http.get("/health").json() == {"status": "ok", "model": MODEL, "queued": 0, "running": 0}
     out = build_parser().format_help()
     assert "chat" in out and "serve" in out
 
@@ -337,28 +337,36 @@ def test_bad_requests_get_their_4xx_and_the_server_goes_on(server):
 
 @pytest.fixture
 def slow_server(store, monkeypatch):
-    """An in-process server on the real tiny model whose generation is replaced by one "A" per 50 ms
-    (honouring cancel and deadline like generate.stream), so that queue and timeout behaviour is timed
-    by the test, not by the machine."""
+    """An in-process server on the real tiny model whose batch is replaced by one that makes "A" for every
+    sequence at one step per 50 ms (with the real per-sequence stop rules: cancel flag, deadline, max
+    tokens), so that queue and timeout behaviour is timed by the test, not by the machine. The prompt
+    "stuck" has a prefill of 2 s, which cannot stop early."""
     import uvicorn
 
     import moestream
     from moestream.frontends import http_app, worker
-    from moestream.frontends.generate import GenerationResult
+    from moestream.frontends.batching import BatchGenerator
 
-    def slow_stream(model, tokenizer, prompt_ids, max_new_tokens, *, on_text, cancel, deadline, **kwargs):
-        start, ids, reason = time.perf_counter(), [], "length"
-        stuck = prompt_ids == tokenizer("stuck")["input_ids"]  # like a long prefill: cannot stop early
-        for _ in range(max_new_tokens):
+    class SlowBatch(BatchGenerator):
+        def admit(self, decoding):
+            time.sleep(2.0 if decoding.prompt_ids == self.stuck else 0.05)
+            if decoding.accept(self.a):
+                return True
+            self.running.append(decoding)
+            return False
+
+        def decode(self):
             time.sleep(0.05)
-            ids.append(65)
-            on_text("A")
-            if not stuck and (cancel.is_set() or time.monotonic() >= deadline):
-                reason = "cancelled" if cancel.is_set() else "timeout"
-                break
-        return GenerationResult("A" * len(ids), len(prompt_ids), ids, time.perf_counter() - start, 0.05, 20.0, reason)
+            ended = [d for d in self.running if d.accept(self.a)]
+            self.running = [d for d in self.running if d not in ended]
+            return ended
 
-    monkeypatch.setattr(worker, "stream", slow_stream)
+        def drop(self, decoding):
+            self.running.remove(decoding)
+
+    SlowBatch.stuck = byte_tokenizer()("stuck")["input_ids"]
+    SlowBatch.a = byte_tokenizer()("A", add_special_tokens=False)["input_ids"][0]
+    monkeypatch.setattr(worker, "BatchGenerator", SlowBatch)
     model, tokenizer = moestream.load(store, BUDGET)
     running = []
 
@@ -382,7 +390,7 @@ def slow_server(store, monkeypatch):
 
 
 def test_a_full_queue_answers_429(slow_server):
-    http = slow_server(max_queue=1)
+    http = slow_server(max_queue=1, max_batch=1)
     body = {"model": MODEL, "prompt": "a", "max_tokens": 30}  # 1.5 s each
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(http.post, "/v1/completions", json=body)
@@ -396,7 +404,7 @@ def test_a_full_queue_answers_429(slow_server):
 
 
 def test_a_client_that_leaves_the_queue_frees_its_place(slow_server):
-    http = slow_server(max_queue=1)
+    http = slow_server(max_queue=1, max_batch=1)
     body = {"model": MODEL, "prompt": "a", "max_tokens": 40}  # 2 s
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(http.post, "/v1/completions", json=body)
@@ -413,7 +421,7 @@ def test_a_client_that_leaves_the_queue_frees_its_place(slow_server):
 
 
 def test_timeouts_answer_503_in_the_queue_and_504_while_running(slow_server):
-    http = slow_server(request_timeout=1.0)
+    http = slow_server(request_timeout=1.0, max_batch=1)
     body = {"model": MODEL, "prompt": "a", "max_tokens": 100}  # 5 s: longer than the timeout
     alone = http.post("/v1/completions", json=body)  # stopped at 1 s
     assert alone.status_code == 504 and alone.json()["error"]["code"] == "timeout"

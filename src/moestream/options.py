@@ -32,6 +32,17 @@ def add_memory_argument(parser: argparse.ArgumentParser, default: str = "4GiB") 
     )
 
 
+def add_kv_memory_argument(parser: argparse.ArgumentParser, default: str = "1GiB") -> None:
+    """--kv-memory: the prefix cache's budget (chat and serve)."""
+    parser.add_argument(
+        "--kv-memory",
+        default=default,
+        metavar="SIZE",
+        help=f"KV cache of recent conversations kept for reuse, so that a follow-up (or a repeated system prompt) "
+        f"prefills only its new tokens; least recently used out first (default {default}; 0 keeps none)",
+    )
+
+
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
     from .core.policies import DEFAULT_POLICY, POLICIES
 

@@ -202,11 +202,13 @@ def eos_ids(model, tokenizer=None) -> set[int]:
 Sampler = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [1, vocab] -> token id [1]
 
 
-def make_sampler(greedy: bool = False, temperature: float = 0.7, top_p: float = 0.95) -> Sampler:
-    """greedy (or temperature 0): the most likely token. Otherwise a token drawn from torch's global
-    generator at `temperature` from the smallest set whose probability reaches `top_p`, with the warpers
-    (and the order, and the skipping of no-op ones) that transformers' `generate(do_sample=True, top_k=0)`
-    uses, so a seed gives the tokens transformers would give."""
+def make_sampler(
+    greedy: bool = False, temperature: float = 0.7, top_p: float = 0.95, generator: torch.Generator | None = None
+) -> Sampler:
+    """greedy (or temperature 0): the most likely token. Otherwise a token drawn from `generator` (torch's
+    global one if None) at `temperature` from the smallest set whose probability reaches `top_p`, with the
+    warpers (and the order, and the skipping of no-op ones) that transformers' `generate(do_sample=True,
+    top_k=0)` uses, so a seed gives the tokens transformers would give."""
     if greedy or temperature == 0:
         return lambda logits: logits.argmax(dim=-1)
     warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + (
@@ -216,7 +218,7 @@ def make_sampler(greedy: bool = False, temperature: float = 0.7, top_p: float = 
     def sample(logits: torch.Tensor) -> torch.Tensor:
         for warp in warpers:
             logits = warp(None, logits)
-        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator).squeeze(1)
 
     return sample
 
@@ -226,39 +228,46 @@ class _Forward:
     `cache` since 5.24 and `past_key_values` before; only the last position's logits are asked for where
     the model takes `logits_to_keep` (a long prompt's full [T, vocab] logits would be computed for nothing)."""
 
-    def __init__(self, model):
+    def __init__(self, model, cache=None):
         params = inspect.signature(model.forward).parameters
         self.model = model
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self.cache = None
+        self.cache = cache
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits [1, positions, vocab] of the ids fed after everything fed so far."""
-        out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.extra)
+    def __call__(self, ids: torch.Tensor, **inputs) -> torch.Tensor:
+        """Logits [rows, positions, vocab] of the ids fed after everything fed so far (`inputs`: an
+        attention mask and position ids for a padded batch)."""
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.extra, **inputs)
         self.cache = getattr(out, self.cache_name)
         return out.logits
 
 
-def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = None, *, suppress: Sequence[int] = ()):
+def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = None, *, prefix_cache=None):
     """Yield new token ids after `prompt_ids`, without end: the prompt goes in as one forward pass (the
     prefill), then each new token alone with the KV cache. The caller decides when to stop (closing the
-    generator frees the cache). `suppress`: token ids never chosen (their logits set to -inf before
-    sampling, as transformers' min_new_tokens does with end-of-sequence ids)."""
+    generator frees the cache). `prefix_cache`
+    (kv_cache.PrefixCache): the prefill starts after the longest prefix it holds, and on closing the
+    sequence's KV goes into it; the tokens are the same either way."""
     prompt_ids = _token_list(prompt_ids)
     sampler = sampler or make_sampler(greedy=True)
-    banned = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
-    forward = _Forward(model)
-    step = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    cache, reused = prefix_cache.match(prompt_ids) if prefix_cache is not None else (None, 0)
+    forward = _Forward(model, cache)
+    fed = list(prompt_ids)  # the ids whose KV the cache holds whenever a token is yielded
+    step = torch.tensor([fed[reused:]], dtype=torch.long)
     while True:
         # Not around the yield: inference mode is thread state, and the caller's code runs between tokens.
         with torch.inference_mode():
             logits = forward(step)[:, -1, :].to(dtype=torch.float32, copy=True)
-            if banned is not None:
-                logits[:, banned] = float("-inf")
             token = sampler(logits)
             step = token.view(1, 1).to(torch.long)
-        yield int(token[0])
+        try:
+            yield int(token[0])
+        except GeneratorExit:  # closed between tokens: the cache is whole (an error inside a forward is not kept)
+            if prefix_cache is not None:
+                prefix_cache.put(fed, forward.cache)
+            raise
+        fed.append(int(token[0]))
 
 
 def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> int:
@@ -275,74 +284,106 @@ def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -
     return len(steps)
 
 
-def stream(
-    model,
-    tokenizer,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    *,
-    greedy: bool = False,
-    temperature: float = 0.7,
-    top_p: float = 0.95,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    on_text: Callable[[str], None] | None = None,
-    on_first_token: Callable[[], None] | None = None,
-    ignore_eos: bool = False,
-    cancel: threading.Event | None = None,
-    deadline: float | None = None,
-) -> GenerationResult:
-    """Generate up to `max_new_tokens` after `prompt_ids`, calling `on_text` with each final piece of text.
+class Decoding:
+    """One sequence being generated: how its tokens are chosen and when it ends, the same whether it runs
+    alone (`stream`) or in a batch (`batching.BatchGenerator`).
 
-    Sampling as `make_sampler` says. `seed` seeds torch's global generator first: callers run one
-    generation at a time (the model is not thread-safe), so a seeded request gets the same answer
-    whatever ran before it. `ignore_eos`: exactly `max_new_tokens` tokens, end-of-sequence never chosen
-    (benchmarks time a fixed length). `on_first_token` is called as soon as the first new token exists,
-    before the second forward pass (what comes after it is decoding). `cancel` (a threading.Event) and
-    `deadline` (time.monotonic()) are checked after every token. `tokenizer` may be None (token ids
-    only: no text, no stop sequences). The model is not touched otherwise: statistics keep accumulating.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-    prompt_ids = _token_list(prompt_ids)
-    if seed is not None:
-        torch.manual_seed(seed)
-    text = IncrementalText(tokenizer, stop) if tokenizer is not None else None
-    eos = eos_ids(model, tokenizer)
-    sampler = make_sampler(greedy, temperature, top_p)
-    new: list[int] = []
-    reason = None
-    start = time.perf_counter()
-    first = last = start
-    steps = generate_step(model, prompt_ids, sampler, suppress=sorted(eos) if ignore_eos else ())
+    Its sampler draws from a generator of its own, seeded with `seed` (torch's global one when `seed` is
+    None), so a seeded sequence gets the same tokens whatever ran before it or runs beside it. `choose`
+    picks the next token from the logits; `accept` records it, hands the new final text to `on_text`, and
+    says whether the sequence has ended: on a stop sequence or end-of-sequence ("stop"), the cancel flag
+    ("cancelled"), the deadline (time.monotonic(), "timeout"), or `max_new_tokens` ("length").
+    `ignore_eos`: exactly `max_new_tokens` tokens, end-of-sequence never chosen (benchmarks time a fixed
+    length). `on_first_token` runs as soon as the first new token exists, before the next forward pass.
+    `tokenizer` may be None (token ids only: no text, no stop sequences)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        greedy: bool = False,
+        temperature: float = 0.7,
+        top_p: float = 0.95,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        on_first_token: Callable[[], None] | None = None,
+        ignore_eos: bool = False,
+        cancel: threading.Event | None = None,
+        deadline: float | None = None,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        self.prompt_ids = _token_list(prompt_ids)
+        self.max_new_tokens = max_new_tokens
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.sampler = make_sampler(greedy, temperature, top_p, generator)
+        self.eos = eos_ids(model, tokenizer)
+        self.ignore_eos = ignore_eos
+        self.suppress = sorted(self.eos) if ignore_eos else []
+        self.text = IncrementalText(tokenizer, stop) if tokenizer is not None else None
+        self.on_text, self.on_first_token = on_text, on_first_token
+        self.cancel, self.deadline = cancel, deadline
+        self.new: list[int] = []
+        self.reused_tokens = 0  # prompt tokens whose KV came from a prefix cache (set by a batch's prefill)
+        self.finish_reason: str | None = None
+        self.start = time.perf_counter()
+        self.first = self.last = self.start
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token [1] from float32 logits [1, vocab] (modified in place)."""
+        if self.suppress:
+            logits[:, self.suppress] = float("-inf")
+        return self.sampler(logits)
+
+    def accept(self, token: int) -> bool:
+        """Record the new token; True once the sequence has ended (`finish_reason` says why)."""
+        self.last = time.perf_counter()
+        self.new.append(token)
+        if len(self.new) == 1:
+            self.first = self.last
+            if self.on_first_token is not None:
+                self.on_first_token()
+        if self.text is not None:
+            _emit(self.on_text, self.text.update(self.new))
+        if self.text is not None and self.text.stopped:
+            self.finish_reason = "stop"
+        elif self.cancel is not None and self.cancel.is_set():
+            self.finish_reason = "cancelled"
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
+            self.finish_reason = "timeout"
+        elif token in self.eos and not self.ignore_eos:
+            self.finish_reason = "stop"
+        elif len(self.new) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def result(self) -> GenerationResult:
+        """The ended sequence's result (any text held back is handed out first)."""
+        if self.text is not None:
+            _emit(self.on_text, self.text.finish(self.new))
+        timing = Timing(self.start, self.first, self.last, len(self.new))
+        text = self.text.text if self.text is not None else ""
+        return GenerationResult.of(text, len(self.prompt_ids), self.new, timing, self.finish_reason)
+
+
+def stream(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, *, prefix_cache=None, **options) -> GenerationResult:
+    """Generate up to `max_new_tokens` after `prompt_ids` alone, calling `on_text` with each final piece
+    of text; `options` are `Decoding`'s (sampling, stop sequences, callbacks, cancel flag, deadline).
+    `prefix_cache` (kv_cache.PrefixCache): start from the longest prefix it holds, and keep this
+    sequence's KV there. The model is not touched otherwise: statistics keep accumulating."""
+    decoding = Decoding(model, tokenizer, prompt_ids, max_new_tokens, **options)
+    steps = generate_step(model, decoding.prompt_ids, decoding.choose, prefix_cache=prefix_cache)
     try:
         for token in steps:
-            last = time.perf_counter()
-            new.append(token)
-            if len(new) == 1:
-                first = last
-                if on_first_token is not None:
-                    on_first_token()
-            if text is not None:
-                _emit(on_text, text.update(new))
-            if text is not None and text.stopped:
-                reason = "stop"
-            elif cancel is not None and cancel.is_set():
-                reason = "cancelled"
-            elif deadline is not None and time.monotonic() >= deadline:
-                reason = "timeout"
-            elif token in eos and not ignore_eos:
-                reason = "stop"
-            elif len(new) >= max_new_tokens:
-                reason = "length"
-            if reason is not None:
+            if decoding.accept(token):
                 break
     finally:
         steps.close()
-    if text is not None:
-        _emit(on_text, text.finish(new))
-    timing = Timing(start, first, last, len(new))
-    return GenerationResult.of(text.text if text is not None else "", len(prompt_ids), new, timing, reason)
+    return decoding.result()
 
 
 def timed(model, prompt_ids, new_tokens: int, *, on_first_token: Callable[[], None] | None = None) -> GenerationResult:

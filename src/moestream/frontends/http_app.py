@@ -27,7 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core import loading
 from ..core.memory import current_rss_bytes, peak_rss_bytes
+from .batching import KVBudgetExceeded
 from .generate import GenerationResult, context_length
+from .kv_cache import PrefixCache, PrefixStats
 from .openai_api import (
     APIError,
     ChatCompletions,
@@ -51,6 +53,9 @@ class ServerConfig:
     max_queue: int = 64
     request_timeout: float = 600.0  # seconds from arrival to the last token, queueing included
     default_max_tokens: int = 512  # for a chat request that names no limit (completions: OpenAI's 16)
+    max_batch: int = 8  # sequences decoded together
+    batch_kv_memory: int = 2 * 2**30  # bytes of KV the running sequences may hold together
+    kv_memory: int = 2**30  # bytes of recent prefixes' KV kept for reuse (0: none)
 
 
 def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
@@ -87,7 +92,15 @@ class Service:
     def __init__(self, model, tokenizer, config: ServerConfig):
         self.model = model
         self.config = config
-        self.worker = Worker(model, tokenizer, config.max_queue)
+        self.prefix_cache = PrefixCache(config.kv_memory) if config.kv_memory > 0 else None
+        self.worker = Worker(
+            model,
+            tokenizer,
+            config.max_queue,
+            max_batch=config.max_batch,
+            prefix_cache=self.prefix_cache,
+            kv_budget_bytes=config.batch_kv_memory,
+        )
         context = context_length(model)
         self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens)
         self.completion = Completions(tokenizer, config.model_name, context)
@@ -132,7 +145,7 @@ class Service:
         except asyncio.CancelledError:  # the handler's task was cancelled: the server is shutting down
             outcome = "cancelled"
             raise
-        except WorkerError as e:
+        except (WorkerError, KVBudgetExceeded) as e:
             raise error_for(e) from None
         finally:
             if not streaming:
@@ -176,7 +189,7 @@ class Service:
             "status": "ok",
             "model": self.config.model_name,
             "queued": self.worker.queued(),
-            "running": self.worker.is_running(),
+            "running": self.worker.running(),
         }
 
     async def models(self) -> dict:
@@ -190,13 +203,16 @@ class Service:
     async def metrics(self) -> Response:
         # The engine reads its statistics under the lock it holds around each experts call, so this is
         # safe while the worker generates.
-        text = prometheus_text(self.requests, self.worker, self.worker.stats(), loading.stats(self.model))
+        prefix = self.prefix_cache.stats() if self.prefix_cache is not None else PrefixStats()
+        text = prometheus_text(self.requests, self.worker, self.worker.stats(), loading.stats(self.model), prefix, self.config)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def prometheus_text(requests: dict[tuple[str, str], int], worker: Worker, w: WorkerStats, s: dict) -> str:
-    """/metrics in Prometheus' text format: request counts, the worker's queue and totals, the engine's
-    statistics `s` and the process's memory."""
+def prometheus_text(
+    requests: dict[tuple[str, str], int], worker: Worker, w: WorkerStats, s: dict, prefix: PrefixStats, config: ServerConfig
+) -> str:
+    """/metrics in Prometheus' text format: request counts, the worker's queue, batch and totals, the
+    prefix cache, the engine's statistics `s`, the three memory budgets and the process's memory."""
     lines = []
 
     def metric(name: str, kind: str, help: str, samples) -> None:
@@ -206,6 +222,11 @@ def prometheus_text(requests: dict[tuple[str, str], int], worker: Worker, w: Wor
             label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
             lines.append(f"moestream_{name}{label} {value}")
 
+    def summary(name: str, help: str, total: float, count: int) -> None:
+        metric(name, "summary", help, [])
+        lines.append(f"moestream_{name}_sum {total:.6f}")
+        lines.append(f"moestream_{name}_count {count}")
+
     metric(
         "requests_total",
         "counter",
@@ -213,7 +234,44 @@ def prometheus_text(requests: dict[tuple[str, str], int], worker: Worker, w: Wor
         [({"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(requests.items())],
     )
     metric("requests_queued", "gauge", "Requests waiting for the model.", [({}, worker.queued())])
-    metric("requests_running", "gauge", "Requests being generated (0 or 1).", [({}, int(worker.is_running()))])
+    metric("requests_running", "gauge", "Requests being generated: the batch size now.", [({}, worker.running())])
+    metric("max_batch", "gauge", "The most requests decoded together (--max-batch).", [({}, config.max_batch)])
+    metric("decode_steps_total", "counter", "Decode steps of the batch.", [({}, w.batch_steps)])
+    metric(
+        "decode_step_sequences_total",
+        "counter",
+        "Sequences summed over decode steps (over decode_steps_total: the mean batch size).",
+        [({}, w.batch_rows)],
+    )
+    summary("queue_seconds", "Seconds requests waited in the queue before they started.", w.queue_seconds, w.started)
+    summary(
+        "time_to_first_token_seconds",
+        "Seconds from a request's arrival to its first token (queueing and prefill).",
+        w.first_token_seconds,
+        w.first_tokens,
+    )
+    metric(
+        "last_time_to_first_token_seconds",
+        "gauge",
+        "Time to first token of the latest request that got one.",
+        [({}, f"{w.last_time_to_first_token:.6f}")],
+    )
+    metric(
+        "prefix_tokens_reused_total",
+        "counter",
+        "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
+        [({}, w.prompt_tokens_reused)],
+    )
+    metric("prefix_cache_entries", "gauge", "Sequences whose KV the prefix cache holds.", [({}, prefix.entries)])
+    metric("prefix_cache_bytes", "gauge", "KV bytes the prefix cache holds.", [({}, prefix.bytes)])
+    metric("prefix_cache_budget_bytes", "gauge", "The prefix cache's budget (--kv-memory).", [({}, config.kv_memory)])
+    metric("batch_kv_bytes", "gauge", "KV bytes the running requests hold.", [({}, w.batch_kv_bytes)])
+    metric(
+        "batch_kv_budget_bytes",
+        "gauge",
+        "The running requests' KV budget (--batch-kv-memory).",
+        [({}, config.batch_kv_memory)],
+    )
     metric(
         "generations_ended_early_total",
         "counter",

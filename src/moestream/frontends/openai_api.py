@@ -21,6 +21,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .batching import KVBudgetExceeded
 from .generate import GenerationResult, chat_prompt, encode
 from .worker import (
     GenerationFailed,
@@ -52,6 +53,8 @@ def error_for(e: Exception) -> APIError:
     unforeseen as a 500 that names it."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, KVBudgetExceeded):
+        return APIError(400, str(e), code="kv_budget_exceeded")
     if isinstance(e, QueueFull):
         return APIError(429, f"{e.max_queue} requests are already queued; retry later", type="server_busy", code="queue_full")
     if isinstance(e, TimedOut) and e.queued:

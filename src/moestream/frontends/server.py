@@ -3,8 +3,8 @@
 The server is three pieces, one module each:
 - openai_api.py: OpenAI's request models, their translation into a generation (prompt ids, sampling
   parameters, stop sequences, max tokens), and of results into OpenAI response and chunk objects;
-- worker.py: the one thread that runs every generation from a first-in first-out queue (the model is
-  not thread-safe), with cancellation and deadlines;
+- worker.py: the one thread that runs the model (it is not thread-safe): requests from a first-in
+  first-out queue join a batch decoded together (batching.py), with cancellation and deadlines;
 - http_app.py: the FastAPI app: routes, error handlers, server-sent events, metrics.
 
 This module imports neither FastAPI nor uvicorn at import time (`moestream --help` builds every verb's
@@ -18,14 +18,17 @@ import argparse
 import socket
 
 from ..errors import MoestreamError, UsageError
-from ..options import add_store_arguments, load_model, positive
+from ..options import add_kv_memory_argument, add_store_arguments, load_model, non_negative, positive
+from ..units import format_bytes, parse_bytes
 
 DESCRIPTION = (
     "Serve a store over HTTP with OpenAI's API, so that the `openai` package and other clients work unchanged: "
     "GET /v1/models, POST /v1/chat/completions and /v1/completions (stream true or false; max_tokens, "
-    "temperature, top_p, stop, seed; usage), GET /health, GET /metrics (Prometheus). One sequence runs at a "
-    "time; other requests wait in a first-in first-out queue, and each answer is the one the request would "
-    "get alone with the same seed. A client that disconnects cancels its request; --request-timeout bounds each."
+    "temperature, top_p, stop, seed; usage), GET /health, GET /metrics (Prometheus). Up to --max-batch requests "
+    "are decoded together, so each step reads every needed expert once for all of them; more wait in a "
+    "first-in first-out queue. Recent conversations' KV is kept (--kv-memory), so a follow-up prefills only its "
+    "new tokens. A seeded request gets the answer it would get alone. A client that disconnects cancels its "
+    "request; --request-timeout bounds each."
 )
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -55,6 +58,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer length of a chat request that sets no max_tokens (default 512; completions: 16, as OpenAI)",
     )
     parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="the most requests decoded together (default 8; 1: one at a time). A step of N sequences reads each "
+        "needed expert once for all of them",
+    )
+    parser.add_argument(
+        "--batch-kv-memory",
+        default="2GiB",
+        metavar="SIZE",
+        help="KV cache the running requests may hold together (default 2GiB): a request joins the batch only while "
+        "every running one's prompt + max_tokens still fits, and one that could never fit is refused (400)",
+    )
+    add_kv_memory_argument(parser)
+    parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info: one line per request)"
     )
 
@@ -66,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     positive(args.max_queue, "--max-queue")
     positive(args.request_timeout, "--request-timeout")
     positive(args.default_max_tokens, "--default-max-tokens")
+    positive(args.max_batch, "--max-batch")
+    batch_kv = positive(parse_bytes(args.batch_kv_memory), "--batch-kv-memory")
+    kv_memory = non_negative(parse_bytes(args.kv_memory), "--kv-memory")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535 (0: any free port), not {args.port}")
     try:
@@ -79,10 +101,19 @@ def run(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args, need_tokenizer=True)
     name = args.model_name or Path(args.store).resolve().name
-    app = create_app(model, tokenizer, ServerConfig(name, args.max_queue, args.request_timeout, args.default_max_tokens))
+    config = ServerConfig(
+        name, args.max_queue, args.request_timeout, args.default_max_tokens, args.max_batch, batch_kv, kv_memory
+    )
+    app = create_app(model, tokenizer, config)
 
     def ready(port: int) -> None:
         where = f"[{args.host}]" if ":" in args.host else args.host
+        print(
+            f"moestream: memory budgets: experts {format_bytes(parse_bytes(args.memory))} (--memory), running requests' "
+            f"KV {format_bytes(batch_kv)} (--batch-kv-memory, up to {args.max_batch} together), reused prefixes' KV "
+            f"{format_bytes(kv_memory)} (--kv-memory); resident weights come on top",
+            flush=True,
+        )
         print(f"moestream: serving {name} at http://{where}:{port}/v1 (OpenAI-compatible; /health, /metrics)", flush=True)
 
     try:

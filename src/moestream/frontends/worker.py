@@ -1,15 +1,20 @@
-"""The generation worker: the one thread that runs every generation, in arrival order.
+"""The generation worker: the one thread that runs the model for every request, in arrival order.
 
-The model is not thread-safe, and one sequence at a time is what a streamed-expert machine affords, so
-a single thread takes jobs from a first-in first-out queue and runs `generate.stream` on each. Async
-code (the HTTP handlers) submits a job and awaits its output; the worker hands each piece of text to
-the job's event loop as it is produced. Nothing here knows about HTTP or OpenAI: a handler learns how
-its job ended from what `Job.output` yields or raises.
+The model is not thread-safe, so a single thread runs it: it takes jobs from a first-in first-out queue
+into a `batching.BatchGenerator`, which decodes up to `max_batch` of them together (each step reads and
+computes every needed expert once for all of them) and prefills each newcomer between steps. Async code
+(the HTTP handlers) submits a job and awaits its output; the worker hands each piece of text to the
+job's event loop as it is produced. Nothing here knows about HTTP or OpenAI: a handler learns how its
+job ended from what `Job.output` yields or raises.
+
+A job joins the batch when a row is free and the running sequences' KV budget holds with it (prompt plus
+max tokens of every row); until then it waits in the queue. A job whose KV could never fit that budget
+is refused at submission (`KVBudgetExceeded`).
 
 Cancellation and deadlines: every job has a cancel flag and a deadline (time.monotonic()). A job
 cancelled while queued leaves the queue at once; a running one stops after its current token
-(`generate.stream` checks both after every token). A waiter whose deadline passes cancels the job
-itself, so a job never outlives its deadline by more than one token, queued or running.
+(`generate.Decoding` checks both after every token). A waiter whose deadline passes cancels the job
+itself, so a job never outlives its deadline by more than one step, queued or running.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from .generate import GenerationResult, stream
+from .batching import BatchGenerator
+from .generate import Decoding, GenerationResult
+from .kv_cache import PrefixCache
 
 # How often a waiter checks whether its client is still connected.
 DISCONNECT_POLL_SECONDS = 0.2
@@ -96,6 +103,8 @@ class Job:
     _events: asyncio.Queue = field(default_factory=asyncio.Queue)
     _cancel: threading.Event = field(default_factory=threading.Event)
     started: bool = False  # set by the worker thread before it posts "start"
+    submitted: float = field(default_factory=time.perf_counter)
+    decoding: Decoding | None = None  # made when the worker takes the job
 
     def cancel(self) -> None:
         """Stop the job: out of the queue at once if it waits, after the current token if it runs.
@@ -161,23 +170,45 @@ class WorkerStats:
     last_decode_tps: float = 0.0  # of the last generation with more than one token
     # Jobs dropped from the queue or stopped while generating, by reason.
     ended_early: dict[str, int] = field(default_factory=lambda: {"cancelled": 0, "timeout": 0, "error": 0})
+    started: int = 0  # jobs taken from the queue, and their seconds in it
+    queue_seconds: float = 0.0
+    first_tokens: int = 0  # jobs that got a first token, and the seconds from submission to it
+    first_token_seconds: float = 0.0
+    last_time_to_first_token: float = 0.0
+    prompt_tokens_reused: int = 0  # prompt tokens whose KV came from the prefix cache
+    batch_steps: int = 0  # decode steps, and the sequences summed over them (their ratio: the mean batch)
+    batch_rows: int = 0
+    batch_kv_bytes: int = 0  # KV the running sequences hold, after the last step
 
 
 class Worker:
-    """The one thread that runs the model, fed in arrival order from a bounded queue."""
+    """The one thread that runs the model, fed in arrival order from a bounded queue; see the module's doc."""
 
-    def __init__(self, model, tokenizer, max_queue: int):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_queue: int,
+        *,
+        max_batch: int = 1,
+        prefix_cache: PrefixCache | None = None,
+        kv_budget_bytes: int | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.max_queue = max_queue
+        self.prefix_cache = prefix_cache
+        self._batch_options = dict(max_batch=max_batch, prefix_cache=prefix_cache, kv_budget_bytes=kv_budget_bytes)
+        self.batch: BatchGenerator | None = None  # made by start(): it runs one forward pass
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()  # guards _pending, _running, _closed and _stats
         self._closed = False
-        self._running: Job | None = None
+        self._running: dict[Decoding, Job] = {}
         self._stats = WorkerStats()
         self._thread = threading.Thread(target=self._loop, name="moestream-generate", daemon=True)
 
     def start(self) -> None:
+        self.batch = BatchGenerator(self.model, **self._batch_options)
         self._thread.start()
 
     def close(self) -> None:
@@ -186,13 +217,16 @@ class Worker:
             self._closed = True
             for job in self._pending:
                 job._cancel.set()
-            if self._running is not None:
-                self._running._cancel.set()
+            for job in self._running.values():
+                job._cancel.set()
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
     def submit(self, params: GenerationParams, timeout: float) -> Job:
-        """Queue a generation from the running event loop; raises QueueFull when `max_queue` jobs wait."""
+        """Queue a generation from the running event loop; raises QueueFull when `max_queue` jobs wait,
+        KVBudgetExceeded when its KV could never fit."""
+        if self.batch is not None:
+            self.batch.check(len(params.prompt_ids) + params.max_tokens)
         job = Job(params, timeout, time.monotonic() + timeout, self, asyncio.get_running_loop())
         with self._cond:
             if len(self._pending) >= self.max_queue:
@@ -205,15 +239,18 @@ class Worker:
         with self._cond:
             return len(self._pending)
 
-    def is_running(self) -> bool:
+    def running(self) -> int:
         with self._cond:
-            return self._running is not None
+            return len(self._running)
+
+    def is_running(self) -> bool:
+        return self.running() > 0
 
     def stats(self) -> WorkerStats:
         """A consistent copy of the totals, safe to read from any thread."""
         with self._cond:
             s = self._stats
-            return WorkerStats(s.prompt_tokens, s.completion_tokens, s.generation_seconds, s.last_decode_tps, dict(s.ended_early))
+            return WorkerStats(**{**s.__dict__, "ended_early": dict(s.ended_early)})
 
     def _cancel(self, job: Job) -> None:
         job._cancel.set()
@@ -223,46 +260,86 @@ class Worker:
                 self._stats.ended_early["cancelled"] += 1
 
     def _loop(self) -> None:
+        batch = self.batch
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
+                while not self._pending and not self._running and not self._closed:
                     self._cond.wait()
                 if self._closed:
-                    return
-                job = self._pending.popleft()
-                self._running = job
+                    break
+            while (job := self._next_joining()) is not None:
+                self._admit(job)
             try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
+                ended = batch.decode()
+            except Exception as e:  # a disk error, a damaged record: the running jobs fail, the worker goes on
+                for job in self._take_all():
+                    self._fail(job, e)
+                continue
+            for decoding in ended:
+                self._finish(decoding)
+            with self._cond:
+                s = self._stats
+                s.batch_steps, s.batch_rows, s.batch_kv_bytes = batch.stats.steps, batch.stats.rows, batch.kv_bytes()
+        for job in self._take_all():  # closing: the running jobs end as cancelled
+            job.decoding.finish_reason = "cancelled"
+            job._post("done", job.decoding.result())
 
-    def _run(self, job: Job) -> None:
+    def _next_joining(self) -> Job | None:
+        """The first queued job if it may join the batch now (FIFO: a job that must wait holds back the rest)."""
+        with self._cond:
+            if not self._pending or self._closed:
+                return None
+            p = self._pending[0].params
+            return self._pending.popleft() if self.batch.has_room(len(p.prompt_ids) + p.max_tokens) else None
+
+    def _admit(self, job: Job) -> None:
+        """Start a job taken from the queue: its prefill and first token (it may end right there)."""
         if job._cancel.is_set() or time.monotonic() >= job.deadline:
             return  # its waiter has given up, or gives up at the deadline (timed out in the queue)
+        p = job.params
+        job.decoding = Decoding(
+            self.model,
+            self.tokenizer,
+            p.prompt_ids,
+            p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            stop=p.stop,
+            on_text=lambda text: job._post("text", text),
+            on_first_token=lambda: self._first_token(job),
+            cancel=job._cancel,
+            deadline=job.deadline,
+        )
+        with self._cond:
+            self._stats.started += 1
+            self._stats.queue_seconds += time.perf_counter() - job.submitted
+            self._running[job.decoding] = job
         job.started = True
         job._post("start")
-        p = job.params
         try:
-            result = stream(
-                self.model,
-                self.tokenizer,
-                p.prompt_ids,
-                p.max_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                seed=p.seed,
-                stop=p.stop,
-                on_text=lambda text: job._post("text", text),
-                cancel=job._cancel,
-                deadline=job.deadline,
-            )
-        except Exception as e:  # a disk error, a damaged record: this job fails, the worker goes on
+            ended = self.batch.admit(job.decoding)
+        except Exception as e:  # this job fails; the batch is unchanged
             with self._cond:
-                self._stats.ended_early["error"] += 1
-            job._post("error", e)
+                del self._running[job.decoding]
+            self._fail(job, e)
             return
+        if ended:
+            self._finish(job.decoding)
+
+    def _first_token(self, job: Job) -> None:
+        seconds = time.perf_counter() - job.submitted
         with self._cond:
+            s = self._stats
+            s.first_tokens += 1
+            s.first_token_seconds += seconds
+            s.last_time_to_first_token = seconds
+            s.prompt_tokens_reused += job.decoding.reused_tokens
+
+    def _finish(self, decoding: Decoding) -> None:
+        result = decoding.result()
+        with self._cond:
+            job = self._running.pop(decoding)
             s = self._stats
             s.prompt_tokens += result.prompt_tokens
             s.completion_tokens += len(result.token_ids)
@@ -272,3 +349,18 @@ class Worker:
             if result.finish_reason in ("cancelled", "timeout"):
                 s.ended_early[result.finish_reason] += 1
         job._post("done", result)
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        with self._cond:
+            self._stats.ended_early["error"] += 1
+        job._post("error", e)
+
+    def _take_all(self) -> list[Job]:
+        """Every running job, out of the batch."""
+        with self._cond:
+            jobs = list(self._running.values())
+            self._running.clear()
+        for job in jobs:
+            if job.decoding in self.batch.running:
+                self.batch.drop(job.decoding)
+        return jobs

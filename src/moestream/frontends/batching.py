@@ -1,0 +1,229 @@
+"""Continuous batching: several sequences decoded together, so that each layer's experts are read and
+computed once per step for all of them.
+
+A streamed model pays for expert bytes, not for tokens. One decode step of B sequences feeds the model
+B tokens, one per row of a left-padded batch (`kv_cache.BatchKV`); every MoE layer then routes the B
+tokens together, and the engine reads and computes each distinct expert once for all the rows that
+chose it (`ExpertEngine.run` groups tokens by expert). Sequences join between steps, after a prefill
+of their own (from the longest prefix the prefix cache holds), and leave when they end; their KV then
+goes into the prefix cache.
+
+Each sequence is a `generate.Decoding`: its own sampler and seeded generator, stop rules, callbacks,
+cancel flag and deadline, exactly as when it runs alone. What a batch changes is only the arithmetic's
+rounding (a matmul over B rows may sum in another order than over one), so a greedy answer equals its
+solo answer unless two tokens tie within that rounding (the tests check equality on trained and random
+models).
+
+`BatchGenerator` is driven step by step (the server's worker: `admit` between steps, `decode` once per
+step); `generate_batch` runs a list of prompts to the end (the Python API).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .generate import Decoding, GenerationResult, _Forward, encode, generate_step
+from .kv_cache import BatchKV, PrefixCache, batchable, kv_bytes
+
+
+class KVBudgetExceeded(Exception):
+    """A sequence whose KV could never fit the running sequences' budget, even alone."""
+
+    def __init__(self, needed: int, budget: int, positions: int):
+        super().__init__(
+            f"this request needs {needed / 2**20:.1f} MiB of KV cache for {positions} positions (prompt + max tokens), "
+            f"more than the running sequences' KV budget of {budget / 2**20:.1f} MiB: send a shorter prompt or a smaller "
+            "max_tokens, or raise --batch-kv-memory"
+        )
+        self.needed, self.budget = needed, budget
+
+
+@dataclass
+class BatchStats:
+    steps: int = 0  # decode steps of the batch
+    rows: int = 0  # sequences summed over those steps (rows / steps: the mean batch size)
+    prefills: int = 0
+    prompt_tokens_reused: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+class BatchGenerator:
+    """The running sequences and their batched KV; see the module's doc.
+
+    `max_batch`: the most sequences decoded together. `kv_budget_bytes`: the most KV the running
+    sequences may ever hold together, padding included; a sequence joins only if the batch, with it,
+    stays within the budget until every row has ended (its prompt plus max_new_tokens, at the widest
+    row's length). Needs one forward pass of one token at construction to size a position's KV and to
+    learn whether the model's cache batches at all (if not, sequences run one at a time)."""
+
+    def __init__(self, model, *, max_batch: int = 8, prefix_cache: PrefixCache | None = None, kv_budget_bytes: int | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+        self.model = model
+        self.prefix_cache = prefix_cache
+        self.kv_budget_bytes = kv_budget_bytes
+        self.position_bytes, self.not_batchable = _probe(model)
+        self.max_batch = 1 if self.not_batchable else max_batch
+        self.running: list[Decoding] = []
+        self.kv = BatchKV()
+        self.stats = BatchStats()
+        self._lone = None  # the generate_step of the one running sequence when the cache does not batch
+
+    def kv_needed(self, positions: int) -> int:
+        """Bytes of KV a sequence of `positions` positions (prompt + max new tokens) holds at its longest, alone."""
+        return positions * self.position_bytes
+
+    def check(self, positions: int) -> None:
+        """Raise KVBudgetExceeded if a sequence of `positions` positions could never run within the KV budget."""
+        if self.kv_budget_bytes is not None and self.kv_needed(positions) > self.kv_budget_bytes:
+            raise KVBudgetExceeded(self.kv_needed(positions), self.kv_budget_bytes, positions)
+
+    def has_room(self, positions: int) -> bool:
+        """Whether a sequence of `positions` positions may join now: a free row, and the KV budget holds
+        with it until every row has ended (all rows padded to the widest)."""
+        if len(self.running) >= self.max_batch:
+            return False
+        if self.kv_budget_bytes is None or not self.running:
+            return True
+        widest = max([positions] + [len(d.prompt_ids) + d.max_new_tokens for d in self.running])
+        return (len(self.running) + 1) * widest * self.position_bytes <= self.kv_budget_bytes
+
+    def admit(self, decoding: Decoding) -> bool:
+        """Prefill `decoding` and choose its first token; it then runs in the next `decode`. True if it
+        ended already (a one-token answer). Raises what the forward pass raised; the batch is unchanged."""
+        if self.not_batchable:
+            return self._admit_lone(decoding)
+        cache, reused = self.prefix_cache.match(decoding.prompt_ids) if self.prefix_cache is not None else (None, 0)
+        forward = _Forward(self.model, cache)
+        with torch.inference_mode():
+            logits = forward(torch.tensor([decoding.prompt_ids[reused:]], dtype=torch.long))[:, -1, :].float()
+            token = int(decoding.choose(logits)[0])
+        self.stats.prefills += 1
+        self.stats.prompt_tokens_reused += reused
+        decoding.reused_tokens = reused
+        if decoding.accept(token):
+            self._keep_prefix(decoding, forward.cache)
+            return True
+        self.kv.add(forward.cache, len(decoding.prompt_ids))
+        self.running.append(decoding)
+        return False
+
+    def decode(self) -> list[Decoding]:
+        """One step of every running sequence; returns those that ended. On an error every running
+        sequence fails (the batch's KV is then incomplete): they are dropped, and the error is raised."""
+        if not self.running:
+            return []
+        if self.not_batchable:
+            return self._decode_lone()
+        forward = _Forward(self.model, self.kv.cache)
+        ids = torch.tensor([[d.new[-1]] for d in self.running], dtype=torch.long)
+        try:
+            with torch.inference_mode():
+                logits = forward(ids, **self.kv.step_inputs())[:, -1, :].float()
+        except BaseException:
+            self.running, self.kv = [], BatchKV()
+            raise
+        self.kv.cache = forward.cache
+        self.kv.advance()
+        self.stats.steps += 1
+        self.stats.rows += len(self.running)
+        ended, keep = [], []
+        for i, decoding in enumerate(self.running):
+            token = int(decoding.choose(logits[i : i + 1].clone())[0])
+            if decoding.accept(token):
+                ended.append(decoding)
+                self._keep_prefix(decoding, self.kv.row(i) if self.prefix_cache is not None else None)
+            else:
+                keep.append(i)
+        if ended:
+            self.running = [self.running[i] for i in keep]
+            self.kv.keep(keep)
+        return ended
+
+    def drop(self, decoding: Decoding) -> None:
+        """Stop a running sequence now (its KV is not kept)."""
+        i = self.running.index(decoding)
+        if self._lone is not None:
+            self._lone.close()
+            self._lone = None
+        del self.running[i]
+        self.kv.keep([j for j in range(len(self.kv)) if j != i] if not self.not_batchable else [])
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV the running sequences hold now."""
+        return self.kv.nbytes()
+
+    def _keep_prefix(self, decoding: Decoding, cache) -> None:
+        # The cache holds the prompt and every new token but the last (chosen, never fed).
+        if self.prefix_cache is not None and cache is not None:
+            self.prefix_cache.put(decoding.prompt_ids + decoding.new[:-1], cache)
+
+    # A model whose cache does not batch: one sequence at a time through generate_step.
+
+    def _admit_lone(self, decoding: Decoding) -> bool:
+        steps = generate_step(self.model, decoding.prompt_ids, decoding.choose, prefix_cache=self.prefix_cache)
+        self.stats.prefills += 1
+        if decoding.accept(next(steps)):
+            steps.close()
+            return True
+        self._lone = steps
+        self.running.append(decoding)
+        return False
+
+    def _decode_lone(self) -> list[Decoding]:
+        decoding = self.running[0]
+        try:
+            token = next(self._lone)
+        except BaseException:
+            self.running, self._lone = [], None
+            raise
+        self.stats.steps += 1
+        self.stats.rows += 1
+        if not decoding.accept(token):
+            return []
+        self._lone.close()
+        self.running, self._lone = [], None
+        return [decoding]
+
+
+def _probe(model) -> tuple[int, str | None]:
+    """(bytes of KV one position takes in one row, None or why the cache does not batch), from a forward
+    pass of one token."""
+    forward = _Forward(model)
+    with torch.inference_mode():
+        forward(torch.zeros((1, 1), dtype=torch.long))
+    return kv_bytes(forward.cache), batchable(forward.cache)
+
+
+def generate_batch(
+    model,
+    tokenizer,
+    prompts: Sequence[str | Sequence[int]],
+    max_new_tokens: int = 64,
+    *,
+    max_batch: int = 8,
+    prefix_cache: PrefixCache | None = None,
+    seeds: Sequence[int | None] | None = None,
+    **options,
+) -> list[GenerationResult]:
+    """Generate a continuation of every prompt (text, or token ids), up to `max_batch` at a time, and
+    return their results in the prompts' order. `options` are `generate.Decoding`'s (greedy,
+    temperature, top_p, stop, ignore_eos); `seeds`, one per prompt, seed each sequence's own generator,
+    so a seeded prompt gets the text it would get alone."""
+    seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    waiting = deque(
+        Decoding(model, tokenizer, encode(tokenizer, p) if isinstance(p, str) else p, max_new_tokens, seed=s, **options)
+        for p, s in zip(prompts, seeds)
+    )
+    order = list(waiting)
+    generator = BatchGenerator(model, max_batch=max_batch, prefix_cache=prefix_cache)
+    while waiting or generator.running:
+        while waiting and generator.has_room(len(waiting[0].prompt_ids) + waiting[0].max_new_tokens):
+            generator.admit(waiting.popleft())
+        generator.decode()
+    return [d.result() for d in order]

@@ -1,0 +1,236 @@
+"""KV caches beyond one sequence: the batch of sequences decoded together, and the cache of recent prefixes.
+
+Both work on transformers' own `DynamicCache`, whose layers hold keys and values as tensors
+[batch, heads, positions, head_dim] and grow by concatenation (a layer's `update` never writes into a
+tensor it already holds). That is why a prefix's tensors can be shared by the prefix cache and by every
+sequence that continues it, with no copy: a continuation concatenates into new tensors.
+
+`BatchKV` keeps the running sequences in one DynamicCache, row i for sequence i, right-aligned: each row
+ends at the last position and has left padding where it is shorter than the longest. A decode step
+then feeds one token per row with an attention mask that hides the padding and each row's own position
+ids, which is what transformers' batched `generate` does with a left-padded batch. Rows join (a
+sequence after its prefill) and leave (a finished one) between steps; the common left padding is cut
+when rows leave.
+
+Only full-attention and sliding-window layers (`DynamicLayer`, `DynamicSlidingWindowLayer`) are laid
+out so; a model with other cache layers (DeepSeek-V4's compressed attention) decodes one sequence at a
+time (`batchable` says why).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def batchable(cache) -> str | None:
+    """None if `cache` (a model's cache after a prefill) can be batched and cut; else why not."""
+    if type(cache) is not DynamicCache:
+        return f"its KV cache is a {type(cache).__name__}, not a DynamicCache"
+    for layer in cache.layers:
+        if type(layer) not in _LAYER_TYPES:
+            return f"its KV cache has {type(layer).__name__} layers, which moestream cannot batch or cut"
+        if not layer.is_initialized or getattr(layer, "record_past", False):
+            return "its KV cache has layers that a forward pass leaves empty"
+    return None
+
+
+def kv_bytes(cache) -> int:
+    """Bytes of the keys and values `cache` holds."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized for t in (layer.keys, layer.values))
+
+
+def _held(layer, positions: int) -> int:
+    """How many positions a layer holds once `positions` tokens went through it."""
+    return min(positions, layer.sliding_window - 1) if layer.is_sliding else positions
+
+
+def _left_pad(t: torch.Tensor, size: int) -> torch.Tensor:
+    if size == t.shape[-2]:
+        return t
+    pad = t.new_zeros(*t.shape[:-2], size - t.shape[-2], t.shape[-1])
+    return torch.cat([pad, t], dim=-2)
+
+
+def _shallow(cache: DynamicCache) -> DynamicCache:
+    """A cache object of its own over the same tensors (safe: layers update by concatenation)."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
+
+
+def _set_positions(layer, positions: int) -> None:
+    if layer.is_sliding:
+        layer.cumulative_length = positions
+
+
+class BatchKV:
+    """The KV cache of the running sequences, one right-aligned row each (see the module's doc)."""
+
+    def __init__(self):
+        self.cache: DynamicCache | None = None
+        self.lengths: list[int] = []  # positions of each row's own tokens in the cache
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        """Positions of the padded batch: the longest row's."""
+        return max(self.lengths, default=0)
+
+    def add(self, cache: DynamicCache, length: int) -> None:
+        """Append a sequence (a batch-1 cache of `length` positions, from its prefill) as the last row."""
+        if self.cache is None:
+            self.cache, self.lengths = _shallow(cache), [length]
+            return
+        width = max(self.width, length)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            size = _held(mine, width)
+            mine.keys = torch.cat([_left_pad(mine.keys, size), _left_pad(theirs.keys, size)], dim=0)
+            mine.values = torch.cat([_left_pad(mine.values, size), _left_pad(theirs.values, size)], dim=0)
+            _set_positions(mine, width)
+        self.lengths.append(length)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keep only `rows` (in that order), then cut the left padding every remaining row has."""
+        rows = list(rows)
+        if not rows:
+            self.cache, self.lengths = None, []
+            return
+        if rows != list(range(len(self.lengths))):
+            index = torch.tensor(rows, dtype=torch.long)
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+            self.lengths = [self.lengths[r] for r in rows]
+        width = self.width
+        for layer in self.cache.layers:
+            size = _held(layer, width)
+            if layer.keys.shape[-2] > size:
+                layer.keys, layer.values = layer.keys[..., -size:, :], layer.values[..., -size:, :]
+            _set_positions(layer, width)
+
+    def row(self, i: int) -> DynamicCache:
+        """Row i as a batch-1 cache of its own tokens, copied out (the batch's tensors can then go)."""
+        out = _shallow(self.cache)
+        for layer in out.layers:
+            size = _held(layer, self.lengths[i])
+            layer.keys = layer.keys[i : i + 1, :, -size:, :].clone()
+            layer.values = layer.values[i : i + 1, :, -size:, :].clone()
+            _set_positions(layer, self.lengths[i])
+        return out
+
+    def step_inputs(self) -> dict:
+        """The forward arguments that feed one new token per row: the attention mask over the padded
+        positions plus the new one, each row's own position ids, the cache. One row needs neither mask
+        nor positions, so a batch of one runs exactly as a lone sequence does."""
+        if len(self.lengths) == 1:
+            return {}
+        width = self.width
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        mask = (torch.arange(width + 1).unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
+        return {"attention_mask": mask, "position_ids": lengths.unsqueeze(1)}
+
+    def advance(self) -> None:
+        """After a step: every row holds one more token."""
+        self.lengths = [n + 1 for n in self.lengths]
+
+    def nbytes(self) -> int:
+        return 0 if self.cache is None else kv_bytes(self.cache)
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    tokens_reused: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+
+class PrefixCache:
+    """Recent sequences' KV by token ids, under a byte budget, least recently used out first.
+
+    `put(ids, cache)` keeps a batch-1 cache that holds exactly the KV of `ids`; `match(prompt_ids)` finds
+    the entry sharing the longest prefix with the prompt and returns a cache of that prefix, cut to it,
+    always leaving at least one prompt token to feed (its logits choose the first new token). Feeding the
+    rest after that cache computes the same as feeding the whole prompt. Thread-safe: the server's
+    generation thread uses it while /metrics reads its statistics."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[tuple[int, ...], tuple[DynamicCache, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stats = PrefixStats()
+
+    def match(self, prompt_ids: Sequence[int]) -> tuple[DynamicCache | None, int]:
+        """(a cache of the longest reusable prefix, its length), or (None, 0)."""
+        prompt = tuple(prompt_ids)
+        with self._lock:
+            self._stats.lookups += 1
+            best, best_len = None, 0
+            for ids in self._entries:
+                n = _common_prefix(ids, prompt, len(prompt) - 1)
+                if n > best_len and _cuttable(self._entries[ids][0], len(ids), n):
+                    best, best_len = ids, n
+            if best is None:
+                return None, 0
+            self._entries.move_to_end(best)
+            self._stats.hits += 1
+            self._stats.tokens_reused += best_len
+            cache = _shallow(self._entries[best][0])
+        if best_len < len(best):
+            cache.crop(best_len - len(best))
+        return cache, best_len
+
+    def put(self, ids: Sequence[int], cache: DynamicCache) -> None:
+        """Keep `cache` (the KV of exactly `ids`); evicts least recently used entries to fit."""
+        ids = tuple(ids)
+        size = kv_bytes(cache)
+        if not ids or size > self.budget_bytes or batchable(cache) is not None:
+            return
+        with self._lock:
+            # An entry that is a prefix of the new one is dominated by it.
+            for old in [old for old in self._entries if old == ids[: len(old)]]:
+                self._drop(old)
+            self._entries[ids] = (_shallow(cache), size)
+            self._stats.bytes += size
+            while self._stats.bytes > self.budget_bytes:
+                self._drop(next(iter(self._entries)))
+            self._stats.entries = len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._stats.bytes = self._stats.entries = 0
+
+    def stats(self) -> PrefixStats:
+        with self._lock:
+            return copy.copy(self._stats)
+
+    def _drop(self, ids: tuple[int, ...]) -> None:
+        _, size = self._entries.pop(ids)
+        self._stats.bytes -= size
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n >= limit:
+            break
+        n += 1
+    return n
+
+
+def _cuttable(cache: DynamicCache, length: int, to: int) -> bool:
+    """Whether a cache of `length` positions can be cut back to `to`: a sliding-window layer that has
+    already dropped positions cannot give back the ones before its window."""
+    return to == length or all(not layer.is_sliding or length < layer.sliding_window for layer in cache.layers)
