@@ -138,9 +138,15 @@ def test_chat_sends_the_whole_conversation_and_drops_the_oldest_when_full(loaded
     ]
     expected = stream(model, tok, encode(tok, chat_prompt(tok, history), templated=True), 16, greedy=True)
     assert two.text == expected.text and two.prompt_tokens == expected.prompt_tokens
+    # The second answer's prefill did not feed the first prompt again (the chat keeps its KV between
+    # answers). The reuse goes on into the answer as far as its text, tokenized again, gives the ids
+    # generated; this random model's answers hold invalid UTF-8, which does not.
+    assert session.prefix_cache.stats().tokens_reused >= one.prompt_tokens
     notes = []
     session.ask("x" * 150, notice=notes.append)  # with the history, more than the 256-token context
     assert notes and "dropped the oldest exchange" in notes[0]
+    kept = session.prefix_cache.stats()
+    assert kept.entries == 1  # only the trimmed conversation's: the dropped history's KV went with it
     assert session.messages[0]["role"] == "system" and session.messages[1]["content"] == "x" * 150
     assert session.ask("y" * 300, notice=notes.append) is None and "shorter" in notes[-1]
 

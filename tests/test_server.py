@@ -225,11 +225,14 @@ def test_twenty_concurrent_streams_equal_their_solo_answers(server):
     questions = [(f"question {i}: what is {i} + {i}?", 100 + i) for i in range(20)]
     solo = [_streamed_chat(server, q, max_tokens=16, seed=seed, temperature=1.0)[0] for q, seed in questions]
     before = server.metric("requests_total", endpoint="chat", outcome="ok")
+    steps, rows = server.metric("decode_steps_total"), server.metric("decode_step_sequences_total")
     with ThreadPoolExecutor(20) as pool:
         together = list(
             pool.map(lambda qs: _streamed_chat(server, qs[0], max_tokens=16, seed=qs[1], temperature=1.0)[0], questions)
         )
     assert together == solo
+    # They were decoded together (--max-batch 8 by default), not one after another.
+    assert (server.metric("decode_step_sequences_total") - rows) / (server.metric("decode_steps_total") - steps) > 2
     assert server.metric("requests_total", endpoint="chat", outcome="ok") == before + 20
     assert server.metric("requests_queued") == 0
     peak = _status(server.process.pid, "VmHWM")
@@ -264,6 +267,63 @@ def test_disconnect_cancels_the_generation(server):
     assert server.metric("completion_tokens_total") - before_tokens < 200
     assert server.metric("requests_running") == 0
     assert _chat(server, max_tokens=4).choices[0].message.content is not None  # and the server goes on
+
+
+def _stream_until(server, body: dict, events: int | None) -> str:
+    """A streamed completion's text; with `events`, the client leaves after that many events."""
+    text, seen = "", 0
+    with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            seen += 1
+            text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+            if events is not None and seen == events:
+                break  # closing the response closes the connection
+    return text
+
+
+def test_batched_greedy_answers_equal_their_solo_answers_when_one_leaves(server):
+    prompts = [f"def f{i}(x):" + " x" * i for i in range(6)]
+    body = {"model": MODEL, "max_tokens": 24, "temperature": 0}
+    solo = [server.client.completions.create(prompt=p, **body).choices[0].text for p in prompts]
+    cancelled = server.metric("generations_ended_early_total", reason="cancelled")
+    with ThreadPoolExecutor(6) as pool:
+        # The third client leaves after three events; the batch goes on without it.
+        futures = [pool.submit(_stream_until, server, {**body, "prompt": p}, 3 if i == 2 else None) for i, p in enumerate(prompts)]
+        together = [f.result() for f in futures]
+    assert [t for i, t in enumerate(together) if i != 2] == [t for i, t in enumerate(solo) if i != 2]
+    assert solo[2].startswith(together[2]) and len(together[2]) < len(solo[2])
+    _wait_for(lambda: server.metric("generations_ended_early_total", reason="cancelled") == cancelled + 1)
+    _wait_for(lambda: server.metric("requests_running") == 0)
+
+
+def test_a_follow_up_reuses_the_conversations_kv_and_answers_as_a_fresh_prefill(server, store, capsys):
+    first = [{"role": "user", "content": "Name a prime number."}]
+    one = server.client.chat.completions.create(model=MODEL, messages=first, max_tokens=12, temperature=0)
+    history = [*first, {"role": "assistant", "content": one.choices[0].message.content}, {"role": "user", "content": "Another?"}]
+    reused = server.metric("prefix_tokens_reused_total")
+    two = server.client.chat.completions.create(model=MODEL, messages=history, max_tokens=12, temperature=0)
+    gained = server.metric("prefix_tokens_reused_total") - reused
+    assert gained >= one.usage.prompt_tokens  # at least the whole first prompt was not prefilled again
+    assert gained < two.usage.prompt_tokens
+    fresh = _generate_cli(store, chat_prompt(byte_tokenizer(), history), 12, capsys)  # a fresh prefill, alone
+    assert two.choices[0].message.content == fresh["text"]
+    assert server.metric("prefix_cache_bytes") > 0 and server.metric("prefix_cache_entries") >= 1
+    assert server.metric("prefix_cache_budget_bytes") == 2**30 and server.metric("batch_kv_budget_bytes") == 2 * 2**30
+    assert server.metric("time_to_first_token_seconds_count") > 0 and server.metric("queue_seconds_count") > 0
+
+
+def test_twenty_concurrent_streams_with_disconnects_never_crash(server):
+    body = {"model": MODEL, "max_tokens": 30, "temperature": 0.8, "seed": 5}
+    prompts = [f"stream {i}" for i in range(20)]
+    with ThreadPoolExecutor(20) as pool:
+        texts = list(pool.map(lambda ip: _stream_until(server, {**body, "prompt": ip[1]}, 2 if ip[0] % 2 else None), enumerate(prompts)))
+    _wait_for(lambda: server.metric("requests_running") == 0 and server.metric("requests_queued") == 0, seconds=60)
+    assert server.process.poll() is None and server.http.get("/health").json()["status"] == "ok"
+    for i in (0, 4, 10):  # those that stayed got their solo answers
+        assert texts[i] == server.client.completions.create(prompt=prompts[i], **body).choices[0].text
 
 
 def test_bad_requests_get_their_4xx_and_the_server_goes_on(server):
@@ -441,6 +501,21 @@ def test_timeouts_answer_503_in_the_queue_and_504_while_running(slow_server):
     assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "timeout"
     _wait_for(lambda: not http.get("/health").json()["running"])
     assert http.post("/v1/completions", json={**body, "max_tokens": 3}).json()["choices"][0]["text"] == "AAA"
+
+
+def test_a_request_whose_kv_cannot_fit_is_refused_and_others_wait_for_room(slow_server):
+    # The tiny model's KV is 256 bytes a position (2 layers x 2 KV heads x 8 x keys and values x fp32).
+    http = slow_server(batch_kv_memory=100 * 256, max_batch=4)
+    too_long = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 60, "max_tokens": 50})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "kv_budget_exceeded"
+    assert "--batch-kv-memory" in too_long.json()["error"]["message"]
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 40}  # 41 positions: two fit together, not three
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(http.post, "/v1/completions", json=body) for _ in range(3)]
+        _wait_for(lambda: http.get("/health").json()["running"] == 2)
+        assert http.get("/health").json()["queued"] == 1
+        assert [f.result().status_code for f in futures] == [200] * 3
+    assert "moestream_batch_kv_budget_bytes 25600" in http.get("/metrics").text
 
 
 def _wait_for(condition, seconds: float = 10.0) -> None:

@@ -1,8 +1,10 @@
 """`moestream chat`: a conversation in the terminal, through the checkpoint's chat template.
 
 Answers stream as they are generated (generate.stream, the same core as `generate` and `serve`). The
-conversation is kept; when it outgrows the model's context the oldest exchanges are dropped, with a
-note. Ctrl-C while an answer streams stops that answer (the SIGINT handler only sets the cancel flag,
+conversation is kept, and so is its KV cache (a `kv_cache.PrefixCache` under --kv-memory): each
+answer's prefill feeds only the tokens after what the last one left, so the time to the first token does
+not grow with the conversation. When the conversation outgrows the model's context the oldest exchanges
+are dropped, with a note, and the kept KV with them (the conversation no longer starts as it did). Ctrl-C while an answer streams stops that answer (the SIGINT handler only sets the cancel flag,
 checked between tokens, so no exception ever interrupts the engine mid-read); at the prompt it only
 reminds how to leave. /stats, /reset and /exit are commands.
 """
@@ -21,9 +23,10 @@ import torch
 
 from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
-from ..options import add_sampling_arguments, add_store_arguments, check_sampling, load_model
-from ..units import format_bytes
+from ..options import add_kv_memory_argument, add_sampling_arguments, add_store_arguments, check_sampling, load_model
+from ..units import format_bytes, parse_bytes
 from .generate import GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template, stream
+from .kv_cache import PrefixCache
 
 COMMANDS = {
     "/stats": "hit rate, MB read, tokens/s, memory",
@@ -46,8 +49,10 @@ class ChatSession:
         temperature: float = 0.7,
         top_p: float = 0.95,
         seed: int | None = None,
+        kv_memory: int = 2**30,
     ):
         self.model = model
+        self.prefix_cache = PrefixCache(kv_memory) if kv_memory > 0 else None
         self.tokenizer = tokenizer
         self.system = system
         self.max_new_tokens = max_new_tokens
@@ -64,6 +69,8 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self.seed is not None:
             # Seeded once per conversation, not per answer: the same questions give the same conversation.
             torch.manual_seed(self.seed)
@@ -81,7 +88,9 @@ class ChatSession:
         if ids is None:
             self.messages.pop()
             return None
-        result = stream(self.model, self.tokenizer, ids, max_new, on_text=on_text, cancel=cancel, **self.sampling)
+        result = stream(
+            self.model, self.tokenizer, ids, max_new, on_text=on_text, cancel=cancel, prefix_cache=self.prefix_cache, **self.sampling
+        )
         # A stopped answer stays as far as it went: it is what the user saw.
         self.messages.append({"role": "assistant", "content": result.text})
         self.answers += 1
@@ -104,6 +113,8 @@ class ChatSession:
                 while end < len(self.messages) - 1 and self.messages[end]["role"] != "user":
                     end += 1
                 del self.messages[first:end]
+                if self.prefix_cache is not None:
+                    self.prefix_cache.clear()  # its KV starts with what was dropped: it can never be reused
                 notice(f"(dropped the oldest exchange to fit the model's {self.context}-token context)")
                 continue
             room = self.context - len(ids)
@@ -132,6 +143,12 @@ class ChatSession:
             f"memory: RSS {format_bytes(current_rss_bytes())} now, {format_bytes(peak_rss_bytes())} peak; expert cache "
             f"budget {format_bytes(s['cache_budget_bytes'])}, {s['cached_experts']} of {s['cache_slots']} slots filled"
         )
+        if self.prefix_cache is not None:
+            kv = self.prefix_cache.stats()
+            lines.append(
+                f"kept KV: {format_bytes(kv.bytes)} of {format_bytes(self.prefix_cache.budget_bytes)} (--kv-memory); "
+                f"{kv.tokens_reused} prompt tokens reused instead of prefilled"
+            )
         return "\n".join(lines)
 
 
@@ -208,7 +225,8 @@ DESCRIPTION = (
     "A conversation in the terminal. Each message goes through the checkpoint's chat template "
     "(a plain 'User: ... Assistant:' format when it has none) with the conversation so far; the answer "
     "streams as it is generated. When the conversation outgrows the model's context, the oldest exchanges "
-    "are dropped. Commands: /stats (hit rate, MB read, tokens/s, RSS), /reset (new conversation), /exit "
+    "are dropped. The conversation's KV cache is kept between answers (--kv-memory), so each prefill feeds only "
+    "the new message. Commands: /stats (hit rate, MB read, tokens/s, RSS), /reset (new conversation), /exit "
     "(or Ctrl-D). Ctrl-C stops the current answer, not the program."
 )
 
@@ -219,12 +237,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(
         parser, max_new_tokens=512, seed_help="seed the conversation's sampling: the same messages give the same answers"
     )
+    add_kv_memory_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     check_sampling(args)
+    kv_memory = parse_bytes(args.kv_memory)
     model, tokenizer = load_model(args)
     session = ChatSession(
         model,
@@ -235,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        kv_memory=kv_memory,
     )
     print(banner(session, Path(args.store).name), flush=True)
     return run_chat(session)

@@ -1,0 +1,164 @@
+"""Batched decoding and prefix reuse: sequences decoded together give transformers' own tokens for each
+alone; a prefix's KV reused gives the tokens of a fresh prefill; the KV budgets hold."""
+
+import pytest
+import torch
+from tiny import tiny_checkpoint
+
+import moestream
+from moestream.cli import main
+from moestream.frontends.batching import BatchGenerator, KVBudgetExceeded, generate_batch
+from moestream.frontends.generate import Decoding, stream
+from moestream.frontends.kv_cache import PrefixCache, kv_bytes
+
+NEW = 10
+BATCH_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"]
+
+
+def _store(tmp_path_factory, family: str):
+    root = tmp_path_factory.mktemp(family)
+    hf_model, ckpt = tiny_checkpoint(family, root / "hf", seed=2)
+    assert main(["convert", str(ckpt), str(root / "store"), "--experts-dtype", "fp32"]) == 0
+    return hf_model.eval(), root / "store"
+
+
+def _prompts(seed: int, lengths=(5, 11, 3, 17, 8, 2)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+def _transformers_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy generate on the same weights, alone, end-of-sequence suppressed."""
+    out = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(prompt) :].tolist()
+
+
+def _run(model, prompts, max_batch: int, **options):
+    """Drive a BatchGenerator as the server does (join when there is room, one decode step at a time);
+    returns the results in prompt order, the generator, and the most KV the batch held after a step."""
+    batch = BatchGenerator(model, max_batch=max_batch, kv_budget_bytes=options.pop("kv_budget_bytes", None))
+    seeds = options.pop("seeds", [None] * len(prompts))
+    waiting = [Decoding(model, None, p, NEW, ignore_eos=True, seed=s, **options) for p, s in zip(prompts, seeds)]
+    order, peak = list(waiting), 0
+    while waiting or batch.running:
+        while waiting and batch.has_room(len(waiting[0].prompt_ids) + NEW):
+            batch.admit(waiting.pop(0))
+        batch.decode()
+        peak = max(peak, batch.kv_bytes())
+    return [d.result().token_ids for d in order], batch, peak
+
+
+@pytest.mark.parametrize("family", BATCH_FAMILIES)
+def test_batched_sequences_give_transformers_tokens_for_each_alone(family, tmp_path_factory):
+    hf_model, store = _store(tmp_path_factory, family)
+    model, _ = moestream.load(store, memory=16 * 2**10)  # below half the experts: misses in every step
+    try:
+        prompts = _prompts(seed=len(family))
+        expected = [_transformers_greedy(hf_model, p, NEW) for p in prompts]
+        got, batch, _ = _run(model, prompts, max_batch=3, greedy=True)  # rows join and leave mid-way
+        assert got == expected
+        assert batch.stats.rows / batch.stats.steps > 2  # decoded together, not one by one
+        # A seeded sampled sequence gets the tokens it gets alone, whatever runs beside it.
+        alone = [stream(model, None, p, NEW, temperature=0.9, seed=i, ignore_eos=True).token_ids for i, p in enumerate(prompts)]
+        sampled = generate_batch(model, None, prompts, NEW, max_batch=4, temperature=0.9, seeds=range(6), ignore_eos=True)
+        assert [r.token_ids for r in sampled] == alone
+        assert len({tuple(t) for t in alone}) == len(alone)
+    finally:
+        moestream.close(model)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    hf_model, store = _store(tmp_path_factory, "qwen3_moe")
+    model, tokenizer = moestream.load(store, memory=16 * 2**10)
+    yield hf_model, model
+    moestream.close(model)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    hf_model, store = _store(tmp_path_factory, "gpt_oss")
+    model, _ = moestream.load(store, memory=16 * 2**10)
+    yield hf_model, model
+    moestream.close(model)
+
+
+@pytest.mark.parametrize("name", ["qwen", "gpt_oss"])
+def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prefill(name, request):
+    hf_model, model = request.getfixturevalue(name)
+    cache = PrefixCache(2**30)
+    prompt = _prompts(seed=9, lengths=(14,))[0]
+    first = stream(model, None, prompt, 6, greedy=True, ignore_eos=True, prefix_cache=cache)
+    kept = prompt + first.token_ids[:-1]  # the last token was chosen, never fed
+    assert cache.stats().entries == 1 and cache.stats().bytes > 0
+    # A follow-up that starts with the whole kept sequence (a chat turn), and one that shares only part of
+    # it (a repeated system prompt): reuse where the KV can be cut, the same tokens either way.
+    for follow_up in (kept + [7, 8, 9], prompt[:9] + [5, 6]):
+        fresh = _transformers_greedy(hf_model, follow_up, 8)
+        before = cache.stats().tokens_reused
+        reused = stream(model, None, follow_up, 8, greedy=True, ignore_eos=True, prefix_cache=cache).token_ids
+        assert reused == fresh
+        gained = cache.stats().tokens_reused - before
+        if follow_up[: len(kept)] == kept:
+            assert gained == len(kept)  # only the three new tokens were prefilled
+        elif name == "qwen":
+            assert gained == 9
+        else:
+            assert gained == 0  # gpt-oss's sliding layers (window 4) no longer hold what a cut back needs
+
+
+def test_the_prefix_cache_keeps_its_budget_least_recently_used_out(qwen):
+    _, model = qwen
+    prompts = _prompts(seed=3, lengths=(20, 20, 20))
+    sizes = []
+    cache = PrefixCache(2**30)
+    for p in prompts:
+        stream(model, None, p, 2, greedy=True, ignore_eos=True, prefix_cache=cache)
+        sizes.append(cache.stats().bytes - sum(sizes))
+    small = PrefixCache(sizes[0] + sizes[1] + sizes[2] // 2)
+    for p in prompts[:2]:
+        stream(model, None, p, 2, greedy=True, ignore_eos=True, prefix_cache=small)
+    assert small.match(prompts[0] + [1])[1] == 20  # used: now the most recent
+    stream(model, None, prompts[2], 2, greedy=True, ignore_eos=True, prefix_cache=small)
+    assert small.stats().bytes <= small.budget_bytes and small.stats().entries == 2
+    assert small.match(prompts[1] + [1])[1] == 0  # the least recently used went
+    assert small.match(prompts[0] + [1])[1] == small.match(prompts[2] + [1])[1] == 20
+
+
+def test_the_running_kv_budget_holds_and_a_sequence_that_cannot_fit_is_refused(qwen):
+    hf_model, model = qwen
+    prompts = _prompts(seed=4, lengths=(12, 30, 6, 25, 9))
+    position = BatchGenerator(model).position_bytes
+    budget = 2 * (30 + NEW) * position  # two rows at the widest
+    got, batch, peak = _run(model, prompts, max_batch=5, greedy=True, kv_budget_bytes=budget)
+    assert got == [_transformers_greedy(hf_model, p, NEW) for p in prompts]
+    assert 0 < peak <= budget
+    assert 1 < batch.stats.rows / batch.stats.steps <= 2
+    with pytest.raises(KVBudgetExceeded, match="--batch-kv-memory"):
+        batch.check(budget // position + 1)
+    batch.check(budget // position)
+
+
+def test_one_row_runs_as_a_lone_sequence(qwen):
+    """A batch of one passes no mask and no position ids, so --max-batch 1 computes what `stream` does."""
+    _, model = qwen
+    prompt = _prompts(seed=5, lengths=(7,))[0]
+    solo = stream(model, None, prompt, NEW, greedy=True, ignore_eos=True).token_ids
+    got, batch, _ = _run(model, [prompt], max_batch=1, greedy=True)
+    assert got == [solo] and batch.stats.rows == batch.stats.steps == NEW - 1
+    one = Decoding(model, None, prompt, 3)
+    batch.admit(one)
+    assert batch.kv.step_inputs() == {}
+    assert kv_bytes(batch.kv.cache) == len(prompt) * batch.position_bytes
+
+
+def test_a_cache_that_does_not_batch_runs_one_sequence_at_a_time(tmp_path_factory):
+    hf_model, store = _store(tmp_path_factory, "deepseek_v4")  # compressed-attention cache layers
+    model, _ = moestream.load(store, memory=16 * 2**10)
+    try:
+        prompts = _prompts(seed=6, lengths=(6, 4, 9))
+        got, batch, _ = _run(model, prompts, max_batch=4, greedy=True)
+        assert batch.not_batchable and batch.max_batch == 1 and batch.stats.rows == batch.stats.steps
+        assert got == [stream(model, None, p, NEW, greedy=True, ignore_eos=True).token_ids for p in prompts]
+    finally:
+        moestream.close(model)
