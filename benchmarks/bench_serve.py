@@ -1,7 +1,10 @@
-"""`moestream serve` against `moestream generate` on the same store, prompt and budget, in one run.
+"""`moestream serve` measured through its API: against `moestream generate`, under concurrent streams
+decoded together, and over a multi-turn chat that reuses its KV.
 
     python benchmarks/bench_serve.py STORE --memory 8MiB [--rounds 3] [--tokens 64] [--concurrent 20]
-    (--rounds 0 or --concurrent 0 skips that part)
+    python benchmarks/bench_serve.py STORE --memory 768MiB --rounds 0 --concurrent 0 --streams 1,4,16 --tokens 32
+    python benchmarks/bench_serve.py STORE --memory 8MiB --rounds 0 --concurrent 0 --chat-turns 10
+    (--rounds 0, --concurrent 0, no --streams, --chat-turns 0: skip that part)
 
 1. Single request, greedy, the same prompt: `moestream generate --greedy --json` (a fresh process each
    round) and a streamed /v1/completions request through the `openai` client to one `moestream serve`
@@ -11,6 +14,15 @@
 2. N concurrent streamed chat requests (different questions, seeded sampling): wall time, tokens/s over
    all of them, time to first piece and total latency per request, whether each equals its solo answer,
    and the server's peak RSS against its RSS when it started answering.
+3. --streams 1,4,16: for each count N, N concurrent streamed completions of exactly --tokens tokens
+   each (`ignore_eos`; different prompts from --prompts, seeded sampling), in --stream-rounds rounds whose order of counts
+   alternates. Aggregate tokens/s is the tokens generated over the phase's wall time (prefills included);
+   expert bytes read per token and the mean batch come from the server's /metrics; ratios are against
+   N=1 in the same round. The server runs with --max-batch at the largest N. Then peak RSS against the
+   RSS at ready plus the expert budget plus the running requests' KV budget.
+4. --chat-turns T: one conversation of T turns through /v1/chat/completions (greedy), with the server's
+   prefix cache, then the same turns against a second server with --kv-memory 0: time to first token of
+   each turn (the server's own, from arrival to first token), the prompt tokens and those reused.
 """
 
 from __future__ import annotations
@@ -84,36 +96,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=20)
+    ap.add_argument("--streams", default="", help="comma-separated stream counts, e.g. 1,4,16 (part 3)")
+    ap.add_argument("--stream-rounds", type=int, default=2)
+    ap.add_argument("--prompts", default=None, help="a text file whose paragraphs are the prompts of part 3")
+    ap.add_argument("--chat-turns", type=int, default=0, help="turns of the chat of part 4")
+    ap.add_argument("--batch-kv-memory", default="2GiB", help="the server's running-KV budget")
+    ap.add_argument("--kv-memory", default="1GiB", help="the server's prefix-cache budget (parts 1-3)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the server too
 
-    log = Path(tempfile.mkdtemp()) / "serve.log"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "moestream.cli",
-            "serve",
-            args.store,
-            "--memory",
-            args.memory,
-            "--port",
-            "0",
-            "--model-name",
-            "m",
-            "--log-level",
-            "warning",
-        ],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    streams = [int(n) for n in args.streams.split(",")] if args.streams else []
+    extra = ["--max-batch", str(max(streams + [8])), "--batch-kv-memory", args.batch_kv_memory, "--kv-memory", args.kv_memory]
+    server, client = start_server(args.store, args.memory, extra)
     try:
-        while not (match := re.search(r"at (http://\S+)/v1", log.read_text())):
-            if server.poll() is not None:
-                raise SystemExit(log.read_text())
-            time.sleep(0.1)
-        client = OpenAI(base_url=match.group(1) + "/v1", api_key="none", max_retries=0, timeout=600)
-        client.models.list()
         rss_ready = status_bytes(server.pid, "VmRSS")
 
         if args.rounds:
@@ -149,50 +144,188 @@ def main() -> None:
                 f"(server side {statistics.median(server_rates):.1f}), "
                 f"API/generate {statistics.median(ratios):.2f} (median of the rounds' ratios)"
             )
-        if not args.concurrent:
-            return
-
-        questions = [f"Write a function number {i} that" for i in range(args.concurrent)]
-
-        def ask(i: int):
-            return timed_stream(
-                lambda: client.chat.completions.create(
-                    model="m",
-                    messages=[{"role": "user", "content": questions[i]}],
-                    max_tokens=args.tokens,
-                    temperature=1.0,
-                    seed=i,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                ),
-                lambda c: c.choices[0].delta.content if c.choices else "",
-            )
-
-        load_before = os.getloadavg()[0]
-        solo = [ask(i) for i in range(args.concurrent)]
-        tokens_before = _metric(client, "completion_tokens_total")
-        start = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrent) as pool:
-            together = list(pool.map(ask, range(args.concurrent)))
-        wall = time.perf_counter() - start
-        generated = _metric(client, "completion_tokens_total") - tokens_before
-        ttfts = sorted(t[1] for t in together)
-        totals = sorted(t[3] for t in together)
-        peak = status_bytes(server.pid, "VmHWM")
-        print(f"{args.concurrent} concurrent streamed chat requests, {args.tokens} tokens max, seeded sampling:")
-        print(
-            f"  all complete: {len(together)}; each equals its solo answer: {all(a[0] == b[0] for a, b in zip(together, solo))}"
-        )
-        print(f"  wall {wall:.1f} s, {generated:.0f} tokens, {generated / wall:.1f} tok/s over all requests")
-        print(f"  first text after: min {ttfts[0]:.2f} s, median {statistics.median(ttfts):.2f} s, max {ttfts[-1]:.2f} s")
-        print(f"  request latency: min {totals[0]:.2f} s, median {statistics.median(totals):.2f} s, max {totals[-1]:.2f} s")
-        print(f"  load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
-        print(
-            f"  server RSS at ready {rss_ready / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{(peak - rss_ready) / 2**20:.0f} MiB)"
-        )
+        if args.concurrent:
+            concurrent_chats(client, server, args, rss_ready)
+        if streams:
+            stream_counts(client, server, args, streams, rss_ready)
+        if args.chat_turns:
+            chat_turns(client, args, "with the prefix cache (--kv-memory 1GiB)")
     finally:
         server.terminate()
         server.wait(timeout=60)
+    if args.chat_turns:
+        server, client = start_server(args.store, args.memory, ["--kv-memory", "0"])
+        try:
+            chat_turns(client, args, "without it (--kv-memory 0)")
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def start_server(store: str, memory: str, extra: list[str]):
+    """A `moestream serve` process on a free port, and an openai client for it."""
+    log = Path(tempfile.mkdtemp()) / "serve.log"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moestream.cli", "serve", store, "--memory", memory, "--port", "0"]
+        + ["--model-name", "m", "--log-level", "warning", *extra],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    while not (match := re.search(r"at (http://\S+)/v1", log.read_text())):
+        if server.poll() is not None:
+            raise SystemExit(log.read_text())
+        time.sleep(0.1)
+    client = OpenAI(base_url=match.group(1) + "/v1", api_key="none", max_retries=0, timeout=600)
+    client.models.list()
+    return server, client
+
+
+def concurrent_chats(client, server, args, rss_ready: int) -> None:
+    questions = [f"Write a function number {i} that" for i in range(args.concurrent)]
+
+    def ask(i: int):
+        return timed_stream(
+            lambda: client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": questions[i]}],
+                max_tokens=args.tokens,
+                temperature=1.0,
+                seed=i,
+                stream=True,
+                stream_options={"include_usage": True},
+            ),
+            lambda c: c.choices[0].delta.content if c.choices else "",
+        )
+
+    load_before = os.getloadavg()[0]
+    solo = [ask(i) for i in range(args.concurrent)]
+    tokens_before = _metric(client, "completion_tokens_total")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(args.concurrent) as pool:
+        together = list(pool.map(ask, range(args.concurrent)))
+    wall = time.perf_counter() - start
+    generated = _metric(client, "completion_tokens_total") - tokens_before
+    ttfts = sorted(t[1] for t in together)
+    totals = sorted(t[3] for t in together)
+    peak = status_bytes(server.pid, "VmHWM")
+    print(f"{args.concurrent} concurrent streamed chat requests, {args.tokens} tokens max, seeded sampling:")
+    print(f"  all complete: {len(together)}; each equals its solo answer: {all(a[0] == b[0] for a, b in zip(together, solo))}")
+    print(f"  wall {wall:.1f} s, {generated:.0f} tokens, {generated / wall:.1f} tok/s over all requests")
+    print(f"  first text after: min {ttfts[0]:.2f} s, median {statistics.median(ttfts):.2f} s, max {ttfts[-1]:.2f} s")
+    print(f"  request latency: min {totals[0]:.2f} s, median {statistics.median(totals):.2f} s, max {totals[-1]:.2f} s")
+    print(f"  load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
+    print(
+        f"  server RSS at ready {rss_ready / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{(peak - rss_ready) / 2**20:.0f} MiB)"
+    )
+
+
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Stack:\n    def __init__(self):",
+    "# Read a CSV file and print the sum of each column\n",
+    "def binary_search(items, target):",
+    "for i in range(10):\n",
+    "def parse_args():\n    parser = argparse.ArgumentParser(",
+    "with open(path) as f:\n",
+]
+
+
+def load_prompts(path: str | None, count: int) -> list[str]:
+    """`count` prompts: paragraphs of the --prompts file (its first 200 characters each), or the defaults, cycled."""
+    if path:
+        pieces = [p.strip()[:200] for p in Path(path).read_text().split("\n\n") if p.strip()]
+    else:
+        pieces = DEFAULT_PROMPTS
+    return [pieces[i % len(pieces)] for i in range(count)]
+
+
+def stream_counts(client, server, args, counts: list[int], rss_ready: int) -> None:
+    prompts = load_prompts(args.prompts, max(counts))
+
+    def one(i: int) -> str:
+        return timed_stream(
+            lambda: client.completions.create(
+                model="m",
+                prompt=prompts[i],
+                max_tokens=args.tokens,
+                temperature=0.7,
+                seed=i,
+                stream=True,
+                extra_body={"ignore_eos": True},  # every stream exactly --tokens long
+            ),
+            lambda c: c.choices[0].text if c.choices else "",
+        )[0]
+
+    names = ["completion_tokens_total", "expert_bytes_read_total", "decode_steps_total", "decode_step_sequences_total"]
+    with ThreadPoolExecutor(max(counts)) as pool:  # warm-up: fills the expert cache as a running server's is
+        list(pool.map(one, range(max(counts))))
+    print(
+        f"concurrent streams: completions of {args.tokens} tokens, seeded sampling, --memory {args.memory}, --max-batch {max(counts)}"
+    )
+    rates: dict[int, list[float]] = {n: [] for n in counts}
+    for r in range(args.stream_rounds):
+        order = counts if r % 2 == 0 else counts[::-1]
+        for n in order:
+            before = {k: _metric(client, k) for k in names}
+            start = time.perf_counter()
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(one, range(n)))
+            wall = time.perf_counter() - start
+            d = {k: _metric(client, k) - before[k] for k in names}
+            rates[n].append(d["completion_tokens_total"] / wall)
+            print(
+                f"  round {r + 1}, {n:2d} streams: {d['completion_tokens_total']:.0f} tokens in {wall:.1f} s = "
+                f"{rates[n][-1]:.1f} tok/s; {d['expert_bytes_read_total'] / d['completion_tokens_total'] / 1e6:.2f} MB "
+                f"of experts read per token; mean batch {d['decode_step_sequences_total'] / max(1, d['decode_steps_total']):.1f}; "
+                f"load average {os.getloadavg()[0]:.2f}",
+                flush=True,
+            )
+    base = rates[counts[0]]
+    for n in counts[1:]:
+        ratios = [a / b for a, b in zip(rates[n], base)]
+        print(
+            f"  {n} streams / {counts[0]}: {statistics.median(ratios):.2f}x (median of the rounds' ratios; rounds: "
+            + ", ".join(f"{x:.2f}" for x in ratios)
+            + ")"
+        )
+    peak = status_bytes(server.pid, "VmHWM")
+    m = {
+        k: _metric(client, k) / 2**20
+        for k in ("expert_cache_budget_bytes", "batch_kv_budget_bytes", "batch_kv_peak_bytes", "prefix_cache_budget_bytes")
+    }
+    prefix = _metric(client, "prefix_cache_bytes") / 2**20
+    grown = (peak - rss_ready) / 2**20
+    print(
+        f"  server RSS at ready {rss_ready / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{grown:.0f} MiB). Budgets: experts "
+        f"{m['expert_cache_budget_bytes']:.0f} MiB; running KV {m['batch_kv_budget_bytes']:.0f} MiB, of which "
+        f"{m['batch_kv_peak_bytes']:.0f} MiB held at most; prefix KV {m['prefix_cache_budget_bytes']:.0f} MiB, holding "
+        f"{prefix:.0f} MiB at the end. Beyond the expert budget and the KV held: {grown - m['expert_cache_budget_bytes'] - m['batch_kv_peak_bytes'] - prefix:.0f} MiB"
+    )
+
+
+def chat_turns(client, args, label: str) -> None:
+    messages = []
+    print(f"a {args.chat_turns}-turn chat, greedy, {args.tokens} tokens per answer, {label}:")
+    first = None
+    for turn in range(1, args.chat_turns + 1):
+        messages.append({"role": "user", "content": f"Turn {turn}: write one more line of the program."})
+        reused = _metric(client, "prefix_tokens_reused_total")
+        text, ttft, _, _ = timed_stream(
+            lambda: client.chat.completions.create(
+                model="m", messages=messages, max_tokens=args.tokens, temperature=0, stream=True
+            ),
+            lambda c: c.choices[0].delta.content if c.choices else "",
+        )
+        messages.append({"role": "assistant", "content": text})
+        server_ttft = _metric(client, "last_time_to_first_token_seconds")
+        first = first or server_ttft
+        print(
+            f"  turn {turn:2d}: time to first token {server_ttft * 1e3:.0f} ms in the server ({ttft * 1e3:.0f} ms to the first "
+            f"text at the client), {server_ttft / first:.2f}x turn 1's; prompt tokens reused "
+            f"{_metric(client, 'prefix_tokens_reused_total') - reused:.0f}",
+            flush=True,
+        )
 
 
 def _metric(client: OpenAI, name: str) -> float:

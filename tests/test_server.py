@@ -291,7 +291,9 @@ def test_batched_greedy_answers_equal_their_solo_answers_when_one_leaves(server)
     cancelled = server.metric("generations_ended_early_total", reason="cancelled")
     with ThreadPoolExecutor(6) as pool:
         # The third client leaves after three events; the batch goes on without it.
-        futures = [pool.submit(_stream_until, server, {**body, "prompt": p}, 3 if i == 2 else None) for i, p in enumerate(prompts)]
+        futures = [
+            pool.submit(_stream_until, server, {**body, "prompt": p}, 3 if i == 2 else None) for i, p in enumerate(prompts)
+        ]
         together = [f.result() for f in futures]
     assert [t for i, t in enumerate(together) if i != 2] == [t for i, t in enumerate(solo) if i != 2]
     assert solo[2].startswith(together[2]) and len(together[2]) < len(solo[2])
@@ -319,7 +321,9 @@ def test_twenty_concurrent_streams_with_disconnects_never_crash(server):
     body = {"model": MODEL, "max_tokens": 30, "temperature": 0.8, "seed": 5}
     prompts = [f"stream {i}" for i in range(20)]
     with ThreadPoolExecutor(20) as pool:
-        texts = list(pool.map(lambda ip: _stream_until(server, {**body, "prompt": ip[1]}, 2 if ip[0] % 2 else None), enumerate(prompts)))
+        texts = list(
+            pool.map(lambda ip: _stream_until(server, {**body, "prompt": ip[1]}, 2 if ip[0] % 2 else None), enumerate(prompts))
+        )
     _wait_for(lambda: server.metric("requests_running") == 0 and server.metric("requests_queued") == 0, seconds=60)
     assert server.process.poll() is None and server.http.get("/health").json()["status"] == "ok"
     for i in (0, 4, 10):  # those that stayed got their solo answers

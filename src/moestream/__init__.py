@@ -3,13 +3,14 @@
 Public API:
     moestream.convert(src, dst, experts_dtype=None)   # Hugging Face checkpoint -> store
     moestream.load(store, memory="4GiB")               # -> (transformers model, tokenizer)
+    moestream.generate_batch(model, tok, prompts, 64)  # several prompts decoded together -> results in order
     moestream.stats(model)                             # cache hits, misses, bytes read, per layer
     moestream.close(model)                             # stop its reader threads, release its cache
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["close", "convert", "load", "stats", "__version__"]
+__all__ = ["close", "convert", "generate_batch", "load", "stats", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from .conversion.convert import convert
 
         return convert
+    if name == "generate_batch":
+        from .frontends.batching import generate_batch
+
+        return generate_batch
     if name in ("close", "load", "stats"):
         from .core import loading
 

@@ -89,7 +89,14 @@ class ChatSession:
             self.messages.pop()
             return None
         result = stream(
-            self.model, self.tokenizer, ids, max_new, on_text=on_text, cancel=cancel, prefix_cache=self.prefix_cache, **self.sampling
+            self.model,
+            self.tokenizer,
+            ids,
+            max_new,
+            on_text=on_text,
+            cancel=cancel,
+            prefix_cache=self.prefix_cache,
+            **self.sampling,
         )
         # A stopped answer stays as far as it went: it is what the user saw.
         self.messages.append({"role": "assistant", "content": result.text})

@@ -266,6 +266,7 @@ def prometheus_text(
     metric("prefix_cache_bytes", "gauge", "KV bytes the prefix cache holds.", [({}, prefix.bytes)])
     metric("prefix_cache_budget_bytes", "gauge", "The prefix cache's budget (--kv-memory).", [({}, config.kv_memory)])
     metric("batch_kv_bytes", "gauge", "KV bytes the running requests hold.", [({}, w.batch_kv_bytes)])
+    metric("batch_kv_peak_bytes", "gauge", "The most KV bytes the running requests have held.", [({}, w.batch_kv_peak_bytes)])
     metric(
         "batch_kv_budget_bytes",
         "gauge",

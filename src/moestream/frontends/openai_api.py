@@ -131,6 +131,8 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: _StreamOptions | None = None
     n: int | None = None
+    # vLLM's extension, for benchmarks that time a fixed length: never stop at end-of-sequence.
+    ignore_eos: bool = False
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -246,6 +248,7 @@ class Endpoint(ABC):
             # A request without a seed gets a fresh one, so it never depends on what ran before it.
             seed=secrets.randbits(63) if req.seed is None else req.seed % 2**64,
             stop=stops,
+            ignore_eos=req.ignore_eos,
         )
 
 

@@ -44,6 +44,7 @@ class GenerationParams:
     top_p: float
     seed: int
     stop: list[str]
+    ignore_eos: bool = False
 
 
 class WorkerError(Exception):
@@ -179,6 +180,7 @@ class WorkerStats:
     batch_steps: int = 0  # decode steps, and the sequences summed over them (their ratio: the mean batch)
     batch_rows: int = 0
     batch_kv_bytes: int = 0  # KV the running sequences hold, after the last step
+    batch_kv_peak_bytes: int = 0  # the most they held after any step
 
 
 class Worker:
@@ -280,6 +282,7 @@ class Worker:
             with self._cond:
                 s = self._stats
                 s.batch_steps, s.batch_rows, s.batch_kv_bytes = batch.stats.steps, batch.stats.rows, batch.kv_bytes()
+                s.batch_kv_peak_bytes = max(s.batch_kv_peak_bytes, s.batch_kv_bytes)
         for job in self._take_all():  # closing: the running jobs end as cancelled
             job.decoding.finish_reason = "cancelled"
             job._post("done", job.decoding.result())
@@ -306,6 +309,7 @@ class Worker:
             top_p=p.top_p,
             seed=p.seed,
             stop=p.stop,
+            ignore_eos=p.ignore_eos,
             on_text=lambda text: job._post("text", text),
             on_first_token=lambda: self._first_token(job),
             cancel=job._cancel,
