@@ -1,0 +1,74 @@
+"""moestream's batched decoding in one process, against each prompt alone and against transformers' own
+continuous batching (`model.generate_batch`, paged attention) on the same loaded model.
+
+    python benchmarks/batching_check.py STORE --memory 8MiB --prompts heldout.txt [--compute-dtype fp32]
+
+1. Exactness: --count prompts (paragraphs of --prompts, their first 200 characters), --tokens greedy
+   tokens each, decoded alone (`generate.stream`) and --batches at a time (`moestream.generate_batch`):
+   how many equal, and where the others part.
+2. Speed: the same prompts all at once, moestream's `generate_batch` and transformers' `generate_batch`
+   (end-of-sequence disabled in both), alternating for --rounds rounds: aggregate tok/s (tokens over the
+   wall time of the call, prefills included), and how many of transformers' answers equal moestream's.
+"""
+
+import argparse
+import time
+
+from transformers import GenerationConfig
+
+import moestream
+from moestream.frontends.generate import stream
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("store")
+    parser.add_argument("--memory", default="8MiB")
+    parser.add_argument("--prompts", required=True, help="a text file; its paragraphs are the prompts")
+    parser.add_argument("--count", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--batches", default="4,16")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compute-dtype", default="auto")
+    args = parser.parse_args()
+
+    model, tokenizer = moestream.load(args.store, memory=args.memory, compute_dtype=args.compute_dtype)
+    paragraphs = [p.strip()[:200] for p in open(args.prompts).read().split("\n\n") if p.strip()]
+    prompts = [tokenizer(p)["input_ids"] for p in paragraphs[: args.count]]
+    n = args.tokens
+    print(f"{args.store}, --memory {args.memory}, compute dtype {model.dtype}, {len(prompts)} prompts x {n} greedy tokens")
+
+    solo = [stream(model, None, p, n, greedy=True, ignore_eos=True).token_ids for p in prompts]
+    for batch in (int(b) for b in args.batches.split(",")):
+        together = moestream.generate_batch(model, None, prompts, n, max_batch=batch, greedy=True, ignore_eos=True)
+        parted = [next((i for i, (a, b) in enumerate(zip(x, r.token_ids)) if a != b), None) for x, r in zip(solo, together)]
+        print(
+            f"  {batch} at a time: {sum(p is None for p in parted)} of {len(prompts)} equal their solo answers"
+            + (
+                f"; the others part at tokens {sorted(p for p in parted if p is not None)}"
+                if any(p is not None for p in parted)
+                else ""
+            )
+        )
+
+    config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+    for r in range(args.rounds):
+        start = time.perf_counter()
+        ours = moestream.generate_batch(model, None, prompts, n, max_batch=len(prompts), greedy=True, ignore_eos=True)
+        mine = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate_batch(prompts, generation_config=config, progress_bar=False)
+        theirs_seconds = time.perf_counter() - start
+        theirs = [list(out[k].generated_tokens) for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
+        same = sum(a.token_ids == b for a, b in zip(ours, theirs))
+        total = len(prompts) * n
+        print(
+            f"  round {r + 1}, all {len(prompts)} at once: moestream {total / mine:.1f} tok/s, transformers' generate_batch "
+            f"{total / theirs_seconds:.1f} tok/s ({mine / theirs_seconds:.2f}x its time); its answers equal moestream's: "
+            f"{same} of {len(prompts)}"
+        )
+    moestream.close(model)
+
+
+if __name__ == "__main__":
+    main()
