@@ -144,6 +144,9 @@ def test_models_health_and_help(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
     assert server.client.models.retrieve(MODEL).id == MODEL
     assert server.http.get("/health").json() == {"status": "ok", "model": MODEL, "queued": 0, "running": 0}
+    budgets = next(line for line in server.log.read_text().splitlines() if "memory budgets" in line)
+    assert "experts 40 KiB (--memory)" in budgets and "KV 2 GiB (--batch-kv-memory, up to 8 together)" in budgets
+    assert "1 GiB (--kv-memory)" in budgets
     out = build_parser().format_help()
     assert "chat" in out and "serve" in out
 
@@ -156,16 +159,18 @@ import sys
 sys.modules["fastapi"] = sys.modules["uvicorn"] = None  # as if `moestream[server]` were not installed
 from moestream.cli import main
 assert "serve" in __import__("moestream.cli").cli.build_parser().format_help()
-for extra in (["--port", "70000"], ["--max-queue", "0"], ["--request-timeout", "nan"], ["--default-max-tokens", "-1"], []):
+for extra in (["--port", "70000"], ["--max-queue", "0"], ["--request-timeout", "nan"], ["--default-max-tokens", "-1"],
+              ["--max-batch", "0"], ["--kv-memory", "lots"], ["--batch-kv-memory", "0"], []):
     print(main(["serve", "no-such-store", *extra]))
 """
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["2"] * 5
+    assert done.stdout.split() == ["2"] * 8
     errors = [line for line in done.stderr.splitlines() if line.startswith("moestream: error:")]
-    assert len(errors) == 5, done.stderr
+    assert len(errors) == 8, done.stderr
     assert "--port" in errors[0] and "--max-queue" in errors[1] and "--request-timeout" in errors[2]
-    assert "--default-max-tokens" in errors[3] and "pip install 'moestream[server]'" in errors[4]
+    assert "--default-max-tokens" in errors[3] and "--max-batch" in errors[4] and "'lots'" in errors[5]
+    assert "--batch-kv-memory" in errors[6] and "pip install 'moestream[server]'" in errors[7]
 
 
 def test_chat_streamed_equals_non_streamed_with_usage(server):

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from ..core.loading import engine_of
 from .batching import BatchGenerator
 from .generate import Decoding, GenerationResult
 from .kv_cache import PrefixCache
@@ -211,6 +212,7 @@ class Worker:
 
     def start(self) -> None:
         self.batch = BatchGenerator(self.model, **self._batch_options)
+        engine_of(self.model).reset_stats()  # the batch's one-token probe is no request's
         self._thread.start()
 
     def close(self) -> None:
