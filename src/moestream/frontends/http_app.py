@@ -4,10 +4,10 @@ Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both
 server-sent events ending in `data: [DONE]`, or false), GET /health, GET /metrics (Prometheus text).
 
 The async handlers only read, validate and tokenize (openai_api), then submit the generation to the
-one worker thread (worker) and wait for its output. Each generation seeds torch's generator right
-before it starts (a random seed when the request has none), and the expert cache never changes results
-(docs/ARCHITECTURE.md, "One decode step"), so an answer is the same whether the request ran alone or
-behind nineteen others. A client that disconnects, or a request past its timeout, cancels its job.
+one worker thread (worker), which decodes up to --max-batch requests together, and wait for its
+output. Each generation samples from a generator of its own, seeded with the request's seed (a random
+one when the request has none), and the expert cache never changes results (docs/ARCHITECTURE.md, "One
+decode step"), so a seeded answer is the same whether the request ran alone or beside nineteen others. A client that disconnects, or a request past its timeout, cancels its job.
 Every failure is an OpenAI-style error object with a 4xx/5xx status; nothing a client sends can stop
 the server.
 """
