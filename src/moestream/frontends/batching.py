@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from .generate import Decoding, GenerationResult, _Forward, encode, generate_step
+from .generate import Decoding, Forward, GenerationResult, encode, generate_step
 from .kv_cache import BatchKV, PrefixCache, batchable, kv_bytes
 
 
@@ -47,8 +47,6 @@ class KVBudgetExceeded(Exception):
 class BatchStats:
     steps: int = 0  # decode steps of the batch
     rows: int = 0  # sequences summed over those steps (rows / steps: the mean batch size)
-    prefills: int = 0
-    prompt_tokens_reused: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class BatchGenerator:
@@ -98,13 +96,10 @@ class BatchGenerator:
         if self.not_batchable:
             return self._admit_lone(decoding)
         cache, reused = self.prefix_cache.match(decoding.prompt_ids) if self.prefix_cache is not None else (None, 0)
-        forward = _Forward(self.model, cache)
+        forward = Forward(self.model, cache)
         with torch.inference_mode():
             logits = forward(torch.tensor([decoding.prompt_ids[reused:]], dtype=torch.long))[:, -1, :].float()
             token = int(decoding.choose(logits)[0])
-        self.stats.prefills += 1
-        self.stats.prompt_tokens_reused += reused
-        decoding.reused_tokens = reused
         if decoding.accept(token):
             self._keep_prefix(decoding, forward.cache)
             return True
@@ -119,7 +114,7 @@ class BatchGenerator:
             return []
         if self.not_batchable:
             return self._decode_lone()
-        forward = _Forward(self.model, self.kv.cache)
+        forward = Forward(self.model, self.kv.cache)
         ids = torch.tensor([[d.new[-1]] for d in self.running], dtype=torch.long)
         try:
             with torch.inference_mode():
@@ -151,7 +146,8 @@ class BatchGenerator:
             self._lone.close()
             self._lone = None
         del self.running[i]
-        self.kv.keep([j for j in range(len(self.kv)) if j != i] if not self.not_batchable else [])
+        if not self.not_batchable:
+            self.kv.keep([j for j in range(len(self.kv)) if j != i])
 
     def kv_bytes(self) -> int:
         """Bytes of KV the running sequences hold now."""
@@ -166,7 +162,6 @@ class BatchGenerator:
 
     def _admit_lone(self, decoding: Decoding) -> bool:
         steps = generate_step(self.model, decoding.prompt_ids, decoding.choose, prefix_cache=self.prefix_cache)
-        self.stats.prefills += 1
         if decoding.accept(next(steps)):
             steps.close()
             return True
@@ -193,7 +188,7 @@ class BatchGenerator:
 def _probe(model) -> tuple[int, str | None]:
     """(bytes of KV one position takes in one row, None or why the cache does not batch), from a forward
     pass of one token."""
-    forward = _Forward(model)
+    forward = Forward(model)
     with torch.inference_mode():
         forward(torch.zeros((1, 1), dtype=torch.long))
     return kv_bytes(forward.cache), batchable(forward.cache)

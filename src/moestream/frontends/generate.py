@@ -223,7 +223,7 @@ def make_sampler(
     return sample
 
 
-class _Forward:
+class Forward:
     """A causal LM's forward pass with its KV cache, across transformers versions: the cache argument is
     `cache` since 5.24 and `past_key_values` before; only the last position's logits are asked for where
     the model takes `logits_to_keep` (a long prompt's full [T, vocab] logits would be computed for nothing)."""
@@ -252,7 +252,7 @@ def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = No
     prompt_ids = _token_list(prompt_ids)
     sampler = sampler or make_sampler(greedy=True)
     cache, reused = prefix_cache.match(prompt_ids) if prefix_cache is not None else (None, 0)
-    forward = _Forward(model, cache)
+    forward = Forward(model, cache)
     fed = list(prompt_ids)  # the ids whose KV the cache holds whenever a token is yielded
     step = torch.tensor([fed[reused:]], dtype=torch.long)
     while True:
@@ -277,7 +277,7 @@ def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
     prefill = min(max(0, prefill), ids.shape[1])
     steps = ([ids[:, :prefill]] if prefill else []) + [ids[:, i : i + 1] for i in range(prefill, ids.shape[1])]
-    forward = _Forward(model)
+    forward = Forward(model)
     with torch.inference_mode():
         for step in steps:
             forward(step)
@@ -328,7 +328,6 @@ class Decoding:
         self.on_text, self.on_first_token = on_text, on_first_token
         self.cancel, self.deadline = cancel, deadline
         self.new: list[int] = []
-        self.reused_tokens = 0  # prompt tokens whose KV came from a prefix cache (set by a batch's prefill)
         self.finish_reason: str | None = None
         self.start = time.perf_counter()
         self.first = self.last = self.start

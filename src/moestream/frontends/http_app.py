@@ -260,7 +260,7 @@ def prometheus_text(
         "prefix_tokens_reused_total",
         "counter",
         "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
-        [({}, w.prompt_tokens_reused)],
+        [({}, prefix.tokens_reused)],
     )
     metric("prefix_cache_entries", "gauge", "Sequences whose KV the prefix cache holds.", [({}, prefix.entries)])
     metric("prefix_cache_bytes", "gauge", "KV bytes the prefix cache holds.", [({}, prefix.bytes)])

@@ -177,7 +177,6 @@ class WorkerStats:
     first_tokens: int = 0  # jobs that got a first token, and the seconds from submission to it
     first_token_seconds: float = 0.0
     last_time_to_first_token: float = 0.0
-    prompt_tokens_reused: int = 0  # prompt tokens whose KV came from the prefix cache
     batch_steps: int = 0  # decode steps, and the sequences summed over them (their ratio: the mean batch)
     batch_rows: int = 0
     batch_kv_bytes: int = 0  # KV the running sequences hold, after the last step
@@ -200,7 +199,6 @@ class Worker:
         self.model = model
         self.tokenizer = tokenizer
         self.max_queue = max_queue
-        self.prefix_cache = prefix_cache
         self._batch_options = dict(max_batch=max_batch, prefix_cache=prefix_cache, kv_budget_bytes=kv_budget_bytes)
         self.batch: BatchGenerator | None = None  # made by start(): it runs one forward pass
         self._pending: deque[Job] = deque()
@@ -246,9 +244,6 @@ class Worker:
     def running(self) -> int:
         with self._cond:
             return len(self._running)
-
-    def is_running(self) -> bool:
-        return self.running() > 0
 
     def stats(self) -> WorkerStats:
         """A consistent copy of the totals, safe to read from any thread."""
@@ -340,7 +335,6 @@ class Worker:
             s.first_tokens += 1
             s.first_token_seconds += seconds
             s.last_time_to_first_token = seconds
-            s.prompt_tokens_reused += job.decoding.reused_tokens
 
     def _finish(self, decoding: Decoding) -> None:
         result = decoding.result()
