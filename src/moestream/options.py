@@ -20,6 +20,8 @@ from .errors import MoestreamError, UsageError
 
 #: `--io`: direct = O_DIRECT reads, expert bytes live only in moestream's cache; buffered = through the page cache.
 IO_MODES = ("direct", "buffered")
+#: `--device`: where the model computes.
+DEVICES = ("cpu", "cuda")
 DEFAULT_IO_THREADS = 4
 
 
@@ -110,6 +112,20 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_memory_argument(parser, memory_default)
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=DEVICES[0],
+        help="where the model computes: cpu (default), or cuda: resident weights on the GPU, experts kept in VRAM "
+        "(--gpu-memory) above the host cache (--memory, page-locked RAM), read from disk below both",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="with --device cuda: the VRAM budget of experts (default: half of the VRAM free once the resident weights "
+        "are on the GPU)",
+    )
     add_threads_argument(parser)
     add_io_threads_argument(parser)
     parser.add_argument(
@@ -150,7 +166,11 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
 def engine_options(args: argparse.Namespace) -> dict:
     """The load() keyword options that add_store_arguments defined, checked."""
     positive(args.io_threads, "--io-threads")
+    if args.gpu_memory is not None and args.device != "cuda":
+        raise UsageError("--gpu-memory is the VRAM budget of --device cuda; add --device cuda, or leave it out")
     return dict(
+        device=args.device,
+        gpu_memory=args.gpu_memory,
         io_threads=args.io_threads,
         direct_io=args.io == "direct",
         verify=args.verify,

@@ -58,6 +58,7 @@ class LayerStats:
     wait_seconds: float = 0.0  # time the model thread spent blocked on this layer's reads
     verify_seconds: float = 0.0  # checksum time on the I/O threads (not on the model thread)
     evictions: int = 0  # this layer's experts pushed out of the cache
+    device_hits: int = 0  # of the hits, those found in the device tier (device_tier.py), computed at once
 
 
 class ExpertEngine:
@@ -103,6 +104,7 @@ class ExpertEngine:
         # (`end_layer(layer)`): the prefetcher's clock, the prefill progress bar.
         self.step_hooks: list = [PrefillProgress(len(self.layers))]
         self._ahead: list[Entry] = []  # reads ahead of need that may still be READING_AHEAD
+        self.tier = None  # a device_tier.DeviceTier above the host cache, set by load(device="cuda")
 
     def _evicted(self, entry: Entry) -> None:
         self.layer_stats[entry.key[0]].evictions += 1
@@ -152,9 +154,11 @@ class ExpertEngine:
                     start += c
             self.cache.reclaim()
             self._collect_ahead()
-            call = scheduler.lookup(self.cache, layer, rows)
+            on_device = self._device_lookup(layer, rows)
+            call = scheduler.lookup(self.cache, layer, [e for e in rows if e not in on_device] if on_device else rows)
             stats = self.layer_stats[layer]
-            stats.hits += call.hits
+            stats.hits += call.hits + len(on_device)
+            stats.device_hits += len(on_device)
             stats.misses += call.misses
             if self.prefetcher is not None:
                 for _ in call.used_ahead:
@@ -162,6 +166,9 @@ class ExpertEngine:
                 self.prefetcher.observe(layer, list(rows))
             io = _LayerCall(self, module, layer, hidden, rows, top_k_weights, tokens, k, single)
             try:
+                for entry in on_device.values():  # first: their slots then wait only on queued work
+                    self._compute(io, entry.key[1], entry.tensors)
+                    self.tier.done_with([entry])
                 call.run(io)
             finally:
                 for hook in self.step_hooks:
@@ -226,10 +233,7 @@ class ExpertEngine:
         stats.bytes_read += spec.layout.stride
         stats.read_seconds += result.seconds
         stats.verify_seconds += result.verify_seconds
-        raw = self.cache.slot_tensor(entry.slot)
-        entry.tensors = {
-            t.name: raw[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) for t in spec.layout.tensors
-        }
+        entry.tensors = self.record_views(layer, self.cache.slot_tensor(entry.slot))
         entry.read = None
         entry.state = State.UNUSED if entry.state is State.READING_AHEAD else State.READY
 
@@ -260,10 +264,42 @@ class ExpertEngine:
 
     # -- compute ----------------------------------------------------------------------------------------
 
+    def _device_lookup(self, layer: int, rows) -> dict[int, Entry]:
+        """The call's experts found in the device tier (pinned), by id; none without one."""
+        if self.tier is None:
+            return {}
+        self.tier.release()
+        found = {}
+        for e in rows:
+            entry = self.tier.lookup(layer, e)
+            if entry is not None:
+                found[e] = entry
+        return found
+
     def compute(self, call: _LayerCall, entry: Entry) -> None:
+        """One expert whose host entry is ready, computed where the model runs: from the host slot on the
+        CPU, or from a device slot it is first copied into (device_tier.py)."""
+        if self.tier is None:
+            self._compute(call, entry.key[1], entry.tensors)
+            return
+        staged = self.tier.stage(entry, self.cache, self.cache.slot_tensor(entry.slot), self.layers[call.layer].layout.nbytes)
+        try:
+            self._compute(call, entry.key[1], staged.tensors)
+        finally:
+            self.tier.done_with([staged])
+            self.tier.release()  # copies that are over give their host slots back to this call's misses
+
+    def record_views(self, layer: int, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A record's tensors as views into the bytes of a slot holding it (host or device memory)."""
+        return {
+            t.name: raw[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
+            for t in self.layers[layer].layout.tensors
+        }
+
+    def _compute(self, call: _LayerCall, expert: int, w: dict[str, torch.Tensor]) -> None:
         """One expert on the tokens routed to it, with the module's own gate/activation semantics."""
-        module, w, fmt = call.module, entry.tensors, call.fmt
-        pos = call.rows[entry.key[1]]
+        module, fmt = call.module, call.fmt
+        pos = call.rows[expert]
         x = call.x if call.single else call.x[pos // call.k]
         h = expert_linear(x, w, call.first, fmt, module.is_transposed)
         if module.has_bias:
@@ -304,6 +340,11 @@ class ExpertEngine:
             "cache_budget_bytes": self.cache.budget_bytes,
             "cached_experts": len(self.cache),
             "direct_io": self.reader.direct,
+            "device_hits": sum(s["device_hits"] for s in layers),
+            "device_cache_slots": self.tier.capacity if self.tier is not None else 0,
+            "device_cache_budget_bytes": self.tier.cache.budget_bytes if self.tier is not None else 0,
+            "device_cached_experts": len(self.tier.cache) if self.tier is not None else 0,
+            "device_waits": self.tier.waits if self.tier is not None else 0,
             "prefetch": self.prefetcher.report() if self.prefetcher is not None else None,
             "peak_rss_bytes": peak_rss_bytes(),
             "layers": layers,
@@ -314,6 +355,8 @@ class ExpertEngine:
             self.layer_stats = [LayerStats() for _ in self.layers]
 
     def close(self) -> None:
+        if self.tier is not None:
+            self.tier.drain()
         self.reader.close()
 
 
@@ -377,6 +420,10 @@ class _LayerCall:
 
     def abandon(self, in_flight: list[Entry]) -> None:
         self.engine.abandon(in_flight)
+
+    def make_room(self) -> bool:
+        tier = self.engine.tier
+        return tier is not None and tier.wait_oldest()
 
 
 class PrefillProgress:

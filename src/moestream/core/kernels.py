@@ -1,8 +1,7 @@
 """Matmuls on weights as stored: y = x @ W.T for a float or quantized W [N, K] (quant.py).
 
 Expert records go through `expert_linear`, resident quantized linears (dense.py) through
-`quantized_matmul`; which kernel runs is decided here and nowhere else, so a CUDA path (torch's
-`_weight_int4pack_mm` with its own packing, or dequantize to bf16) is one more entry in `_KERNELS`.
+`quantized_matmul`; which kernel runs is decided here and nowhere else.
 
 CPU kernels:
 - int4: `torch._weight_int4pack_mm_for_cpu`, bf16 activations (fp32 activations would make the AVX2
@@ -12,6 +11,10 @@ CPU kernels:
   2.13 on AVX512), so such matrices run it in float32 (slower, and rare: real models' widths are
   multiples of 64).
 - int3, int2: expand the dense bytes to the int4 kernel's (byte-wide shifts and masks), then int4.
+
+CUDA kernels: float records in their own dtype (`F.linear`); int8 dequantized per call, then one
+matmul (`int8_dequantized`). The int4 family's records are in the CPU kernel's packed layout, so a
+store with them is refused on CUDA (`CUDA_FORMATS`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from ..errors import UsageError
 
 
 def _int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    if x.device.type != "cpu":
+        return int8_dequantized(x, qweight, scales)
     if x.dtype == torch.bfloat16 and x.shape[1] % 16:
         return torch._weight_int8pack_mm(x.float(), qweight, scales.float()).to(x.dtype)
     return torch._weight_int8pack_mm(x, qweight, scales if scales.dtype == x.dtype else scales.to(x.dtype))
@@ -36,6 +41,16 @@ def _int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fm
         return torch._weight_int4pack_mm_for_cpu(x, qweight, fmt.group_size, scales_zeros)
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qweight, fmt.group_size, scales_zeros).to(x.dtype)
 
+
+def int8_dequantized(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 on a device without torch's int8 kernel (CUDA): the matrix dequantized to the activations'
+    dtype for this call (W = q * s), then one matmul."""
+    return F.linear(x, qweight.to(x.dtype) * scales.to(x.dtype)[:, None])
+
+
+#: Formats whose kernels run on CUDA. int4/int3/int2 records are packed for torch's CPU int4 kernel
+#: (its layout depends on the CPU's kernels), which has no CUDA counterpart for that layout.
+CUDA_FORMATS = ("int8",)
 
 _KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4}
 

@@ -3,7 +3,9 @@
 Loading builds the model on the meta device from the stored config, checks that the store's records
 hold exactly what each experts module needs, hands every experts module to one ExpertEngine, loads the
 resident weights (hashed against the manifest), rebuilds buffers transformers computes at init, and
-loads the tokenizer. The engine (engine.py) then serves every experts call.
+loads the tokenizer. With device="cuda" the resident weights then move to the GPU and the engine gets
+a device tier above its host cache (device_tier.py). The engine (engine.py) then serves every experts
+call.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import torch
 from safetensors.torch import load_file
 
 from ..conversion.quant import expert_record_specs, int4_packing
-from ..conversion.sizes import routed_top_k
+from ..conversion.sizes import ModelSizes, routed_top_k
 from ..conversion.skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
 from ..conversion.store import DTYPES, Store, file_checksum
 from ..errors import StoreError, UsageError
-from ..units import parse_bytes
+from ..units import format_bytes, parse_bytes
 from . import dense, kernels
 from . import engine as engine_module
+from .device_tier import DeviceTier
+from .devices import CudaDevice, Device
 from .engine import IMPLEMENTATION, ExpertEngine
-from .policies import DEFAULT_POLICY
+from .policies import DEFAULT_POLICY, make_policy
 from .prefetch import Prefetcher, find_router
 
 
@@ -46,8 +50,9 @@ def _rebuild_buffers(model) -> None:
 def load(
     store: str | os.PathLike,
     memory: str | int = "4GiB",
-    device: str = "cpu",
+    device: str | Device = "cpu",
     *,
+    gpu_memory: str | int | None = None,
     io_threads: int = 4,
     direct_io: bool = True,
     verify: str = "first",
@@ -58,6 +63,11 @@ def load(
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
     memory: the expert cache budget ("4GiB", "512MB", or bytes); resident weights come on top of it.
+        With a GPU it is the host tier's, in page-locked RAM.
+    device: "cpu", or "cuda": resident weights on the GPU, experts cached in two tiers (device_tier.py).
+        (A devices.Device object runs the GPU code path on another device: the tests' StandInDevice.)
+    gpu_memory: with a GPU, the budget of experts kept in VRAM (default: half of the VRAM free once the
+        resident weights are on the GPU).
     verify: when expert records are checked against their checksums: "first" read of each (default),
         "always", or "off".
     policy: the cache's eviction policy, one of policies.POLICIES: "lfu" (decayed use counts, default),
@@ -70,14 +80,17 @@ def load(
         size), "bf16" or "fp32" (kernels.compute_dtype).
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
-    if device != "cpu":
-        raise UsageError(f"device {device!r} is not supported yet; this version runs on the CPU (device='cpu')")
+    accelerator = _device(device)
     engine_module.register()
     opened = Store(store)
     manifest = opened.manifest
     config = config_from_dict(manifest.model_config)
     stored = model_dtype(config)
-    dtype = kernels.compute_dtype(compute_dtype, stored)
+    # On a GPU the model computes in its own dtype unless told otherwise (CPU rules do not apply there).
+    on_gpu = isinstance(accelerator, CudaDevice)
+    dtype = kernels.compute_dtype(compute_dtype, stored) if not (on_gpu and compute_dtype == "auto") else stored
+    if on_gpu:
+        _check_cuda_formats(manifest)
     model = build_skeleton(config, stored, experts_implementation=IMPLEMENTATION)
     dense.install(model, manifest.dense)  # resident linears stored quantized (--dense-dtype)
     modules = experts_modules(model)
@@ -129,11 +142,61 @@ def load(
             )
         model._moestream_engine = engine
         model.eval()
+        if accelerator is not None:
+            _attach_device_tier(model, engine, accelerator, gpu_memory, policy)
         tokenizer = load_tokenizer(opened.directory)
     except BaseException:
         engine.close()  # its store files are open: a load that fails must not keep them
         raise
     return model, tokenizer
+
+
+def _device(device) -> Device | None:
+    """The accelerator `device` names (None for the CPU alone)."""
+    if device == "cpu":
+        return None
+    if device == "cuda":
+        return CudaDevice()
+    if isinstance(device, str):
+        raise UsageError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    return device
+
+
+def _check_cuda_formats(manifest) -> None:
+    formats = {layer.quantization.name for layer in manifest.layers if layer.quantization is not None}
+    formats |= {fmt.name for fmt in manifest.dense.values()} if manifest.dense else set()
+    unsupported = sorted(formats - set(kernels.CUDA_FORMATS))
+    if unsupported:
+        raise UsageError(
+            f"this store holds {', '.join(unsupported)} weights, whose records are packed for torch's CPU int4 kernel and "
+            "have no CUDA kernel here; for --device cuda convert the model with --experts-dtype int8 (or bf16) and "
+            "--dense-dtype int8 (or float)"
+        )
+
+
+def _attach_device_tier(model, engine: ExpertEngine, device: Device, gpu_memory, policy: str) -> None:
+    """Resident weights onto the device, and the device tier of the expert cache above the host cache."""
+    sizes = ModelSizes.of_store(engine.store.manifest)
+    if isinstance(device, CudaDevice):
+        model.to(device.device)
+        free, _ = torch.cuda.mem_get_info(device.device)
+        budget = parse_bytes(gpu_memory) if gpu_memory is not None else free // 2
+        if budget + sizes.minimum_budget > free:
+            raise UsageError(
+                f"--gpu-memory {format_bytes(budget)} does not fit: {format_bytes(free)} of VRAM is free with the resident "
+                f"weights on the GPU; pass --gpu-memory {format_bytes(max(sizes.minimum_budget, free // 2)).replace(' ', '')} or less"
+            )
+    else:
+        if gpu_memory is None:
+            raise UsageError("a device other than cuda needs an explicit gpu_memory budget")
+        budget = parse_bytes(gpu_memory)
+    if budget < sizes.minimum_budget:
+        raise UsageError(
+            f"--gpu-memory {format_bytes(budget)} cannot hold the {sizes.top_k} experts one token needs in one layer; the "
+            f"minimum is {format_bytes(sizes.minimum_budget)}: pass --gpu-memory {format_bytes(sizes.minimum_budget).replace(' ', '')} or more"
+        )
+    device.pin(engine.cache._arena_tensor)
+    engine.tier = DeviceTier(device, budget, sizes.stride_bytes, make_policy(policy, sizes.layer_experts), engine.record_views)
 
 
 def _check_record_layout(layer, module) -> None:

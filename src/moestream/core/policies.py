@@ -348,6 +348,8 @@ class ForecastPolicy:
         if self._idle:
             return
         ids = np.fromiter(experts, dtype=np.intp)
+        if not len(ids):  # a call whose experts another tier served (device_tier.py): nothing to learn here
+            return
         previous, self._last_ids[layer] = self._last_ids[layer], ids
         self._step_calls += 1
         features, raw, logit, used = self._features[layer], self._raw[layer], self._logit[layer], self._used[layer]

@@ -15,7 +15,8 @@ Per call of layer L that needs the distinct experts E (ascending ids):
      evicted). Then, while reads are in flight: take landed reads (in issue order while misses still wait
      for slots, so evictions never depend on I/O timing), compute and unpin each, allocate again.
   3. A call that needs more experts than the cache has unpinned slots runs in waves this way; one whose
-     misses can get no slot at all with nothing in flight is an error (the budget is too small).
+     misses can get no slot at all with nothing in flight and no queued work holding slots
+     (`CallIO.make_room`) is an error (the budget is too small).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class CallIO(Protocol):
     def abandon(self, in_flight: list[Entry]) -> None:
         """The call failed with these reads in flight: they must not stay cached half-written."""
 
+    def make_room(self) -> bool:
+        """No slot can be had and no read is in flight: wait for queued work that holds slots (a copy to
+        the device tier reading a host slot) and release them; False if there is none."""
+
 
 class Call:
     """One experts call between its lookups and its end: which experts hit, which wait for a read."""
@@ -73,6 +78,9 @@ class Call:
                 cache.unpin(ready.pop())
             self._issue(io)  # the hits' slots are evictable now
             while in_flight or waiting:
+                if not in_flight and io.make_room():
+                    self._issue(io)
+                    continue
                 if not in_flight:
                     raise UsageError(
                         f"the expert cache ({cache.capacity} slots) has no free slot for layer {self.layer}; raise --memory"

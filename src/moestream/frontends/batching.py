@@ -98,7 +98,7 @@ class BatchGenerator:
         cache, reused = self.prefix_cache.match(decoding.prompt_ids) if self.prefix_cache is not None else (None, 0)
         forward = Forward(self.model, cache)
         with torch.inference_mode():
-            logits = forward(torch.tensor([decoding.prompt_ids[reused:]], dtype=torch.long))[:, -1, :].float()
+            logits = forward(torch.tensor([decoding.prompt_ids[reused:]], dtype=torch.long))[:, -1, :].to("cpu", torch.float32)
             token = int(decoding.choose(logits)[0])
         if decoding.accept(token):
             self._keep_prefix(decoding, forward.cache)
@@ -118,7 +118,7 @@ class BatchGenerator:
         ids = torch.tensor([[d.new[-1]] for d in self.running], dtype=torch.long)
         try:
             with torch.inference_mode():
-                logits = forward(ids, **self.kv.step_inputs())[:, -1, :].float()
+                logits = forward(ids, **self.kv.step_inputs())[:, -1, :].to("cpu", torch.float32)
         except BaseException:
             self.running, self.kv = [], BatchKV()
             raise

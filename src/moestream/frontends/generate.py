@@ -31,7 +31,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from ..core.loading import engine_of
-from ..errors import UsageError
+from ..errors import MoestreamError, UsageError
 from ..options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
 
 # Used when a checkpoint ships no chat template (base models, the byte-level test tokenizer): plain
@@ -237,8 +237,17 @@ class Forward:
 
     def __call__(self, ids: torch.Tensor, **inputs) -> torch.Tensor:
         """Logits [rows, positions, vocab] of the ids fed after everything fed so far (`inputs`: an
-        attention mask and position ids for a padded batch)."""
-        out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.extra, **inputs)
+        attention mask and position ids for a padded batch), on the model's device."""
+        device = self.model.device
+        if device.type != "cpu":
+            ids, inputs = ids.to(device), {name: t.to(device) for name, t in inputs.items()}
+        try:
+            out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.extra, **inputs)
+        except torch.OutOfMemoryError as e:
+            raise MoestreamError(
+                f"the GPU ran out of memory ({str(e).splitlines()[0]}): lower --gpu-memory (the experts kept in VRAM), "
+                "or send a shorter prompt or fewer requests at once (--max-batch, --batch-kv-memory)"
+            ) from None
         self.cache = getattr(out, self.cache_name)
         return out.logits
 
@@ -258,7 +267,7 @@ def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = No
     while True:
         # Not around the yield: inference mode is thread state, and the caller's code runs between tokens.
         with torch.inference_mode():
-            logits = forward(step)[:, -1, :].to(dtype=torch.float32, copy=True)
+            logits = forward(step)[:, -1, :].to("cpu", torch.float32, copy=True)  # sampled on the CPU
             token = sampler(logits)
             step = token.view(1, 1).to(torch.long)
         try:

@@ -107,8 +107,8 @@ class BatchKV:
             self.cache, self.lengths = None, []
             return
         if rows != list(range(len(self.lengths))):
-            index = torch.tensor(rows, dtype=torch.long)
             for layer in self.cache.layers:
+                index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
                 layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
             self.lengths = [self.lengths[r] for r in rows]
         width = self.width

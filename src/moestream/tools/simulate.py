@@ -171,6 +171,9 @@ class InstantReads:
     def abandon(self, in_flight: list[Entry]) -> None:
         pass
 
+    def make_room(self) -> bool:
+        return False
+
 
 def replay(trace: Trace, slots: int, policy="lru", record_bytes: np.ndarray | None = None) -> SimResult:
     """Replay `trace` through a cache of `slots` records under `policy`: a POLICIES name, "belady", or a
