@@ -239,7 +239,7 @@ class Forward:
         """Logits [rows, positions, vocab] of the ids fed after everything fed so far (`inputs`: an
         attention mask and position ids for a padded batch), on the model's device."""
         device = self.model.device
-        if device.type != "cpu":
+        if device.type == "cuda":  # (a model offloaded by accelerate may name another device: its hooks move inputs)
             ids, inputs = ids.to(device), {name: t.to(device) for name, t in inputs.items()}
         try:
             out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.extra, **inputs)
