@@ -82,6 +82,29 @@ def physical_cores() -> int:
     return len(cores)
 
 
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--device and --gpu-memory: where the model computes, and its VRAM expert budget."""
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=DEVICES[0],
+        help="where the model computes: cpu (default), or cuda: resident weights on the GPU, experts kept in VRAM "
+        "(--gpu-memory) above the host cache (--memory, page-locked RAM), read from disk below both",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="with --device cuda: the VRAM budget of experts (default: half of the VRAM free once the resident weights "
+        "are on the GPU)",
+    )
+
+
+def check_device(args: argparse.Namespace) -> None:
+    if args.gpu_memory is not None and args.device != "cuda":
+        raise UsageError("--gpu-memory is the VRAM budget of --device cuda; add --device cuda, or leave it out")
+
+
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """--threads: torch's intra-op threads, set by cli.main before the verb runs."""
     parser.add_argument(
@@ -112,20 +135,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_memory_argument(parser, memory_default)
-    parser.add_argument(
-        "--device",
-        choices=DEVICES,
-        default=DEVICES[0],
-        help="where the model computes: cpu (default), or cuda: resident weights on the GPU, experts kept in VRAM "
-        "(--gpu-memory) above the host cache (--memory, page-locked RAM), read from disk below both",
-    )
-    parser.add_argument(
-        "--gpu-memory",
-        default=None,
-        metavar="SIZE",
-        help="with --device cuda: the VRAM budget of experts (default: half of the VRAM free once the resident weights "
-        "are on the GPU)",
-    )
+    add_device_arguments(parser)
     add_threads_argument(parser)
     add_io_threads_argument(parser)
     parser.add_argument(
@@ -166,8 +176,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
 def engine_options(args: argparse.Namespace) -> dict:
     """The load() keyword options that add_store_arguments defined, checked."""
     positive(args.io_threads, "--io-threads")
-    if args.gpu_memory is not None and args.device != "cuda":
-        raise UsageError("--gpu-memory is the VRAM budget of --device cuda; add --device cuda, or leave it out")
+    check_device(args)
     return dict(
         device=args.device,
         gpu_memory=args.gpu_memory,

@@ -174,7 +174,8 @@ def compare_models(
             for side, model in (("reference", reference_model), ("store", store_model)):
                 start = time.perf_counter()
                 # use_cache=False: one teacher-forced pass per window, a KV cache would only cost memory.
-                logits[side] = model(batch, use_cache=False).logits[0, :-1]
+                device = model.device if model.device.type == "cuda" else batch.device  # a store on a GPU
+                logits[side] = model(batch.to(device), use_cache=False).logits[0, :-1].cpu()
                 seconds[side] += time.perf_counter() - start
             totals.add(logits["reference"], logits["store"], window[1:])
             del logits  # only one window's logits of each model at a time
@@ -273,10 +274,14 @@ def compare(
     memory: str | int = DEFAULT_MEMORY,
     reference_dtype: str | None = None,
     progress: bool = False,
+    device: str = "cpu",
+    gpu_memory: str | int | None = None,
 ) -> QualityReport:
     """Compare a store with a reference (a Hugging Face checkpoint directory or another store) on `text`.
 
     memory: the expert cache budget of the store (and of the reference, when it is a store too).
+    device, gpu_memory: where the store (and a store reference) computes, as `moestream.load` takes them;
+        a checkpoint reference stays on the CPU.
     reference_dtype: load a checkpoint reference in this dtype ("float32", "bfloat16", "float16")
         instead of its own; stores always compute in their own dtype.
     """
@@ -294,7 +299,7 @@ def compare(
         )
 
     start = time.perf_counter()
-    store_model, tokenizer = load(store, memory)
+    store_model, tokenizer = load(store, memory, device=device, gpu_memory=gpu_memory)
     store_load = time.perf_counter() - start
     if tokenizer is None:
         raise UsageError(
@@ -313,7 +318,7 @@ def compare(
 
     start = time.perf_counter()
     if kind == "store":
-        reference_model, ref_tokenizer = load(reference, memory)
+        reference_model, ref_tokenizer = load(reference, memory, device=device, gpu_memory=gpu_memory)
         reference_dtype = engine_of(reference_model).store.manifest.experts_dtype
     else:
         reference_model, reference_dtype = _load_checkpoint(reference, progress, reference_dtype)
@@ -354,7 +359,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..options import add_threads_argument
+    from ..options import add_device_arguments, add_threads_argument
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_threads_argument(parser)
@@ -397,14 +402,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="load a checkpoint REF in this dtype instead of its own: float32 compares against full "
         "precision (a bf16 store then shows what bf16 arithmetic alone costs)",
     )
+    add_device_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ..options import read_text_file
+    from ..options import check_device, read_text_file
 
+    check_device(args)
     if not Path(args.reference).exists():
         raise UsageError(
             f"--reference {args.reference} does not exist; pass the checkpoint directory or store to compare against"
@@ -418,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
         memory=args.memory,
         reference_dtype=args.reference_dtype,
         progress=not args.json,
+        device=args.device,
+        gpu_memory=args.gpu_memory,
     )
     print(json.dumps(report.to_json()) if args.json else report.table())
     return 0
