@@ -155,3 +155,15 @@ def test_cuda_is_refused_with_what_to_do_where_there_is_none(stores, capsys):
 def test_a_device_budget_below_one_tokens_experts_is_refused(stores):
     with pytest.raises(UsageError, match="minimum is 16 KiB: pass --gpu-memory 16KiB"):
         moestream.load(stores["qwen3_moe"], memory="1MiB", device=StandInDevice(), gpu_memory=8 * 2**10)
+
+
+def test_inspect_and_plan_state_the_vram_and_ram_split(stores, capsys):
+    assert main(["inspect", str(stores["qwen3_moe"]), "--memory", "64KiB", "--gpu-memory", "32KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "with --device cuda, VRAM" in out and "32 KiB of experts (4, 25.0%)" in out
+    assert "64 KiB of page-locked expert cache (--memory; 8 experts, 50.0%)" in out and "minimum --gpu-memory" in out
+    config = str(stores["qwen3_moe"])
+    assert main(["plan", config, "--memory", "1GiB", "--gpu", "2GiB"]) == 0
+    assert "with --device cuda on 2 GiB of VRAM: resident weights" in capsys.readouterr().out
+    assert main(["plan", config, "--memory", "1GiB", "--gpu", "1GiB"]) == 0  # 1 GiB is all set aside for KV and activations
+    assert "DOES NOT FIT" in capsys.readouterr().out

@@ -9,11 +9,12 @@ from ..units import format_bytes, parse_bytes
 
 DESCRIPTION = (
     "Print a store's resident and expert bytes, bytes per expert and per token, the smallest --memory it "
-    "runs under, and how many experts a few budgets (or the one given) cache."
+    "runs under, and how many experts a few budgets (or the one given) cache; with --gpu-memory, the split "
+    "of a --device cuda run between VRAM and RAM."
 )
 
 
-def print_inspect(store: str | os.PathLike, budget: int | None) -> int:
+def print_inspect(store: str | os.PathLike, budget: int | None, gpu_budget: int | None = None) -> int:
     from ..conversion.sizes import ModelSizes
     from ..conversion.store import Store
 
@@ -44,6 +45,22 @@ def print_inspect(store: str | os.PathLike, budget: int | None) -> int:
                 f"process holds ~{format_bytes(sizes.resident_bytes + min(b, sizes.all_experts_budget))} of weights",
             )
         )
+    if gpu_budget is not None:
+        host = budget if budget is not None else 2**32
+        rows += [
+            (
+                "with --device cuda, VRAM",
+                f"{format_bytes(sizes.resident_bytes)} resident + {format_bytes(gpu_budget)} of experts "
+                f"({sizes.cache_slots(gpu_budget)}, {sizes.cached_fraction(gpu_budget):.1%}) = "
+                f"{format_bytes(sizes.resident_bytes + gpu_budget)}, plus the KV cache and activations",
+            ),
+            (
+                "with --device cuda, RAM",
+                f"{format_bytes(host)} of page-locked expert cache (--memory; {sizes.cache_slots(host)} experts, "
+                f"{sizes.cached_fraction(host):.1%}), plus the runtime",
+            ),
+            ("minimum --gpu-memory", format_bytes(sizes.minimum_budget)),
+        ]
     width = max(len(r[0]) for r in rows)
     print(f"{s.directory}")
     for name, value in rows:
@@ -63,10 +80,17 @@ def _describe_dense(manifest) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", help="store directory made by `moestream convert`")
     parser.add_argument("--memory", default=None, metavar="SIZE", help="show what this expert cache budget holds")
+    parser.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="show the VRAM and RAM split of a --device cuda run with this VRAM expert budget (and --memory in RAM)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ..options import positive
 
     budget = positive(parse_bytes(args.memory), "--memory") if args.memory is not None else None
-    return print_inspect(args.store, budget)
+    gpu_budget = positive(parse_bytes(args.gpu_memory), "--gpu-memory") if args.gpu_memory is not None else None
+    return print_inspect(args.store, budget, gpu_budget)

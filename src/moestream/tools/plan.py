@@ -42,7 +42,7 @@ from ..conversion.skeleton import build_skeleton, experts_modules, model_dtype
 from ..core.policies import DEFAULT_POLICY
 from ..errors import UsageError
 from ..options import add_io_threads_argument, add_policy_argument, add_threads_argument, existing_file, positive
-from ..units import format_bytes
+from ..units import format_bytes, parse_bytes
 
 # Besides resident weights and the expert cache a process holds the Python/torch/transformers runtime
 # (its measured size is in docs/BENCHMARKS.md), activations and the KV cache of a short context.
@@ -671,7 +671,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "active weights at this machine's memory bandwidth, a lower bound), none, or milliseconds per token",
     )
     add_threads_argument(parser)  # for --compute measure
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        metavar="SIZE",
+        help="the VRAM of a GPU to run on (--device cuda): prints what goes to VRAM (resident weights, "
+        f"{format_bytes(GPU_OVERHEAD)} for KV cache and activations, the VRAM expert cache) and to RAM (--memory: "
+        "runtime and the page-locked host expert cache), or the minimum VRAM",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+#: VRAM beyond the resident weights and the expert cache that a --gpu plan sets aside: the KV cache of a few
+#: thousand positions, activations, CUDA's own workspace.
+GPU_OVERHEAD = 2**30
+
+
+def gpu_split(sizes: ModelSizes, gpu_bytes: int, memory_bytes: int, overhead_bytes: int) -> dict:
+    """How a --device cuda run splits: VRAM = resident + GPU_OVERHEAD + VRAM expert cache; RAM = the
+    runtime overhead + the host expert cache (the resident weights live on the GPU)."""
+    vram_cache = gpu_bytes - sizes.resident_bytes - GPU_OVERHEAD
+    host_cache = memory_bytes - overhead_bytes
+    return {
+        "gpu_bytes": gpu_bytes,
+        "fits": vram_cache >= sizes.minimum_budget and host_cache >= sizes.minimum_budget,
+        "minimum_gpu_bytes": sizes.resident_bytes + GPU_OVERHEAD + sizes.minimum_budget,
+        "vram_cache_bytes": max(0, vram_cache),
+        "vram_cache_experts": min(sizes.experts, sizes.cache_slots(max(0, vram_cache))),
+        "host_cache_bytes": max(0, host_cache),
+        "host_cache_experts": min(sizes.experts, sizes.cache_slots(max(0, host_cache))),
+    }
+
+
+def gpu_text(split: dict, sizes: ModelSizes) -> str:
+    if not split["fits"]:
+        return (
+            f"with --device cuda on {format_bytes(split['gpu_bytes'])} of VRAM: DOES NOT FIT; the resident weights "
+            f"({format_bytes(sizes.resident_bytes)}), {format_bytes(GPU_OVERHEAD)} for KV cache and activations and the "
+            f"smallest expert cache need {format_bytes(split['minimum_gpu_bytes'])} of VRAM (and --memory must leave "
+            f"{format_bytes(sizes.minimum_budget)} for the host cache)"
+        )
+    return (
+        f"with --device cuda on {format_bytes(split['gpu_bytes'])} of VRAM: resident weights {format_bytes(sizes.resident_bytes)} "
+        f"+ {format_bytes(GPU_OVERHEAD)} KV cache and activations + --gpu-memory {format_bytes(split['vram_cache_bytes'])} "
+        f"({split['vram_cache_experts']} experts) in VRAM; --memory {format_bytes(split['host_cache_bytes'])} "
+        f"({split['host_cache_experts']} experts) of page-locked RAM below it"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -701,5 +746,13 @@ def run(args: argparse.Namespace) -> int:
         compute=args.compute,
         io_threads=args.io_threads,
     )
-    print(json.dumps(plan.to_json()) if args.json else plan.table(title))
+    split = None
+    if args.gpu is not None:
+        split = gpu_split(plan.sizes, positive(parse_bytes(args.gpu), "--gpu"), plan.memory_bytes, plan.overhead_bytes)
+    if args.json:
+        print(json.dumps({**plan.to_json(), **({"gpu": split} if split else {})}))
+    else:
+        print(plan.table(title))
+        if split is not None:
+            print(gpu_text(split, plan.sizes))
     return 0
