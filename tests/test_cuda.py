@@ -65,3 +65,23 @@ def test_greedy_tokens_equal_across_tier_budgets_with_vram_bounded(case):
             del model
             torch.cuda.empty_cache()
     assert all(a == answers[0] for a in answers), family
+
+
+@pytest.mark.parametrize("experts_dtype", ["int8", "int4"])
+def test_quantized_experts_on_the_gpu_match_the_cpu_kernels(experts_dtype, tmp_path):
+    """int8 and int4 records run dequantized on CUDA (kernels.int8_dequantized / int4_dequantized, the codes
+    recovered from the CPU kernel's packing); the CPU kernels run int4 with bf16 activations."""
+    _, ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", seed=6)
+    assert main(["convert", str(ckpt), str(tmp_path / "store"), "--experts-dtype", experts_dtype, "--dense-dtype", "int8"]) == 0
+    ids = _prompt(3)
+    cpu, _ = moestream.load(tmp_path / "store", memory=2**20)
+    with torch.inference_mode():
+        expected = cpu(ids).logits.float()
+    moestream.close(cpu)
+    gpu, _ = moestream.load(tmp_path / "store", memory=2**20, device="cuda", gpu_memory=2**20)
+    try:
+        with torch.inference_mode():
+            got = gpu(ids.cuda()).logits.float().cpu()
+        assert (got - expected).abs().max().item() <= 0.02 * expected.abs().max().item(), experts_dtype
+    finally:
+        moestream.close(gpu)

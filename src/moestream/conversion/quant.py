@@ -22,6 +22,7 @@ that kernels and packing are compared against.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -143,6 +144,37 @@ def pack(q: Quantized, fmt: QuantFormat, name: str) -> dict[str, torch.Tensor]:
 # used (mask 0x33); below 8, bits 0,1,2,4,5,6: the 0x33 part plus the 0x44 part. The kernel's byte
 # stream is cut into equal contiguous parts (halves for int2, quarters for int3) whose bits share bytes,
 # so that expanding is a few whole-tensor byte operations with contiguous reads and writes.
+
+
+@functools.lru_cache(maxsize=16)
+def int4_unpack_index(n: int, k: int) -> torch.Tensor:
+    """For the int4 kernel bytes of an [N, K] matrix (this process's packing): which nibble of the bytes
+    (low then high nibble of each byte, in order) holds weight i of the matrix in row-major order.
+
+    torch's CPU packing moves each 4-bit code to another nibble and changes nothing else, so that map
+    is found by packing the weights' own indices, four bits per pass, and reading where each landed. It
+    lets a device without torch's CPU int4 kernel (CUDA) recover the codes from the records as stored."""
+    index = torch.arange(n * k, dtype=torch.int64)
+    holder = torch.zeros(n * k, dtype=torch.int64)  # nibble position -> the weight it holds
+    shift = 0
+    while (1 << shift) < n * k:
+        codes = ((index >> shift) & 15).view(n, k).to(torch.int32)
+        holder |= _nibbles(torch._convert_weight_to_int4pack_for_cpu(codes, 1)) << shift
+        shift += 4
+    return torch.argsort(holder)  # weight -> the nibble position that holds it
+
+
+def _nibbles(kernel_bytes: torch.Tensor) -> torch.Tensor:
+    b = kernel_bytes.reshape(-1)
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(-1).to(torch.int64)
+
+
+def unpack_int4_codes(kernel_bytes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The [N, K] uint8 codes (0..15) of int4 kernel bytes [N, K/2], with `int4_unpack_index(N, K)` on
+    the bytes' device."""
+    n = kernel_bytes.shape[0]
+    b = kernel_bytes.reshape(-1)
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(-1)[index].view(n, -1)
 
 
 def compress_kernel_bytes(kernel_bytes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -12,17 +12,20 @@ CPU kernels:
   multiples of 64).
 - int3, int2: expand the dense bytes to the int4 kernel's (byte-wide shifts and masks), then int4.
 
-CUDA kernels: float records in their own dtype (`F.linear`); int8 dequantized per call, then one
-matmul (`int8_dequantized`). The int4 family's records are in the CPU kernel's packed layout, so a
-store with them is refused on CUDA (`CUDA_FORMATS`).
+CUDA kernels: float records in their own dtype (`F.linear`); int8 and the int4 family dequantized per
+call, then one matmul (`int8_dequantized`, `int4_dequantized`: the int4 codes are recovered from the CPU
+kernel's packed bytes as stored, with a per-shape index of where the packing put each code, so the
+records need no second layout).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from ..conversion.quant import QuantFormat, expand_kernel_bytes
+from ..conversion.quant import QuantFormat, expand_kernel_bytes, int4_unpack_index, unpack_int4_codes
 from ..errors import UsageError
 
 
@@ -37,6 +40,8 @@ def _int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: Qua
 def _int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits < 4:
         qweight = expand_kernel_bytes(qweight, fmt.bits)  # int3/int2 are int4 with fewer bits stored
+    if x.device.type != "cpu":
+        return int4_dequantized(x, qweight, scales_zeros, fmt)
     if x.dtype == torch.bfloat16:
         return torch._weight_int4pack_mm_for_cpu(x, qweight, fmt.group_size, scales_zeros)
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qweight, fmt.group_size, scales_zeros).to(x.dtype)
@@ -48,9 +53,22 @@ def int8_dequantized(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return F.linear(x, qweight.to(x.dtype) * scales.to(x.dtype)[:, None])
 
 
-#: Formats whose kernels run on CUDA. int4/int3/int2 records are packed for torch's CPU int4 kernel
-#: (its layout depends on the CPU's kernels), which has no CUDA counterpart for that layout.
-CUDA_FORMATS = ("int8",)
+def int4_dequantized(x: torch.Tensor, kernel_bytes: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """int4 on a device without torch's CPU int4 kernel (CUDA): the codes recovered from the kernel bytes
+    as stored (`quant.unpack_int4_codes`), dequantized to the activations' dtype for this call
+    (W = (q - 8) * s + z per group), then one matmul."""
+    n, k = kernel_bytes.shape[0], kernel_bytes.shape[1] * 2
+    codes = unpack_int4_codes(kernel_bytes, _unpack_index(n, k, kernel_bytes.device))
+    groups = codes.view(n, k // fmt.group_size, fmt.group_size).to(x.dtype)
+    scales = scales_zeros[..., 0].t().to(x.dtype)[:, :, None]  # [N, K/G, 1]
+    zeros = scales_zeros[..., 1].t().to(x.dtype)[:, :, None]
+    return F.linear(x, ((groups - 8) * scales + zeros).view(n, k))
+
+
+@functools.lru_cache(maxsize=32)
+def _unpack_index(n: int, k: int, device: torch.device) -> torch.Tensor:
+    return int4_unpack_index(n, k).to(device)
+
 
 _KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4}
 

@@ -89,8 +89,6 @@ def load(
     # On a GPU the model computes in its own dtype unless told otherwise (CPU rules do not apply there).
     on_gpu = isinstance(accelerator, CudaDevice)
     dtype = kernels.compute_dtype(compute_dtype, stored) if not (on_gpu and compute_dtype == "auto") else stored
-    if on_gpu:
-        _check_cuda_formats(manifest)
     model = build_skeleton(config, stored, experts_implementation=IMPLEMENTATION)
     dense.install(model, manifest.dense)  # resident linears stored quantized (--dense-dtype)
     modules = experts_modules(model)
@@ -160,18 +158,6 @@ def _device(device) -> Device | None:
     if isinstance(device, str):
         raise UsageError(f"device must be 'cpu' or 'cuda', not {device!r}")
     return device
-
-
-def _check_cuda_formats(manifest) -> None:
-    formats = {layer.quantization.name for layer in manifest.layers if layer.quantization is not None}
-    formats |= {fmt.name for fmt in manifest.dense.values()} if manifest.dense else set()
-    unsupported = sorted(formats - set(kernels.CUDA_FORMATS))
-    if unsupported:
-        raise UsageError(
-            f"this store holds {', '.join(unsupported)} weights, whose records are packed for torch's CPU int4 kernel and "
-            "have no CUDA kernel here; for --device cuda convert the model with --experts-dtype int8 (or bf16) and "
-            "--dense-dtype int8 (or float)"
-        )
 
 
 def _attach_device_tier(model, engine: ExpertEngine, device: Device, gpu_memory, policy: str) -> None:
