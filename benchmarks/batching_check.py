@@ -9,6 +9,9 @@ continuous batching (`model.generate_batch`, paged attention) on the same loaded
 2. Speed: the same prompts all at once, moestream's `generate_batch` and transformers' `generate_batch`
    (end-of-sequence disabled in both), alternating for --rounds rounds: aggregate tok/s (tokens over the
    wall time of the call, prefills included), and how many of transformers' answers equal moestream's.
+3. A long prompt joining (--long-prompt N tokens of the text): two sequences decode while a newcomer with
+   an N-token prompt joins; the running sequences' longest gap between two tokens and the newcomer's
+   prefill time, with its prompt fed in parts of --chunk tokens per step and in one pass.
 """
 
 import argparse
@@ -17,7 +20,8 @@ import time
 from transformers import GenerationConfig
 
 import moestream
-from moestream.frontends.generate import stream
+from moestream.frontends.batching import BatchGenerator
+from moestream.frontends.generate import Decoding, stream
 
 
 def main() -> None:
@@ -30,6 +34,8 @@ def main() -> None:
     parser.add_argument("--batches", default="4,16")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--compute-dtype", default="auto")
+    parser.add_argument("--long-prompt", type=int, default=0, help="part 3: the newcomer's prompt length (0: skip)")
+    parser.add_argument("--chunk", type=int, default=256, help="part 3: prompt tokens fed per step (against one pass)")
     args = parser.parse_args()
 
     model, tokenizer = moestream.load(args.store, memory=args.memory, compute_dtype=args.compute_dtype)
@@ -67,7 +73,42 @@ def main() -> None:
             f"{total / theirs_seconds:.1f} tok/s ({mine / theirs_seconds:.2f}x its time); its answers equal moestream's: "
             f"{same} of {len(prompts)}"
         )
+    if args.long_prompt:
+        text_ids = tokenizer(open(args.prompts).read())["input_ids"]
+        long = text_ids[: args.long_prompt]
+        for chunk in (args.chunk, None):
+            runs = [joining(model, prompts[:2], long, chunk) for _ in range(max(1, args.rounds))]
+            label = f"in parts of {chunk} tokens" if chunk else "in one pass"
+            print(
+                f"  a {len(long)}-token prompt joining two decoding sequences, {label}: their longest gap between tokens "
+                + ", ".join(f"{gap * 1e3:.0f}" for gap, _ in runs)
+                + " ms; the newcomer's prefill "
+                + ", ".join(f"{prefill * 1e3:.0f}" for _, prefill in runs)
+                + " ms"
+            )
     moestream.close(model)
+
+
+def joining(model, running_prompts, long_prompt, chunk: int | None) -> tuple[float, float]:
+    """(the running sequences' longest time between two tokens while `long_prompt` is prefilled beside
+    them, the seconds that prefill took)."""
+    batch = BatchGenerator(model, max_batch=3, prefill_chunk=chunk)
+    running = [Decoding(model, None, p, 10**6, greedy=True, ignore_eos=True) for p in running_prompts]
+    for d in running:
+        batch.admit(d)
+        batch.decode()
+    for _ in range(3):
+        batch.decode()
+    newcomer = Decoding(model, None, long_prompt, 4, greedy=True, ignore_eos=True)
+    start = last = time.perf_counter()
+    batch.admit(newcomer)
+    gap = 0.0
+    while batch.prefilling is not None:
+        batch.prefill_step()
+        batch.decode()
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    return gap, last - start
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ def _run(model, prompts, max_batch: int, **options):
     seeds = options.pop("seeds", [None] * len(prompts))
     waiting = [Decoding(model, None, p, NEW, ignore_eos=True, seed=s, **options) for p, s in zip(prompts, seeds)]
     order, peak = list(waiting), 0
-    while waiting or batch.running:
+    while waiting or batch.running or batch.prefilling:
         while waiting and batch.has_room(len(waiting[0].prompt_ids) + NEW):
             batch.admit(waiting.pop(0))
+        batch.prefill_step()
         batch.decode()
         peak = max(peak, batch.kv_bytes())
     return [d.result().token_ids for d in order], batch, peak
@@ -162,3 +163,44 @@ def test_a_cache_that_does_not_batch_runs_one_sequence_at_a_time(tmp_path_factor
         assert got == [stream(model, None, p, NEW, greedy=True, ignore_eos=True).token_ids for p in prompts]
     finally:
         moestream.close(model)
+
+
+def test_a_long_prompt_is_fed_in_parts_while_the_others_keep_decoding(qwen):
+    hf_model, model = qwen
+    short, long = _prompts(seed=7, lengths=(3, 17))
+    batch = BatchGenerator(model, max_batch=2, prefill_chunk=4)
+    first = Decoding(model, None, short, NEW, greedy=True, ignore_eos=True)
+    second = Decoding(model, None, long, NEW, greedy=True, ignore_eos=True)
+    batch.admit(first)  # nobody running: the whole prompt in one pass
+    batch.decode()
+    assert batch.has_room(len(long) + NEW)
+    batch.admit(second)
+    newcomer = batch.prefilling
+    assert newcomer is not None and not batch.has_room(5)  # one newcomer at a time
+    tokens_before = len(first.new)
+    while batch.prefilling is not None:
+        batch.prefill_step()
+        batch.decode()
+    assert newcomer.chunks == [4, 4, 4, 4, 1]  # 17 prompt tokens, 4 per step
+    assert len(first.new) - tokens_before == 5  # one token of the running sequence per part
+    while batch.running:
+        batch.decode()
+    assert first.result().token_ids == _transformers_greedy(hf_model, short, NEW)
+    assert second.result().token_ids == _transformers_greedy(hf_model, long, NEW)
+
+
+def test_a_cancelled_newcomer_leaves_during_its_prefill(qwen):
+    import threading
+
+    _, model = qwen
+    short, long = _prompts(seed=8, lengths=(3, 17))
+    batch = BatchGenerator(model, max_batch=2, prefill_chunk=4)
+    cancel = threading.Event()
+    batch.admit(Decoding(model, None, short, NEW, greedy=True, ignore_eos=True))
+    leaving = Decoding(model, None, long, NEW, greedy=True, ignore_eos=True, cancel=cancel)
+    batch.admit(leaving)
+    assert batch.prefill_step() == []
+    cancel.set()
+    assert batch.prefill_step() == [leaving] and batch.prefilling is None
+    assert leaving.result().finish_reason == "cancelled" and leaving.result().token_ids == []
+    assert len(batch.running) == 1

@@ -98,7 +98,9 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(store, tmp_path_factory):
-    s = Server(store, tmp_path_factory.mktemp("serve-log") / "server.log")
+    # Prompts of newcomers are fed 8 tokens per step while others decode: every test below also checks
+    # that this interleaving changes no answer.
+    s = Server(store, tmp_path_factory.mktemp("serve-log") / "server.log", "--prefill-chunk", "8")
     yield s
     s.stop()
 
@@ -160,17 +162,17 @@ sys.modules["fastapi"] = sys.modules["uvicorn"] = None  # as if `moestream[serve
 from moestream.cli import main
 assert "serve" in __import__("moestream.cli").cli.build_parser().format_help()
 for extra in (["--port", "70000"], ["--max-queue", "0"], ["--request-timeout", "nan"], ["--default-max-tokens", "-1"],
-              ["--max-batch", "0"], ["--kv-memory", "lots"], ["--batch-kv-memory", "0"], []):
+              ["--max-batch", "0"], ["--kv-memory", "lots"], ["--batch-kv-memory", "0"], ["--prefill-chunk", "0"], []):
     print(main(["serve", "no-such-store", *extra]))
 """
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["2"] * 8
+    assert done.stdout.split() == ["2"] * 9
     errors = [line for line in done.stderr.splitlines() if line.startswith("moestream: error:")]
-    assert len(errors) == 8, done.stderr
+    assert len(errors) == 9, done.stderr
     assert "--port" in errors[0] and "--max-queue" in errors[1] and "--request-timeout" in errors[2]
     assert "--default-max-tokens" in errors[3] and "--max-batch" in errors[4] and "'lots'" in errors[5]
-    assert "--batch-kv-memory" in errors[6] and "pip install 'moestream[server]'" in errors[7]
+    assert "--batch-kv-memory" in errors[6] and "--prefill-chunk" in errors[7] and "pip install 'moestream[server]'" in errors[8]
 
 
 def test_chat_streamed_equals_non_streamed_with_usage(server):

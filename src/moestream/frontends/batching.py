@@ -6,7 +6,11 @@ B tokens, one per row of a left-padded batch (`kv_cache.BatchKV`); every MoE lay
 tokens together, and the engine reads and computes each distinct expert once for all the rows that
 chose it (`ExpertEngine.run` groups tokens by expert). Sequences join between steps, after a prefill
 of their own (from the longest prefix the prefix cache holds), and leave when they end; their KV then
-goes into the prefix cache.
+goes into the prefix cache. With `prefill_chunk`, a newcomer's prompt is fed that many tokens per step
+while others are decoding, so a long prompt slows the running sequences instead of stopping them, at
+the cost of its own time to first token: each part of a long prompt visits most experts again
+(docs/BENCHMARKS.md). Without it, or with nobody running, the prompt goes in one pass, as a lone
+generation's does.
 
 Each sequence is a `generate.Decoding`: its own sampler and seeded generator, stop rules, callbacks,
 cancel flag and deadline, exactly as when it runs alone. What a batch changes is only the arithmetic's
@@ -22,7 +26,7 @@ step); `generate_batch` runs a list of prompts to the end (the Python API).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -44,6 +48,16 @@ class KVBudgetExceeded(Exception):
 
 
 @dataclass
+class _Prefill:
+    """A newcomer whose prompt is being fed: its own cache until it joins the batch."""
+
+    decoding: Decoding
+    forward: Forward
+    fed: int  # prompt tokens whose KV the forward's cache holds
+    chunks: list[int] = field(default_factory=list)  # tokens fed per step (the tests check the interleaving)
+
+
+@dataclass
 class BatchStats:
     steps: int = 0  # decode steps of the batch
     rows: int = 0  # sequences summed over those steps (rows / steps: the mean batch size)
@@ -58,10 +72,20 @@ class BatchGenerator:
     row's length). Needs one forward pass of one token at construction to size a position's KV and to
     learn whether the model's cache batches at all (if not, sequences run one at a time)."""
 
-    def __init__(self, model, *, max_batch: int = 8, prefix_cache: PrefixCache | None = None, kv_budget_bytes: int | None = None):
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch: int = 8,
+        prefix_cache: PrefixCache | None = None,
+        kv_budget_bytes: int | None = None,
+        prefill_chunk: int | None = None,
+    ):
+        if max_batch < 1 or (prefill_chunk is not None and prefill_chunk < 1):
+            raise ValueError(f"max_batch and prefill_chunk must be at least 1, not {max_batch} and {prefill_chunk}")
         self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: _Prefill | None = None  # one newcomer at a time
         self.prefix_cache = prefix_cache
         self.kv_budget_bytes = kv_budget_bytes
         self.position_bytes, self.not_batchable = _probe(model)
@@ -81,9 +105,9 @@ class BatchGenerator:
             raise KVBudgetExceeded(self.kv_needed(positions), self.kv_budget_bytes, positions)
 
     def has_room(self, positions: int) -> bool:
-        """Whether a sequence of `positions` positions may join now: a free row, and the KV budget holds
-        with it until every row has ended (all rows padded to the widest)."""
-        if len(self.running) >= self.max_batch:
+        """Whether a sequence of `positions` positions may join now: no other newcomer being prefilled, a
+        free row, and the KV budget holds with it until every row has ended (all rows padded to the widest)."""
+        if self.prefilling is not None or len(self.running) >= self.max_batch:
             return False
         if self.kv_budget_bytes is None or not self.running:
             return True
@@ -91,21 +115,45 @@ class BatchGenerator:
         return (len(self.running) + 1) * widest * self.position_bytes <= self.kv_budget_bytes
 
     def admit(self, decoding: Decoding) -> bool:
-        """Prefill `decoding` and choose its first token; it then runs in the next `decode`. True if it
-        ended already (a one-token answer). Raises what the forward pass raised; the batch is unchanged."""
+        """Start `decoding`'s prefill (from the longest prefix the prefix cache holds): all of it now when
+        no sequence is running, else `prefill_chunk` tokens per `prefill_step`. Once the prompt is in, its
+        first token is chosen and it joins the batch. True if it ended already (a one-token answer)."""
         if self.not_batchable:
             return self._admit_lone(decoding)
         cache, reused = self.prefix_cache.match(decoding.prompt_ids) if self.prefix_cache is not None else (None, 0)
-        forward = Forward(self.model, cache)
-        with torch.inference_mode():
-            logits = forward(torch.tensor([decoding.prompt_ids[reused:]], dtype=torch.long))[:, -1, :].to("cpu", torch.float32)
-            token = int(decoding.choose(logits)[0])
+        self.prefilling = _Prefill(decoding, Forward(self.model, cache), reused)
+        return bool(self.prefill_step()) if not self.running else False
+
+    def prefill_step(self) -> list[Decoding]:
+        """Feed the next part of the newcomer's prompt (the rest of it when nobody is running); returns it
+        if it ended (its first token ended it, or its cancel flag or deadline). Raises what the forward
+        pass raised, having dropped the newcomer; the batch is unchanged."""
+        p = self.prefilling
+        if p is None:
+            return []
+        decoding, prompt = p.decoding, p.decoding.prompt_ids
+        if decoding.interrupted():
+            self.prefilling = None
+            return [decoding]
+        end = len(prompt) if not self.running or self.prefill_chunk is None else min(len(prompt), p.fed + self.prefill_chunk)
+        try:
+            with torch.inference_mode():
+                logits = p.forward(torch.tensor([prompt[p.fed : end]], dtype=torch.long))
+        except BaseException:
+            self.prefilling = None
+            raise
+        p.chunks.append(end - p.fed)
+        p.fed = end
+        if end < len(prompt):
+            return []
+        self.prefilling = None
+        token = int(decoding.choose(logits[:, -1, :].to("cpu", torch.float32, copy=True))[0])  # a copy: not an inference tensor
         if decoding.accept(token):
-            self._keep_prefix(decoding, forward.cache)
-            return True
-        self.kv.add(forward.cache, len(decoding.prompt_ids))
+            self._keep_prefix(decoding, p.forward.cache)
+            return [decoding]
+        self.kv.add(p.forward.cache, len(prompt))
         self.running.append(decoding)
-        return False
+        return []
 
     def decode(self) -> list[Decoding]:
         """One step of every running sequence; returns those that ended. On an error every running
@@ -140,7 +188,10 @@ class BatchGenerator:
         return ended
 
     def drop(self, decoding: Decoding) -> None:
-        """Stop a running sequence now (its KV is not kept)."""
+        """Stop a running (or prefilling) sequence now (its KV is not kept)."""
+        if self.prefilling is not None and self.prefilling.decoding is decoding:
+            self.prefilling = None
+            return
         i = self.running.index(decoding)
         if self._lone is not None:
             self._lone.close()
@@ -150,8 +201,9 @@ class BatchGenerator:
             self.kv.keep([j for j in range(len(self.kv)) if j != i])
 
     def kv_bytes(self) -> int:
-        """Bytes of KV the running sequences hold now."""
-        return self.kv.nbytes()
+        """Bytes of KV the running sequences (and a newcomer's prefill) hold now."""
+        cache = self.prefilling.forward.cache if self.prefilling is not None else None
+        return self.kv.nbytes() + (kv_bytes(cache) if cache is not None else 0)
 
     def _keep_prefix(self, decoding: Decoding, cache) -> None:
         # The cache holds the prompt and every new token but the last (chosen, never fed).
@@ -218,8 +270,9 @@ def generate_batch(
     )
     order = list(waiting)
     generator = BatchGenerator(model, max_batch=max_batch, prefix_cache=prefix_cache)
-    while waiting or generator.running:
+    while waiting or generator.running or generator.prefilling:
         while waiting and generator.has_room(len(waiting[0].prompt_ids) + waiting[0].max_new_tokens):
             generator.admit(waiting.popleft())
+        generator.prefill_step()
         generator.decode()
     return [d.result() for d in order]

@@ -359,14 +359,21 @@ class Decoding:
             _emit(self.on_text, self.text.update(self.new))
         if self.text is not None and self.text.stopped:
             self.finish_reason = "stop"
-        elif self.cancel is not None and self.cancel.is_set():
-            self.finish_reason = "cancelled"
-        elif self.deadline is not None and time.monotonic() >= self.deadline:
-            self.finish_reason = "timeout"
+        elif self.interrupted():
+            pass
         elif token in self.eos and not self.ignore_eos:
             self.finish_reason = "stop"
         elif len(self.new) >= self.max_new_tokens:
             self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def interrupted(self) -> bool:
+        """Whether the cancel flag or the deadline has ended the sequence (`finish_reason` says which);
+        checked after every token, and between the parts of a long prefill."""
+        if self.cancel is not None and self.cancel.is_set():
+            self.finish_reason = "cancelled"
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
+            self.finish_reason = "timeout"
         return self.finish_reason is not None
 
     def result(self) -> GenerationResult:

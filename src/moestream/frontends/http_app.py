@@ -56,6 +56,7 @@ class ServerConfig:
     max_batch: int = 8  # sequences decoded together
     batch_kv_memory: int = 2 * 2**30  # bytes of KV the running sequences may hold together
     kv_memory: int = 2**30  # bytes of recent prefixes' KV kept for reuse (0: none)
+    prefill_chunk: int | None = None  # a newcomer's prompt tokens per step while others decode (None: one pass)
 
 
 def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
@@ -100,6 +101,7 @@ class Service:
             max_batch=config.max_batch,
             prefix_cache=self.prefix_cache,
             kv_budget_bytes=config.batch_kv_memory,
+            prefill_chunk=config.prefill_chunk,
         )
         context = context_length(model)
         self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens)

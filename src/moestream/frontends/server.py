@@ -74,6 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_kv_memory_argument(parser)
     parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="feed a newcomer's prompt N tokens per step while other requests decode, so a long prompt slows them "
+        "instead of stopping them; costs the newcomer time, since each part visits most experts again (default: "
+        "one pass)",
+    )
+    parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info: one line per request)"
     )
 
@@ -86,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     positive(args.request_timeout, "--request-timeout")
     positive(args.default_max_tokens, "--default-max-tokens")
     positive(args.max_batch, "--max-batch")
+    if args.prefill_chunk is not None:
+        positive(args.prefill_chunk, "--prefill-chunk")
     batch_kv = positive(parse_bytes(args.batch_kv_memory), "--batch-kv-memory")
     kv_memory = non_negative(parse_bytes(args.kv_memory), "--kv-memory")
     if not 0 <= args.port <= 65535:
@@ -102,7 +113,14 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args, need_tokenizer=True)
     name = args.model_name or Path(args.store).resolve().name
     config = ServerConfig(
-        name, args.max_queue, args.request_timeout, args.default_max_tokens, args.max_batch, batch_kv, kv_memory
+        name,
+        args.max_queue,
+        args.request_timeout,
+        args.default_max_tokens,
+        args.max_batch,
+        batch_kv,
+        kv_memory,
+        args.prefill_chunk,
     )
     app = create_app(model, tokenizer, config)
 

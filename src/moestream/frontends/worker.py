@@ -195,11 +195,14 @@ class Worker:
         max_batch: int = 1,
         prefix_cache: PrefixCache | None = None,
         kv_budget_bytes: int | None = None,
+        prefill_chunk: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.max_queue = max_queue
-        self._batch_options = dict(max_batch=max_batch, prefix_cache=prefix_cache, kv_budget_bytes=kv_budget_bytes)
+        self._batch_options = dict(
+            max_batch=max_batch, prefix_cache=prefix_cache, kv_budget_bytes=kv_budget_bytes, prefill_chunk=prefill_chunk
+        )
         self.batch: BatchGenerator | None = None  # made by start(): it runs one forward pass
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()  # guards _pending, _running, _closed and _stats
@@ -268,6 +271,7 @@ class Worker:
                     break
             while (job := self._next_joining()) is not None:
                 self._admit(job)
+            self._prefill_step()
             try:
                 ended = batch.decode()
             except Exception as e:  # a disk error, a damaged record: the running jobs fail, the worker goes on
@@ -328,6 +332,21 @@ class Worker:
         if ended:
             self._finish(job.decoding)
 
+    def _prefill_step(self) -> None:
+        """The next part of a newcomer's prompt, between two steps of the batch (--prefill-chunk)."""
+        prefilling = self.batch.prefilling
+        if prefilling is None:
+            return
+        try:
+            ended = self.batch.prefill_step()
+        except Exception as e:  # this job fails; the batch is unchanged
+            with self._cond:
+                job = self._running.pop(prefilling.decoding)
+            self._fail(job, e)
+            return
+        for decoding in ended:
+            self._finish(decoding)
+
     def _first_token(self, job: Job) -> None:
         seconds = time.perf_counter() - job.submitted
         with self._cond:
@@ -361,6 +380,7 @@ class Worker:
             jobs = list(self._running.values())
             self._running.clear()
         for job in jobs:
-            if job.decoding in self.batch.running:
+            prefilling = self.batch.prefilling is not None and self.batch.prefilling.decoding is job.decoding
+            if prefilling or job.decoding in self.batch.running:
                 self.batch.drop(job.decoding)
         return jobs
