@@ -149,6 +149,11 @@ def load(
     return model, tokenizer
 
 
+#: VRAM a GPU run keeps free beside the resident weights and the expert budget: the KV cache, activations,
+#: CUDA's own workspace.
+GPU_HEADROOM = 2**30
+
+
 def _device(device) -> Device | None:
     """The accelerator `device` names (None for the CPU alone)."""
     if device == "cpu":
@@ -164,13 +169,25 @@ def _attach_device_tier(model, engine: ExpertEngine, device: Device, gpu_memory,
     """Resident weights onto the device, and the device tier of the expert cache above the host cache."""
     sizes = ModelSizes.of_store(engine.store.manifest)
     if isinstance(device, CudaDevice):
+        free, total = torch.cuda.mem_get_info(device.device)
+        resident = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+        needed = resident + sizes.minimum_budget + GPU_HEADROOM
+        if needed > free:
+            raise UsageError(
+                f"the GPU has {format_bytes(free)} free of {format_bytes(total)}: too little for the resident weights "
+                f"({format_bytes(resident)}), the smallest VRAM expert cache ({format_bytes(sizes.minimum_budget)}) and "
+                f"{format_bytes(GPU_HEADROOM)} for the KV cache and activations, {format_bytes(needed)} in all; convert with "
+                "--dense-dtype int8 (or int4) for fewer resident bytes, or run with --device cpu"
+            )
         model.to(device.device)
         free, _ = torch.cuda.mem_get_info(device.device)
         budget = parse_bytes(gpu_memory) if gpu_memory is not None else free // 2
-        if budget + sizes.minimum_budget > free:
+        if budget > free - GPU_HEADROOM:
+            most = max(sizes.minimum_budget, free - GPU_HEADROOM)
             raise UsageError(
                 f"--gpu-memory {format_bytes(budget)} does not fit: {format_bytes(free)} of VRAM is free with the resident "
-                f"weights on the GPU; pass --gpu-memory {format_bytes(max(sizes.minimum_budget, free // 2)).replace(' ', '')} or less"
+                f"weights on the GPU, and {format_bytes(GPU_HEADROOM)} of it is kept for the KV cache and activations; pass "
+                f"--gpu-memory {format_bytes(most).replace(' ', '')} or less"
             )
     else:
         if gpu_memory is None:

@@ -39,6 +39,7 @@ import torch
 from ..conversion.quant import DEFAULT_GROUP_SIZE, DENSE_FORMATS
 from ..conversion.sizes import ModelSizes, expert_format
 from ..conversion.skeleton import build_skeleton, experts_modules, model_dtype
+from ..core.loading import GPU_HEADROOM
 from ..core.policies import DEFAULT_POLICY
 from ..errors import UsageError
 from ..options import add_io_threads_argument, add_policy_argument, add_threads_argument, existing_file, positive
@@ -682,9 +683,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
-#: VRAM beyond the resident weights and the expert cache that a --gpu plan sets aside: the KV cache of a few
-#: thousand positions, activations, CUDA's own workspace.
-GPU_OVERHEAD = 2**30
+#: VRAM beyond the resident weights and the expert cache that a --gpu plan sets aside: what a GPU run keeps.
+GPU_OVERHEAD = GPU_HEADROOM
 
 
 def gpu_split(sizes: ModelSizes, gpu_bytes: int, memory_bytes: int, overhead_bytes: int) -> dict:
