@@ -9,29 +9,29 @@
 #   benchmarks/gpu_wheels.sh wheels        # here, with the package index: the wheels the GPU machine may lack
 #   benchmarks/gpu_check.sh wheels         # there, from the repository root; output also under $OUT
 #
-# It installs nothing from the network: the machine's own Python (its CUDA build of torch) in a venv that
-# sees its packages, plus the wheels in WHEELS (default: wheels/), installed without an index.
+# It installs nothing from the network and changes nothing in the machine's Python: the wheels in WHEELS
+# (default: wheels/) are unpacked without an index into a directory of their own that comes first on
+# PYTHONPATH, before the machine's packages (its CUDA build of torch, an older transformers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${1:-wheels}
 OUT=${OUT:-/tmp/moestream-gpu-check}
+SITE=/tmp/moestream-gpu-site
 mkdir -p "$OUT"
-VENV=/tmp/moestream-gpu-venv
-python3 -m venv --system-site-packages "$VENV" && . "$VENV/bin/activate"
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  pip install --no-index --no-deps --quiet "$WHEELS"/*.whl 2>&1 | tail -3
+  python3 -m pip install --no-index --no-deps --quiet --upgrade --target "$SITE" "$WHEELS"/*.whl 2>&1 | tail -3
 fi
-export PYTHONPATH="$PWD/src:$PWD/tests"
+export PYTHONPATH="$PWD/src:$PWD/tests:$SITE"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  python -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| transformers', transformers.__version__, '| gpu', torch.cuda.is_available())"
-  python -c "import accelerate; print('accelerate', accelerate.__version__)" || echo "accelerate missing: the offload peer will fail"
+  python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| transformers', transformers.__version__, '| gpu', torch.cuda.is_available())"
+  python3 -c "import accelerate; print('accelerate', accelerate.__version__)" || echo "accelerate missing: the offload peer will fail"
 } 2>&1 | tee "$OUT/versions.txt"
 echo "== tests" | tee "$OUT/tests.txt"
-timeout 300 python -m pytest tests/test_cuda.py tests/test_device_tier.py -q -rs -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.txt"
+timeout 300 python3 -m pytest tests/test_cuda.py tests/test_device_tier.py -q -rs -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.txt"
 tests=${PIPESTATUS[0]}
 echo "== bench" | tee "$OUT/bench.txt"
-timeout 300 python benchmarks/gpu_bench.py --workdir /tmp/moestream-gpu-bench --rounds 2 2>&1 | grep -v "Loading weights" | tee -a "$OUT/bench.txt"
+timeout 300 python3 benchmarks/gpu_bench.py --workdir /tmp/moestream-gpu-bench --rounds 2 2>&1 | grep -v "Loading weights" | tee -a "$OUT/bench.txt"
 bench=${PIPESTATUS[0]}
 echo "tests exit $tests, bench exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
