@@ -68,20 +68,21 @@ def test_batched_sequences_give_transformers_tokens_for_each_alone(family, tmp_p
         moestream.close(model)
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    hf_model, store = _store(tmp_path_factory, "qwen3_moe")
-    model, tokenizer = moestream.load(store, memory=16 * 2**10)
-    yield hf_model, model
-    moestream.close(model)
+def _loaded(family: str):
+    """A module fixture: (transformers' model, the same weights loaded through moestream below half the experts)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory):
+        hf_model, store = _store(tmp_path_factory, family)
+        model, _ = moestream.load(store, memory=16 * 2**10)
+        yield hf_model, model
+        moestream.close(model)
+
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    hf_model, store = _store(tmp_path_factory, "gpt_oss")
-    model, _ = moestream.load(store, memory=16 * 2**10)
-    yield hf_model, model
-    moestream.close(model)
+qwen = _loaded("qwen3_moe")
+gpt_oss = _loaded("gpt_oss")
 
 
 @pytest.mark.parametrize("name", ["qwen", "gpt_oss"])
