@@ -38,7 +38,7 @@ def test_a_device_slot_is_reused_only_after_the_kernels_that_read_it_are_over():
     for e in (0, 1):
         entry = tier.stage(host.lookup((0, e)), host, host.slot_tensor(host.lookup((0, e)).slot), SLOT)
         assert torch.equal(entry.tensors["raw"], torch.full((SLOT,), e + 1, dtype=torch.uint8))
-        tier.done_with([entry])
+        tier.done_with(entry)
         staged.append(entry)
     reader_events = device.computes[:]
     assert not any(event.done for event in reader_events)
@@ -51,7 +51,7 @@ def test_a_device_slot_is_reused_only_after_the_kernels_that_read_it_are_over():
     assert reader_events[staged.index(reused)].done  # its reader's event was over before its slot went again
     assert torch.equal(third.tensors["raw"], torch.full((SLOT,), 3, dtype=torch.uint8))
     # A kernel that completes frees its slot without any wait.
-    tier.done_with([third])
+    tier.done_with(third)
     waits = tier.waits
     for event in device.computes + device.copies:
         event.complete()
@@ -64,7 +64,7 @@ def test_a_host_slot_stays_pinned_until_its_copy_is_over():
     device = StandInDevice(manual=True)
     host, tier = _host(2), _tier(device, 2)
     source = host.lookup((0, 0))
-    tier.done_with([tier.stage(source, host, host.slot_tensor(source.slot), SLOT)])
+    tier.done_with(tier.stage(source, host, host.slot_tensor(source.slot), SLOT))
     assert source.pins == 1  # the copy may still read it
     assert host.allocate((1, 0), State.LOADING) is not None  # evicts the other, never the copy's source
     assert host.allocate((1, 1), State.LOADING) is None
@@ -78,12 +78,12 @@ def test_a_host_slot_stays_pinned_until_its_copy_is_over():
 def test_device_hits_pin_their_slot_and_count():
     host, tier = _host(2), _tier(StandInDevice(), 2)
     source = host.lookup((0, 1))
-    tier.done_with([tier.stage(source, host, host.slot_tensor(source.slot), SLOT)])
+    tier.done_with(tier.stage(source, host, host.slot_tensor(source.slot), SLOT))
     tier.release()
     assert tier.lookup(0, 0) is None
     hit = tier.lookup(0, 1)
     assert hit is not None and hit.pins == 1 and tier.hits == 1
-    tier.done_with([hit])
+    tier.done_with(hit)
     tier.release()
     assert hit.pins == 0
 

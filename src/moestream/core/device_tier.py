@@ -44,7 +44,6 @@ class DeviceTier:
         self.views = views
         self.pending: deque[tuple[Event, Entry, ExpertCache]] = deque()  # pins held until each event is over
         self.hits = 0
-        self.copies = 0
         self.waits = 0  # times every device slot was held by pending work and `stage` had to wait
 
     @property
@@ -99,15 +98,11 @@ class DeviceTier:
         host_cache.pin(host)  # the copy reads the host slot until `copied` completes
         self.pending.append((copied, host, host_cache))
         entry.tensors = self.views(key[0], raw)
-        self.copies += 1
         return entry
 
-    def done_with(self, entries: list[Entry]) -> None:
-        """The kernels reading `entries` are queued: they stay pinned until an event after them completes."""
-        if entries:
-            event = self.device.record()
-            for entry in entries:
-                self.pending.append((event, entry, self.cache))
+    def done_with(self, entry: Entry) -> None:
+        """The kernels reading `entry` are queued: it stays pinned until an event after them completes."""
+        self.pending.append((self.device.record(), entry, self.cache))
 
     def drain(self) -> None:
         """Wait for every pending event and unpin (closing, or after an error)."""

@@ -25,8 +25,6 @@ class Event(Protocol):
 
 
 class Device(Protocol):
-    name: str  # what torch calls it: "cuda", "cpu"
-
     def empty(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of `nbytes` in the device's memory."""
 
@@ -42,8 +40,6 @@ class Device(Protocol):
 
 
 class CudaDevice:
-    name = "cuda"
-
     def __init__(self, index: int | None = None):
         if not torch.cuda.is_available():
             raise UsageError(
@@ -52,7 +48,6 @@ class CudaDevice:
             )
         self.device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         self.copy_stream = torch.cuda.Stream(self.device)
-        self._registered: list[torch.Tensor] = []
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -82,7 +77,6 @@ class CudaDevice:
                 f"cannot page-lock the {buffer.numel() / 2**30:.1f} GiB host expert cache (CUDA error {int(err)}): "
                 "lower --memory, or raise the locked-memory limit (ulimit -l)"
             )
-        self._registered.append(buffer)
 
 
 class FakeEvent:
@@ -107,8 +101,6 @@ class StandInDevice:
     """A device for tests and CPU-only machines: slots are CPU tensors, copies happen at once, and events
     complete at once unless `manual` (then they complete when a test calls `complete()` or when someone
     synchronizes on them). It keeps every event it made, so a test can inspect them."""
-
-    name = "cpu"
 
     def __init__(self, manual: bool = False):
         self.manual = manual

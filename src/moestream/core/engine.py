@@ -168,7 +168,7 @@ class ExpertEngine:
             try:
                 for entry in on_device.values():  # first: their slots then wait only on queued work
                     self._compute(io, entry.key[1], entry.tensors)
-                    self.tier.done_with([entry])
+                    self.tier.done_with(entry)
                 call.run(io)
             finally:
                 for hook in self.step_hooks:
@@ -286,7 +286,7 @@ class ExpertEngine:
         try:
             self._compute(call, entry.key[1], staged.tensors)
         finally:
-            self.tier.done_with([staged])
+            self.tier.done_with(staged)
             self.tier.release()  # copies that are over give their host slots back to this call's misses
 
     def record_views(self, layer: int, raw: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -152,7 +152,7 @@ class PrefixStats:
     lookups: int = 0
     hits: int = 0
     tokens_reused: int = 0
-    entries: int = 0
+    entries: int = 0  # filled in by `stats()`
     bytes: int = 0
 
 
@@ -205,16 +205,15 @@ class PrefixCache:
             self._stats.bytes += size
             while self._stats.bytes > self.budget_bytes:
                 self._drop(next(iter(self._entries)))
-            self._stats.entries = len(self._entries)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._stats.bytes = self._stats.entries = 0
+            self._stats.bytes = 0
 
     def stats(self) -> PrefixStats:
         with self._lock:
-            return copy.copy(self._stats)
+            return replace(self._stats, entries=len(self._entries))
 
     def _drop(self, ids: tuple[int, ...]) -> None:
         _, size = self._entries.pop(ids)
