@@ -35,8 +35,10 @@ def main() -> None:
 
     def no_math(*args, **kwargs):
         call = args[0]
-        if getattr(call, "single", False):  # compute(call, entry) keeping one token's outputs for the end sum
-            call.ys[call.rows[args[1].key[1]]] = call.x
+        if getattr(call, "single", False):  # keep one token's outputs for the end sum
+            entries = args[1] if isinstance(args[1], list) else [args[1]]  # compute(call, entries) or (call, entry)
+            for entry in entries:
+                call.ys[call.rows[entry.key[1]]] = call.x
 
     for name in ("compute", "_compute"):  # the name differs between versions
         if hasattr(engine, name):

@@ -50,3 +50,27 @@ def test_budget_below_one_tokens_experts_names_the_minimum(store):
 def test_unparseable_budget_is_a_usage_error(store):
     with pytest.raises(UsageError, match="cannot read the size"):
         moestream.load(store, "four gigs")
+
+
+@pytest.mark.parametrize("family, experts_dtype", [("qwen3_moe", "int8"), ("qwen3_moe", "bf16"), ("gpt_oss", "fp32")])
+def test_shared_gate_of_cached_experts_gives_the_numbers_of_one_expert_at_a_time(family, experts_dtype, tmp_path):
+    """With one token, cached experts share one gate over their stacked rows (engine._compute); experts
+    read one by one at the minimum budget each get their own. The decode step's logits are bit-equal
+    (gpt-oss: its own clamped gate and biases)."""
+    _, ckpt = tiny_checkpoint(family, tmp_path / "hf", seed=11)
+    path = moestream.convert(ckpt, tmp_path / "store", experts_dtype=experts_dtype, progress=False)
+    manifest = Store(path).manifest
+    slot, top_k = manifest.max_record_stride, manifest.model_config["num_experts_per_tok"]
+    prompt = torch.randint(0, 250, (1, 7), generator=torch.Generator().manual_seed(12))
+    logits = {}
+    for name, budget in (("one at a time", top_k * slot), ("shared gate", sum(la.num_experts for la in manifest.layers) * slot)):
+        model, _ = moestream.load(path, budget, prefetch="off")
+        with torch.no_grad():
+            out = model(prompt, use_cache=True)
+            before = moestream.stats(model)["layers"]
+            step = model(out.logits[:, -1:].argmax(-1), cache=out.past_key_values)
+        logits[name] = step.logits
+        hits = [now["hits"] - then["hits"] for now, then in zip(moestream.stats(model)["layers"], before)]
+        # the step's experts were all read (one at a time) or, with the whole model cached, at least two hit
+        assert max(hits) == 0 if name == "one at a time" else min(hits) >= 2
+    assert torch.equal(logits["one at a time"], logits["shared gate"])

@@ -56,3 +56,33 @@ def test_auto_computes_bf16_models_in_float32_only_without_bf16_arithmetic(monke
 def test_an_unknown_compute_dtype_is_a_usage_error():
     with pytest.raises(UsageError, match="compute dtype must be one of auto, bf16, fp32"):
         kernels.compute_dtype("fp8", torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_bf16_models_route_in_float32_on_the_cpu(family, tmp_path):
+    """Routers hold a float32 copy of their weights and take float32 input (dense.routers_in_float32): each
+    one's logits equal float64 math on its input, and the model stays within bf16 rounding of
+    transformers' own bf16 forward on the same weights."""
+    checkpoint = save_checkpoint(make_model(family, seed=5, dtype=torch.bfloat16, **TINY[family]), tmp_path / "hf")
+    store = moestream.convert(checkpoint, tmp_path / "store", progress=False)
+    streamed, _ = moestream.load(store, "1MiB", compute_dtype="bf16")
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    seen = []
+    for name, module in streamed.named_modules():
+        if "Router" in type(module).__name__:
+            stored = reference.get_submodule(name).weight
+            assert module.weight.dtype == torch.float32  # transformers keeps DeepSeek-V3's so, the others in bf16
+            assert torch.equal(module.weight, stored.float())  # an exact copy, not a requantized one
+            module.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out[0])))
+    ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got, expected = streamed(ids).logits.float(), reference(ids).logits.float()
+    assert len(seen) == len(streamed.model.layers) - (1 if family == "deepseek_v3" else 0)  # its first layer is dense
+    for router, x, logits in seen:
+        assert logits.dtype == torch.float32  # (DeepSeek-V3's router casts its input itself)
+        bias = getattr(router, "bias", None)
+        exact = torch.nn.functional.linear(
+            x.double().reshape(-1, x.shape[-1]), router.weight.double(), None if bias is None else bias.double()
+        )
+        assert torch.allclose(logits.double(), exact, rtol=1e-5, atol=1e-5)
+    assert ((got - expected).norm() / expected.norm()).item() <= 3e-2  # bf16 rounding apart

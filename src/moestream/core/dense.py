@@ -68,6 +68,29 @@ def align_weights(model: nn.Module, alignment: int = 64) -> None:
                     setattr(module, name, buffer.clone())
 
 
+def routers_in_float32(routers) -> None:
+    """Make routers compute in float32 on the CPU: their weights held as a float32 copy, their input cast.
+
+    Why: a one-token bf16 matmul as narrow as a router (experts x hidden) costs 2-3x a float32 one on the
+    CPU (oneDNN repacks the weight on every call; docs/BENCHMARKS.md, "Routers in float32"), and
+    DeepSeek's routers cast their weight to float32 on every call anyway. llama.cpp keeps routers in
+    float32 too. The router's outputs are then float32, which the experts call takes as it is (its output
+    has the hidden states' dtype). The copy costs layers x experts x hidden x 2 bytes more than bf16."""
+    for router in routers:
+        if router is None or router.weight.dtype == torch.float32:
+            continue
+        for name, p in router.named_parameters(recurse=False):
+            if p.is_floating_point():
+                setattr(router, name, nn.Parameter(p.detach().float(), requires_grad=False))
+        router.register_forward_pre_hook(_float32_input)
+
+
+def _float32_input(module: nn.Module, args: tuple):
+    if args and args[0].is_floating_point() and args[0].dtype != torch.float32:
+        return (args[0].float(), *args[1:])
+    return None
+
+
 def set_compute_dtype(model: nn.Module, stored: torch.dtype, dtype: torch.dtype) -> None:
     """Make the model compute in `dtype`: float weights stored as `stored` are cast (tied ones stay tied),
     and int8 scales, stored as float32, take the activations' dtype once here rather than at every call.

@@ -166,9 +166,10 @@ class ExpertEngine:
                 self.prefetcher.observe(layer, list(rows))
             io = _LayerCall(self, module, layer, hidden, rows, top_k_weights, tokens, k, single)
             try:
-                for entry in on_device.values():  # first: their slots then wait only on queued work
-                    self._compute(io, entry.key[1], entry.tensors)
-                    self.tier.done_with(entry)
+                if on_device:  # first: their slots then wait only on queued work
+                    self._compute(io, [(e, entry.tensors) for e, entry in on_device.items()])
+                    for entry in on_device.values():
+                        self.tier.done_with(entry)
                 call.run(io)
             finally:
                 for hook in self.step_hooks:
@@ -276,18 +277,19 @@ class ExpertEngine:
                 found[e] = entry
         return found
 
-    def compute(self, call: _LayerCall, entry: Entry) -> None:
-        """One expert whose host entry is ready, computed where the model runs: from the host slot on the
-        CPU, or from a device slot it is first copied into (device_tier.py)."""
+    def compute(self, call: _LayerCall, entries: list[Entry]) -> None:
+        """Experts whose host entries are ready, computed where the model runs: from the host slots on the
+        CPU, or each from a device slot it is first copied into (device_tier.py)."""
         if self.tier is None:
-            self._compute(call, entry.key[1], entry.tensors)
+            self._compute(call, [(entry.key[1], entry.tensors) for entry in entries])
             return
-        staged = self.tier.stage(entry, self.cache, self.cache.slot_tensor(entry.slot), self.layers[call.layer].layout.nbytes)
-        try:
-            self._compute(call, entry.key[1], staged.tensors)
-        finally:
-            self.tier.done_with(staged)
-            self.tier.release()  # copies that are over give their host slots back to this call's misses
+        for entry in entries:
+            staged = self.tier.stage(entry, self.cache, self.cache.slot_tensor(entry.slot), self.layers[call.layer].layout.nbytes)
+            try:
+                self._compute(call, [(entry.key[1], staged.tensors)])
+            finally:
+                self.tier.done_with(staged)
+                self.tier.release()  # copies that are over give their host slots back to this call's misses
 
     def record_views(self, layer: int, raw: torch.Tensor) -> dict[str, torch.Tensor]:
         """A record's tensors as views into the bytes of a slot holding it (host or device memory)."""
@@ -296,23 +298,21 @@ class ExpertEngine:
             for t in self.layers[layer].layout.tensors
         }
 
-    def _compute(self, call: _LayerCall, expert: int, w: dict[str, torch.Tensor]) -> None:
-        """One expert on the tokens routed to it, with the module's own gate/activation semantics."""
-        module, fmt = call.module, call.fmt
-        pos = call.rows[expert]
-        x = call.x if call.single else call.x[pos // call.k]
-        h = expert_linear(x, w, call.first, fmt, module.is_transposed)
-        if module.has_bias:
-            h = h + w[call.first + "_bias"]
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-        y = expert_linear(h, w, "down_proj", fmt, module.is_transposed)
-        if module.has_bias:
-            y = y + w["down_proj_bias"]
-        if module.has_post_expert_norm:
-            y = module.post_expert_norm(y)
+    def _compute(self, call: _LayerCall, experts: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Experts (id, record tensors) on the tokens routed to them, with the module's own gate/activation
+        semantics. With one token, the experts share one gate over their stacked rows: the gate is row-wise
+        (transformers applies it to rows of many experts at once), and at decode the small ops between the
+        matmuls cost as much as the matmuls (docs/BENCHMARKS.md, "The lean path for cached experts")."""
         if call.single:
-            call.ys[pos] = y  # weighted and summed in k order once every expert is done (`result`)
-        else:
+            hs = [_first_matmul(call, call.x, w) for _, w in experts]
+            h = _gate(call.module, torch.cat(hs) if len(hs) > 1 else hs[0])
+            for j, (expert, w) in enumerate(experts):
+                # weighted and summed in k order once every expert is done (`result`)
+                call.ys[call.rows[expert]] = _second_matmul(call, h[j : j + 1], w)
+            return
+        for expert, w in experts:
+            pos = call.rows[expert]
+            y = _second_matmul(call, _gate(call.module, _first_matmul(call, call.x[pos // call.k], w)), w)
             call.out[pos] = (y * call.weights[pos, None]).to(call.out.dtype)
 
     # -- reporting --------------------------------------------------------------------------------------
@@ -415,8 +415,8 @@ class _LayerCall:
     def finish_read(self, entry: Entry) -> None:
         self.engine.finish_read(entry)
 
-    def compute(self, entry: Entry) -> None:
-        self.engine.compute(self, entry)
+    def compute(self, entries: list[Entry]) -> None:
+        self.engine.compute(self, entries)
 
     def abandon(self, in_flight: list[Entry]) -> None:
         self.engine.abandon(in_flight)
@@ -444,6 +444,23 @@ class PrefillProgress:
             if layer == self.layers - 1:
                 self.bar.close()
                 self.bar = None
+
+
+def _first_matmul(call: _LayerCall, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = expert_linear(x, w, call.first, call.fmt, call.module.is_transposed)
+    return h + w[call.first + "_bias"] if call.module.has_bias else h
+
+
+def _gate(module, h: torch.Tensor) -> torch.Tensor:
+    return module._apply_gate(h) if module.has_gate else module.act_fn(h)
+
+
+def _second_matmul(call: _LayerCall, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    module = call.module
+    y = expert_linear(h, w, "down_proj", call.fmt, module.is_transposed)
+    if module.has_bias:
+        y = y + w["down_proj_bias"]
+    return module.post_expert_norm(y) if module.has_post_expert_norm else y
 
 
 def streaming_experts_forward(self, hidden_states, top_k_index, top_k_weights):

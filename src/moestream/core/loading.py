@@ -106,11 +106,8 @@ def load(
                 del module._parameters[pname]  # served from the store, never materialized
             module._moestream_engine = engine
             module._moestream_layer = index
-        engine.prefetcher = Prefetcher(
-            [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules],
-            routed_top_k(manifest.model_config),
-            prefetch,
-        )
+        routers = [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules]
+        engine.prefetcher = Prefetcher(routers, routed_top_k(manifest.model_config), prefetch)
         engine.step_hooks.append(engine.prefetcher)
         # The embedding sees each forward pass's input ids first: the engine's step start (the prefetcher's
         # clock, hash-routed layers' exact reads) hangs off it, not off the experts calls.
@@ -131,6 +128,8 @@ def load(
         model.tie_weights()
         dense.align_weights(model)
         dense.set_compute_dtype(model, stored, dtype)
+        if not on_gpu:
+            dense.routers_in_float32(routers)
         _rebuild_buffers(model)
         still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if still_meta:

@@ -43,8 +43,9 @@ class CallIO(Protocol):
     def finish_read(self, entry: Entry) -> None:
         """Check a read that is over and make the entry READY; raise (having discarded it) if it failed."""
 
-    def compute(self, entry: Entry) -> None:
-        """Run the expert on the call's tokens routed to it."""
+    def compute(self, entries: list[Entry]) -> None:
+        """Run these experts (ready, pinned) on the call's tokens routed to them: together, where that saves
+        work (one token's hits share one gate)."""
 
     def abandon(self, in_flight: list[Entry]) -> None:
         """The call failed with these reads in flight: they must not stay cached half-written."""
@@ -73,8 +74,9 @@ class Call:
             self._issue(io)
             if not waiting:  # demand first: reading ahead only once every miss is on its way
                 io.demand_issued()
-            while ready:  # hits compute while the misses are read
-                io.compute(ready[-1])
+            if ready:  # hits compute while the misses are read
+                io.compute(ready)
+            while ready:
                 cache.unpin(ready.pop())
             self._issue(io)  # the hits' slots are evictable now
             while in_flight or waiting:
@@ -87,9 +89,10 @@ class Call:
                     )
                 for entry in io.landed(in_flight, oldest_only=bool(waiting)):
                     in_flight.remove(entry)
+                    ready.append(entry)  # unpinned below, or by `finally` if its read or compute fails
                     io.finish_read(entry)
-                    io.compute(entry)
-                    cache.unpin(entry)
+                    io.compute([entry])
+                    cache.unpin(ready.pop())
                 self._issue(io)  # slots freed by the experts just computed take the reads that did not fit
         finally:
             # Only reached with work left after an error.

@@ -165,7 +165,7 @@ class InstantReads:
     def finish_read(self, entry: Entry) -> None:
         entry.state = State.READY
 
-    def compute(self, entry: Entry) -> None:
+    def compute(self, entries: list[Entry]) -> None:
         pass
 
     def abandon(self, in_flight: list[Entry]) -> None:
