@@ -395,9 +395,10 @@ class _LayerCall:
         """[T, H]: the weighted outputs summed over k, in k order."""
         dtype = self.hidden.dtype
         if self.single:
-            out = torch.cat(self.ys) * self.weights  # [k, H]; cat upcasts (exactly) to a common dtype
-            if out.dtype != dtype:
-                out = out.to(dtype)
+            out = torch.cat(self.ys)  # [k, H]; cat upcasts (exactly) to a common dtype
+            # In place where the result keeps out's dtype: computed in the promoted dtype (float32 router
+            # weights) and rounded once, as (out * weights).to(dtype) is, with one op and buffer less.
+            out = out.mul_(self.weights) if out.dtype == dtype else (out * self.weights).to(dtype)
             return out.view(1, self.k, -1).sum(dim=1)
         return self.out.view(-1, self.k, self.out.shape[-1]).sum(dim=1).to(dtype)
 
