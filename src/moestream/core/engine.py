@@ -47,6 +47,12 @@ READ_TIMEOUT_SECONDS = 60.0
 # A prompt at least this long shows a progress bar over the MoE layers (on a terminal): its reads can
 # take seconds per layer when little of it is cached.
 PREFILL_PROGRESS_TOKENS = 256
+# One token's experts share one gate only when their first matmul's width is a multiple of this. torch's
+# elementwise CPU kernels run whole blocks of up to 64 elements (two AVX-512 vectors of bf16) through the
+# vector function and the tail of a row through the scalar one, whose exp can differ in the last bit; rows
+# stacked into one tensor move the tails, unless no row has one. (A gate of width I over 2I: I a multiple
+# of 64.) Real experts' widths are (768, 1408, 2048, 2880); tiny test models' are not.
+SHARED_GATE_WIDTH = 128
 
 
 @dataclass
@@ -300,15 +306,19 @@ class ExpertEngine:
 
     def _compute(self, call: _LayerCall, experts: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         """Experts (id, record tensors) on the tokens routed to them, with the module's own gate/activation
-        semantics. With one token, the experts share one gate over their stacked rows: the gate is row-wise
-        (transformers applies it to rows of many experts at once), and at decode the small ops between the
-        matmuls cost as much as the matmuls (docs/BENCHMARKS.md, "The lean path for cached experts")."""
+        semantics. With one token, experts computed together share one gate over their stacked rows where
+        that gives the same bits (`SHARED_GATE_WIDTH`): the gate is row-wise, and at decode the small ops
+        between the matmuls cost as much as the matmuls (docs/BENCHMARKS.md)."""
         if call.single:
             hs = [_first_matmul(call, call.x, w) for _, w in experts]
-            h = _gate(call.module, torch.cat(hs) if len(hs) > 1 else hs[0])
-            for j, (expert, w) in enumerate(experts):
+            if len(hs) > 1 and hs[0].shape[-1] % SHARED_GATE_WIDTH == 0:
+                stacked = _gate(call.module, torch.cat(hs))
+                hs = [stacked[j : j + 1] for j in range(len(hs))]
+            else:
+                hs = [_gate(call.module, h) for h in hs]
+            for (expert, w), h in zip(experts, hs):
                 # weighted and summed in k order once every expert is done (`result`)
-                call.ys[call.rows[expert]] = _second_matmul(call, h[j : j + 1], w)
+                call.ys[call.rows[expert]] = _second_matmul(call, h, w)
             return
         for expert, w in experts:
             pos = call.rows[expert]

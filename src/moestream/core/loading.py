@@ -22,7 +22,7 @@ from ..conversion.skeleton import build_skeleton, config_from_dict, expert_param
 from ..conversion.store import DTYPES, Store, file_checksum
 from ..errors import StoreError, UsageError
 from ..units import format_bytes, parse_bytes
-from . import dense, kernels
+from . import dense, fused, kernels
 from . import engine as engine_module
 from .device_tier import DeviceTier
 from .devices import CudaDevice, Device
@@ -130,6 +130,7 @@ def load(
         dense.set_compute_dtype(model, stored, dtype)
         if not on_gpu:
             dense.routers_in_float32(routers)
+            fused.install(model)
         _rebuild_buffers(model)
         still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if still_meta:
