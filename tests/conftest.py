@@ -12,3 +12,13 @@ def _deterministic_threads():
     # Two-core CI machines: keep torch from oversubscribing while I/O threads run.
     torch.set_num_threads(2)
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fused_kernels_built():
+    # On a fresh machine the first load compiles core/fused.py's kernels (about 40 s): do it here, once,
+    # rather than inside whichever test (or CLI subprocess under a timeout) loads a model first.
+    from moestream.core import fused
+
+    fused.extension()
+    yield
