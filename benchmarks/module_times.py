@@ -74,7 +74,9 @@ def main() -> None:
     print(f"{'module':<24} {'calls/step':>10} {'us/call':>9} {'ms/step':>8}")
     for kind in dict.fromkeys([*KINDS.values(), "LM head"]):
         if calls[kind]:
-            print(f"{kind:<24} {calls[kind] / steps:>10.1f} {seconds[kind] / calls[kind] * 1e6:>9.1f} {seconds[kind] / steps * 1e3:>8.3f}")
+            print(
+                f"{kind:<24} {calls[kind] / steps:>10.1f} {seconds[kind] / calls[kind] * 1e6:>9.1f} {seconds[kind] / steps * 1e3:>8.3f}"
+            )
 
 
 if __name__ == "__main__":
