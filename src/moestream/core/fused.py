@@ -21,12 +21,14 @@ import copy
 import functools
 import os
 import sys
+import time
 import warnings
 
 import torch
 from torch import nn
 
 EXTENSION = "moestream_fused_v1"  # a new name for every change of the source: the build cache is by name
+STALE_LOCK_SECONDS = 600  # an older build lock belongs to a build that was killed
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -88,8 +90,13 @@ def extension():
         except ImportError:
             pass
 
-        built = os.path.join(cpp_extension._get_build_directory(EXTENSION, verbose=False), f"{EXTENSION}.so")
-        if not os.path.exists(built):
+        directory = cpp_extension._get_build_directory(EXTENSION, verbose=False)
+        lock = os.path.join(directory, "lock")
+        # torch waits for as long as a build's lock file exists, and a build that was killed (Ctrl-C during
+        # the first load) leaves it behind: every later load would hang. A build takes about a minute.
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_SECONDS:
+            os.remove(lock)
+        if not os.path.exists(os.path.join(directory, f"{EXTENSION}.so")):
             print(
                 "moestream: compiling its fused CPU kernels, once for this machine (about a minute); "
                 "MOESTREAM_FUSED=0 skips them",
