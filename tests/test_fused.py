@@ -93,12 +93,19 @@ def test_a_loaded_model_uses_the_kernel_and_equals_transformers(kernel, store):
     assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
 
 
-def test_other_inputs_fall_back_to_the_modules_own_forward(kernel, store):
+def test_other_inputs_fall_back_to_the_modules_own_forward(kernel, store, monkeypatch):
     model, _ = moestream.load(store[1], "1MiB")
     norm = fused._rms_norms(model)[0]
     x = torch.randn(2, norm.weight.shape[0], dtype=torch.float64)
     with torch.no_grad():  # another dtype than the weight's: the module's own math (which promotes)
         assert torch.equal(norm(x), type(norm).forward(norm, x))
+    calls = []
+    original = type(norm).forward
+    monkeypatch.setattr(type(norm), "forward", lambda self, h, *more: calls.append(more) or original(self, h))
+    with torch.no_grad():  # a call with more inputs than agrees() checked goes to the module's own forward
+        norm(torch.randn(2, norm.weight.shape[0]), "extra")
+    assert calls == [("extra",)]
+    monkeypatch.undo()
     x = torch.randn(2, norm.weight.shape[0], requires_grad=True)
     y = norm(x)  # autograd recording: the kernel has no backward, so the module's own forward runs
     assert y.grad_fn is not None

@@ -153,7 +153,8 @@ def agrees(module: nn.Module, kernel, rows: int = 64) -> bool:
 def install(model: nn.Module) -> int:
     """Give each RMSNorm module whose class agrees with the kernel (`agrees`) the fused forward; returns
     how many. The forward falls back to the module's own for inputs the kernel does not take (another
-    dtype than the weight's, a device other than the CPU, or with autograd recording)."""
+    dtype than the weight's, a device other than the CPU, more arguments than the one checked, or with
+    autograd recording)."""
     norms = _rms_norms(model)
     ext = extension() if norms else None
     if ext is None:
@@ -170,9 +171,9 @@ def install(model: nn.Module) -> int:
     return installed
 
 
-def _fused_forward(module: nn.Module, kernel, eps: float, hidden_states: torch.Tensor) -> torch.Tensor:
+def _fused_forward(module: nn.Module, kernel, eps: float, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     w = module.weight
     differentiating = torch.is_grad_enabled() and (w.requires_grad or hidden_states.requires_grad)  # no backward here
-    if hidden_states.dtype == w.dtype and hidden_states.device.type == "cpu" and not differentiating:
+    if not args and not kwargs and hidden_states.dtype == w.dtype and hidden_states.device.type == "cpu" and not differentiating:
         return kernel(hidden_states, w, eps)
-    return type(module).forward(module, hidden_states)
+    return type(module).forward(module, hidden_states, *args, **kwargs)  # (a call with more inputs than checked)
