@@ -32,26 +32,13 @@ class ExpectedNextUse(ForecastPolicy):
         self._current = layer
         super().on_call(layer, experts)
 
-    def victim(self, evictable, incoming=None):
+    def _victim_layer(self):
         layers = self.layers
         d = (np.arange(layers) - self._current) % layers
         d[d == 0] = layers  # the current layer's experts wait a whole cycle
-        skipped, chosen = [], None
-        while np.isfinite(self._layer_min).any():
-            p = 1.0 / (1.0 + np.exp(-self._layer_min.astype(np.float64)))  # each layer's least likely expert
-            wait = np.where(np.isfinite(self._layer_min), d + layers * (1 - p) / np.maximum(p, 1e-12), -np.inf)
-            layer = int(wait.argmax())
-            key = (layer, int(self._layer_argmin[layer]))
-            if evictable(key):
-                chosen = key
-                break
-            skipped.append((key, self._masked[key]))
-            self._masked[key] = np.inf
-            self._update_min(layer)
-        for key, value in skipped:
-            self._masked[key] = value
-            self._update_min(key[0])
-        return chosen
+        p = 1.0 / (1.0 + np.exp(-self._layer_min.astype(np.float64)))  # each layer's least likely expert
+        wait = np.where(np.isfinite(self._layer_min), d + layers * (1 - p) / np.maximum(p, 1e-12), -np.inf)
+        return int(wait.argmax())  # (all -inf: a layer with nothing cached, which victim() stops at)
 
 
 class PerLayerWeights(ForecastPolicy):

@@ -159,22 +159,21 @@ def int4_unpack_index(n: int, k: int) -> torch.Tensor:
     shift = 0
     while (1 << shift) < n * k:
         codes = ((index >> shift) & 15).view(n, k).to(torch.int32)
-        holder |= _nibbles(torch._convert_weight_to_int4pack_for_cpu(codes, 1)) << shift
+        holder |= _nibbles(torch._convert_weight_to_int4pack_for_cpu(codes, 1)).to(torch.int64) << shift
         shift += 4
     return torch.argsort(holder)  # weight -> the nibble position that holds it
 
 
 def _nibbles(kernel_bytes: torch.Tensor) -> torch.Tensor:
+    """Every nibble of the bytes, low then high nibble of each byte, in order (the bytes' dtype)."""
     b = kernel_bytes.reshape(-1)
-    return torch.stack([b & 15, b >> 4], dim=-1).reshape(-1).to(torch.int64)
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(-1)
 
 
 def unpack_int4_codes(kernel_bytes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The [N, K] uint8 codes (0..15) of int4 kernel bytes [N, K/2], with `int4_unpack_index(N, K)` on
     the bytes' device."""
-    n = kernel_bytes.shape[0]
-    b = kernel_bytes.reshape(-1)
-    return torch.stack([b & 15, b >> 4], dim=-1).reshape(-1)[index].view(n, -1)
+    return _nibbles(kernel_bytes)[index].view(kernel_bytes.shape[0], -1)
 
 
 def compress_kernel_bytes(kernel_bytes: torch.Tensor, bits: int) -> torch.Tensor:

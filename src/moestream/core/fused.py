@@ -9,9 +9,10 @@ compiled from the source below with torch's C++ extension builder, once per mach
 in torch's extensions directory), and used only where it computes what the module computes.
 
 Which modules: every module whose class is named *RMSNorm with a 1-D `weight` and a float epsilon. A
-class's formula is not read from its source but checked by behaviour: on random rows its forward and the
-kernel must agree within one unit of the last place on at most 0.1% of elements (float32 sums in
-another order), so a variant (Gemma's 1 + weight, gpt-oss's single rounding) keeps its own forward.
+class's formula is not read from its source but checked by behaviour (`agrees`): on random rows and a
+random weight its forward and the kernel must agree within one unit in the last place on at most 0.1%
+of a 16-bit result's elements (float32: within a few units, its sums run in another order), so a variant
+(Gemma's 1 + weight, gpt-oss's single rounding in bf16) keeps its own forward.
 Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes.
 """
 

@@ -398,10 +398,14 @@ class ForecastPolicy:
         if self._layer_argmin[layer] == e:
             self._update_min(layer)
 
+    def _victim_layer(self) -> int:
+        """The layer whose least likely cached expert goes first: the least likely of all."""
+        return int(self._layer_min.argmin())
+
     def victim(self, evictable: Callable[[Key], bool], incoming: Key | None = None) -> Key | None:
         skipped, chosen = [], None
         while True:
-            layer = int(self._layer_min.argmin())
+            layer = self._victim_layer()
             if self._layer_min[layer] == np.inf:
                 break
             key = (layer, int(self._layer_argmin[layer]))
