@@ -28,7 +28,7 @@ from ..conversion.sizes import ModelSizes
 from ..conversion.store import DTYPES, Store
 from ..errors import ExpertReadError, UsageError
 from ..units import format_bytes
-from . import scheduler
+from . import fused, scheduler
 from .cache import Entry, ExpertCache, State
 from .kernels import expert_linear
 from .memory import peak_rss_bytes
@@ -111,6 +111,7 @@ class ExpertEngine:
         self.step_hooks: list = [PrefillProgress(len(self.layers))]
         self._ahead: list[Entry] = []  # reads ahead of need that may still be READING_AHEAD
         self.tier = None  # a device_tier.DeviceTier above the host cache, set by load(device="cuda")
+        self._one_token_kernels: dict[tuple[int, torch.dtype], tuple | None] = {}  # `one_token_kernel`
 
     def _evicted(self, entry: Entry) -> None:
         self.layer_stats[entry.key[0]].evictions += 1
@@ -304,11 +305,50 @@ class ExpertEngine:
             for t in self.layers[layer].layout.tensors
         }
 
+    def one_token_kernel(self, module, layer: int, x: torch.Tensor) -> tuple | None:
+        """The fused one-token experts kernel for this layer (core/fused.py's `experts_decode`) and the
+        record tensors' names it takes, or None where it does not apply: a device tier, float or int3/int2
+        records, an int4 record with activations other than bf16, int8 in bf16 at widths torch's kernel
+        gets wrong (kernels.py), or a module whose gate differs from the kernel's."""
+        key = (layer, x.dtype)
+        if key not in self._one_token_kernels:
+            self._one_token_kernels[key] = self._find_one_token_kernel(module, layer, x)
+        return self._one_token_kernels[key]
+
+    def _find_one_token_kernel(self, module, layer: int, x: torch.Tensor) -> tuple | None:
+        fmt = self.layers[layer].quantization
+        if self.tier is not None or x.device.type != "cpu" or fmt is None or fmt.name not in ("int4", "int8"):
+            return None
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        shapes = {t.name: t.shape for t in self.layers[layer].layout.tensors}
+        width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
+        if fmt.name == "int4" and x.dtype != torch.bfloat16:
+            return None
+        if fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
+            return None
+        kernel = fused.experts_kernel(module, width, x.dtype)
+        if kernel is None:
+            return None
+        names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
+        return kernel, names, fmt.bits, fmt.group_size or 0
+
     def _compute(self, call: _LayerCall, experts: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         """Experts (id, record tensors) on the tokens routed to them, with the module's own gate/activation
-        semantics. With one token, experts computed together share one gate over their stacked rows where
-        that gives the same bits (`SHARED_GATE_WIDTH`): the gate is row-wise, and at decode the small ops
-        between the matmuls cost as much as the matmuls (docs/BENCHMARKS.md)."""
+        semantics. With one token, quantized experts run through the fused kernel where it applies
+        (`one_token_kernel`), one call for all of them; otherwise experts computed together share one gate
+        over their stacked rows where that gives the same bits (`SHARED_GATE_WIDTH`): the gate is row-wise,
+        and at decode the small ops between the matmuls cost as much as the matmuls (docs/BENCHMARKS.md)."""
+        if call.single and call.fused is not None:
+            kernel, (q1, p1, q2, p2), bits, group = call.fused
+            experts = sorted(experts, key=lambda item: call.rows[item[0]])  # in k order
+            ys = kernel(call.x, [w[q1] for _, w in experts], [w[p1] for _, w in experts],
+                        [w[q2] for _, w in experts], [w[p2] for _, w in experts], bits, group)  # fmt: skip
+            if len(experts) == call.k:
+                call.ys = ys  # every choice at once, rows in k order: `result` needs no concatenation
+            else:
+                for j, (expert, _) in enumerate(experts):
+                    call.ys[call.rows[expert]] = ys[j : j + 1]
+            return
         if call.single:
             hs = [_first_matmul(call, call.x, w) for _, w in experts]
             if len(hs) > 1 and hs[0].shape[-1] % SHARED_GATE_WIDTH == 0:
@@ -380,6 +420,7 @@ class _LayerCall:
 
     __slots__ = (
         "engine", "module", "layer", "hidden", "rows", "weights", "k", "single", "x", "fmt", "first", "ys", "out",
+        "fused",
     )  # fmt: skip
 
     def __init__(self, engine: ExpertEngine, module, layer: int, hidden, rows, top_k_weights, tokens: int, k: int, single: bool):
@@ -394,9 +435,10 @@ class _LayerCall:
         self.x = hidden if hidden.dtype == dtype else hidden.to(dtype)
         if single and not self.x.is_contiguous():  # the general path's gather copies; the kernels need rows
             self.x = self.x.contiguous()
+        self.fused = engine.one_token_kernel(module, layer, self.x) if single else None
         if self.single:
             self.weights = top_k_weights.reshape(k, 1)
-            self.ys = [None] * k
+            self.ys = [None] * k  # or one [k, H] tensor, when the fused kernel computed every choice at once
         else:
             self.weights = top_k_weights.reshape(-1)
             self.out = hidden.new_empty(tokens * k, hidden.shape[-1])  # every row is written once
@@ -405,7 +447,7 @@ class _LayerCall:
         """[T, H]: the weighted outputs summed over k, in k order."""
         dtype = self.hidden.dtype
         if self.single:
-            out = torch.cat(self.ys)  # [k, H]; cat upcasts (exactly) to a common dtype
+            out = self.ys if isinstance(self.ys, torch.Tensor) else torch.cat(self.ys)  # [k, H]; cat upcasts (exactly) to a common dtype
             # In place where the result keeps out's dtype: computed in the promoted dtype (float32 router
             # weights) and rounded once, as (out * weights).to(dtype) is, with one op and buffer less.
             out = out.mul_(self.weights) if out.dtype == dtype else (out * self.weights).to(dtype)

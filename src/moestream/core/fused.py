@@ -1,4 +1,4 @@
-"""Fused CPU kernels for upstream modules whose small ops dominate a decode step: RMSNorm.
+"""Fused CPU kernels for the small ops that dominate a decode step: RMSNorm, rotary, the experts' gate.
 
 Why: a one-token decode step on the CPU runs hundreds of tiny ops, each costing 5-30 us of dispatch
 and cache misses whatever its size. transformers' RMSNorm is eight of them (cast, pow, mean, add,
@@ -13,6 +13,16 @@ class's formula is not read from its source but checked by behaviour (`agrees`):
 random weight its forward and the kernel must agree within one unit in the last place on at most 0.1%
 of a 16-bit result's elements (float32: within a few units, its sums run in another order), so a variant
 (Gemma's 1 + weight, gpt-oss's single rounding in bf16) keeps its own forward.
+
+Rotary: a modeling module's `apply_rotary_pos_emb` (x * cos + rotate_half(x) * sin, sixteen small ops per
+layer) is replaced, in that module, by one kernel call when the kernel gives the same bits as the
+function on random inputs in bf16, float16 and float32 (`rotary_agrees`; an interleaved or partial
+variant keeps its own). Other shapes and arguments go to the original function.
+
+Experts: `experts_decode` runs one token through a layer's cached quantized experts (int4 or int8,
+torch's own kernels called from C++, the SiLU gate fused), for an experts module whose gate agrees with
+the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute).
+
 Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes.
 """
 
@@ -28,14 +38,17 @@ import warnings
 import torch
 from torch import nn
 
-EXTENSION = "moestream_fused_v1"  # a new name for every change of the source: the build cache is by name
+EXTENSION = "moestream_fused_v2"  # a new name for every change of the source: the build cache is by name
 STALE_LOCK_SECONDS = 600  # an older build lock belongs to a build that was killed
+FUNCTIONS = ["rms_norm", "rotary", "silu_gate", "experts_decode"]
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 // transformers' RMSNorm on rows of x [..., H], in its rounding: the mean of squares and the scaling in
 // float32, the normalized row rounded to x's dtype, then multiplied by the weight (in float32, rounded).
@@ -72,6 +85,109 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   });
   return out;
 }
+
+// Rotary position embedding as transformers' apply_rotary_pos_emb computes it, x * cos + rotate_half(x) *
+// sin, with each product and the sum rounded to x's dtype as torch's ops round them: x [B, heads, S, D]
+// (any strides but the last), cos and sin [B or 1, S, D], broadcast over the heads.
+static torch::Tensor rotate(const torch::Tensor& x_in, const torch::Tensor& cos, const torch::Tensor& sin) {
+  auto x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
+  const int64_t B = x.size(0), heads = x.size(1), S = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t cos_batch = cos.size(0) == 1 ? 0 : S * D;
+  auto out = torch::empty({B, heads, S, D}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t sb = x.stride(0), sh = x.stride(1), ss = x.stride(2);
+    at::parallel_for(0, B * heads * S, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t b = r / (heads * S), h = (r / S) % heads, t = r % S;
+        const scalar_t* a = xp + b * sb + h * sh + t * ss;
+        const scalar_t* c = cp + b * cos_batch + t * D;
+        const scalar_t* s = sp + b * cos_batch + t * D;
+        scalar_t* o = op + r * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float rotated = i < half ? -static_cast<float>(a[i + half]) : static_cast<float>(a[i - half]);
+          const scalar_t first = static_cast<scalar_t>(static_cast<float>(a[i]) * static_cast<float>(c[i]));
+          const scalar_t second = static_cast<scalar_t>(static_cast<float>(static_cast<scalar_t>(rotated)) * static_cast<float>(s[i]));
+          o[i] = static_cast<scalar_t>(static_cast<float>(first) + static_cast<float>(second));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.dim() == 3, "rotary: q, k [B, heads, S, D]; cos, sin [B, S, D]");
+  TORCH_CHECK(q.scalar_type() == cos.scalar_type() && k.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type(),
+              "rotary: q, k, cos and sin must share a dtype");
+  const int64_t D = q.size(3);
+  TORCH_CHECK(D % 2 == 0 && k.size(3) == D && cos.size(2) == D && sin.sizes() == cos.sizes(), "rotary: head dims differ");
+  TORCH_CHECK(q.size(2) == cos.size(1) && k.size(2) == cos.size(1), "rotary: positions differ");
+  TORCH_CHECK((cos.size(0) == 1 || cos.size(0) == q.size(0)) && k.size(0) == q.size(0), "rotary: batch sizes differ");
+  auto c = cos.contiguous(), s = sin.contiguous();
+  return {rotate(q, c, s), rotate(k, c, s)};
+}
+
+// The SiLU gate of transformers' experts, act(gate) * up over h [..., 2I] = [gate | up], rounded to h's
+// dtype after the activation and after the product, as torch's two ops round.
+template <typename scalar_t>
+static void silu_gate_row(const scalar_t* h, scalar_t* a, int64_t I) {
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = static_cast<float>(h[i]);
+    const scalar_t act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+    a[i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(h[I + i]));
+  }
+}
+
+torch::Tensor silu_gate(torch::Tensor h) {
+  auto in = h.contiguous();
+  const int64_t two = in.size(-1), I = two / 2;
+  TORCH_CHECK(two % 2 == 0, "silu_gate: the last dim must be even");
+  auto sizes = in.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, in.options());
+  const int64_t rows = I ? out.numel() / I : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.scalar_type(), "silu_gate", [&] {
+    const scalar_t* hp = in.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) silu_gate_row(hp + r * two, op + r * I, I);
+  });
+  return out;
+}
+
+static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group) {
+  if (bits == 4) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
+  return at::_weight_int8pack_mm(x, q, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
+}
+
+// One token through n quantized experts with the SiLU gate: x [1, H]; per expert its first matrix (gate
+// and up stacked, [2I, H]) and second ([H, I]) in torch's CPU kernels' layouts (bits 4: the int4 kernel
+// with `group`; 8: the int8 kernel) -> [n, H], row j expert j's output. The same kernels the engine calls
+// one op at a time, without the dispatch between them.
+torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, std::vector<torch::Tensor> first_params,
+                             std::vector<torch::Tensor> second, std::vector<torch::Tensor> second_params, int64_t bits, int64_t group) {
+  const int64_t n = static_cast<int64_t>(first.size());
+  TORCH_CHECK(n > 0 && first_params.size() == first.size() && second.size() == first.size() && second_params.size() == first.size(),
+              "experts_decode: one first and one second matrix per expert");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "experts_decode: x must be one contiguous row [1, H]");
+  TORCH_CHECK(bits == 4 || bits == 8, "experts_decode: 4 or 8 bits");
+  torch::Tensor out;
+  for (int64_t j = 0; j < n; ++j) {
+    auto h = quantized(x, first[j], first_params[j], bits, group);
+    const int64_t I = h.size(1) / 2;
+    auto a = torch::empty({1, I}, h.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "experts_decode", [&] {
+      silu_gate_row(h.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), I);
+    });
+    auto y = quantized(a, second[j], second_params[j], bits, group);
+    if (j == 0) out = torch::empty({n, y.size(1)}, y.options());
+    std::memcpy(static_cast<char*>(out.data_ptr()) + j * y.nbytes(), y.data_ptr(), y.nbytes());
+  }
+  return out;
+}
 """
 
 
@@ -104,7 +220,7 @@ def extension():
                 file=sys.stderr,
                 flush=True,
             )
-        return cpp_extension.load_inline(EXTENSION, cpp_sources=_SOURCE, functions=["rms_norm"], extra_cflags=["-O3"])
+        return cpp_extension.load_inline(EXTENSION, cpp_sources=_SOURCE, functions=FUNCTIONS, extra_cflags=["-O3", "-ffp-contract=off"])
     except Exception as error:  # no compiler, no headers: the model runs as it would without them
         warnings.warn(f"moestream: running without fused CPU kernels ({type(error).__name__}: {error})", stacklevel=2)
         return None
@@ -142,7 +258,14 @@ def agrees(module: nn.Module, kernel, rows: int = 64) -> bool:
     with torch.no_grad():
         expected = type(module).forward(probe, x)
         got = kernel(x, probe.weight, _epsilon(module))
-    if got.dtype != expected.dtype or got.shape != expected.shape:
+    return _close(got, expected)
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """The same dtype and shape, and values within one unit in the last place (float32: a few, its sums and
+    exponentials may run another way) on at most 0.1% of the elements of a 16-bit result."""
+    dtype = expected.dtype
+    if got.dtype != dtype or got.shape != expected.shape:
         return False
     units = 8 if dtype == torch.float32 else 1
     diff = (got.float() - expected.float()).abs()
@@ -152,14 +275,16 @@ def agrees(module: nn.Module, kernel, rows: int = 64) -> bool:
 
 
 def install(model: nn.Module) -> int:
-    """Give each RMSNorm module whose class agrees with the kernel (`agrees`) the fused forward; returns
-    how many. The forward falls back to the module's own for inputs the kernel does not take (another
-    dtype than the weight's, a device other than the CPU, more arguments than the one checked, or with
-    autograd recording)."""
-    norms = _rms_norms(model)
-    ext = extension() if norms else None
+    """Give each RMSNorm module whose class agrees with the kernel (`agrees`) the fused forward, and the
+    model's modeling modules the fused rotary (`install_rotary`); returns how many norms. The norm's
+    forward falls back to the module's own for inputs the kernel does not take (another dtype than the
+    weight's, a device other than the CPU, more arguments than the one checked, or with autograd
+    recording)."""
+    ext = extension()
     if ext is None:
         return 0
+    install_rotary(model, ext.rotary)
+    norms = _rms_norms(model)
     verdict: dict[tuple[type, torch.dtype], bool] = {}
     installed = 0
     for module in norms:
@@ -178,3 +303,87 @@ def _fused_forward(module: nn.Module, kernel, eps: float, hidden_states: torch.T
     if not args and not kwargs and hidden_states.dtype == w.dtype and hidden_states.device.type == "cpu" and not differentiating:
         return kernel(hidden_states, w, eps)
     return type(module).forward(module, hidden_states, *args, **kwargs)  # (a call with more inputs than checked)
+
+
+# -- rotary ------------------------------------------------------------------------------------------------
+
+
+def rotary_agrees(function, kernel) -> bool:
+    """Whether `kernel(q, k, cos, sin)` gives the same bits as `function` (a modeling module's
+    apply_rotary_pos_emb) on random queries and keys laid out as attention lays them out (heads
+    transposed out of the projection's rows), in bf16, float16 and float32."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        q = torch.randn(2, 3, 4, 32, generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(2, 3, 2, 32, generator=g).to(dtype).transpose(1, 2)
+        cos, sin = (torch.randn(2, 3, 32, generator=g).to(dtype) for _ in range(2))
+        try:
+            with torch.no_grad():
+                expected, got = function(q, k, cos, sin), kernel(q, k, cos, sin)
+        except Exception:  # another layout or signature (gpt-oss rotates with half-width cos and sin)
+            return False
+        if not all(e.dtype == r.dtype and torch.equal(e, r) for e, r in zip(expected, got)):
+            return False
+    return True
+
+
+def install_rotary(model: nn.Module, kernel) -> int:
+    """Replace `apply_rotary_pos_emb` in each modeling module that defines the model's classes, where the
+    kernel agrees with it (`rotary_agrees`); returns how many modules. The replacement serves every model
+    of that module in this process, and hands anything it does not take to the original."""
+    replaced = 0
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        function = getattr(module, "apply_rotary_pos_emb", None)
+        if function is None or isinstance(function, functools.partial):
+            continue  # none here, or already ours
+        if rotary_agrees(function, kernel):
+            module.apply_rotary_pos_emb = functools.partial(_fused_rotary, function, kernel)
+            replaced += 1
+    return replaced
+
+
+def _fused_rotary(original, kernel, q, k, cos, sin, *args, **kwargs):
+    if (
+        not args
+        and not kwargs  # unsqueeze_dim 1, the layout checked
+        and q.device.type == "cpu"
+        and q.dim() == k.dim() == 4
+        and cos.dim() == 3
+        and q.dtype == k.dtype == cos.dtype == sin.dtype
+        and cos.shape == sin.shape
+        and cos.shape[0] in (1, q.shape[0])
+        and q.shape[0] == k.shape[0]
+        and cos.shape[1] == q.shape[2] == k.shape[2]
+        and cos.shape[2] == q.shape[3] == k.shape[3]
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+    ):
+        return tuple(kernel(q, k, cos, sin))
+    return original(q, k, cos, sin, *args, **kwargs)
+
+
+# -- the experts' one-token path ----------------------------------------------------------------------------
+
+
+def gate_agrees(module: nn.Module, kernel, width: int, dtype: torch.dtype) -> bool:
+    """Whether `kernel` (silu_gate) computes `module`'s gate (`_apply_gate`) on random rows of a first
+    matmul's output of `width` columns in `dtype`."""
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(16, width, generator=g) * 3).to(dtype)
+    with torch.no_grad():
+        return _close(kernel(h), module._apply_gate(h))
+
+
+_GATE_VERDICTS: dict[tuple, bool] = {}  # (class, activation class, width, dtype) -> gate_agrees
+
+
+def experts_kernel(module: nn.Module, width: int, dtype: torch.dtype):
+    """`experts_decode` for this experts module at a first-matmul width and activation dtype, or None:
+    without the extension, or where its gate differs from the kernel's (a clamped or biased variant)."""
+    ext = extension()
+    if ext is None or not module.has_gate or module.has_bias or module.is_transposed or module.has_post_expert_norm:
+        return None
+    key = (type(module), type(getattr(module, "act_fn", None)), width, dtype)
+    if key not in _GATE_VERDICTS:
+        _GATE_VERDICTS[key] = gate_agrees(module, ext.silu_gate, width, dtype)
+    return ext.experts_decode if _GATE_VERDICTS[key] else None
