@@ -1,6 +1,7 @@
 """The fused RMSNorm kernel (core/fused.py): its numbers against float64 math and transformers' module,
 which classes it takes (checked by behaviour), and when a model falls back to the modules' own forward."""
 
+import functools
 import shutil
 
 import pytest
@@ -10,6 +11,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import moestream
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core import fused
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the fused kernels are not built")
@@ -142,3 +145,145 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(kernel)
         fused.extension.cache_clear()
         if os.path.exists(lock):
             os.remove(lock)
+
+
+# -- rotary ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ext():
+    built = fused.extension()
+    assert built is not None
+    return built
+
+
+def _original_rotary(module):
+    function = module.apply_rotary_pos_emb
+    return function.args[0] if isinstance(function, functools.partial) else function
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_kernel_matches_float64_math(ext, dtype):
+    g = torch.Generator().manual_seed(41)
+    q = torch.randn(2, 5, 4, 16, generator=g).to(dtype).transpose(1, 2)  # [B, heads, S, D], as attention has it
+    k = torch.randn(2, 5, 2, 16, generator=g).to(dtype).transpose(1, 2)
+    angles = torch.rand(1, 5, 8, generator=g, dtype=torch.float64) * 6
+    cos, sin = (torch.cat([f(angles), f(angles)], dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    for x, got in zip((q, k), ext.rotary(q, k, cos, sin)):
+        x64, c, s = x.double(), cos.double()[:, None], sin.double()[:, None]
+        rotated = torch.cat([-x64[..., 8:], x64[..., :8]], dim=-1)
+        exact = x64 * c + rotated * s
+        # each product and the sum rounded once to the dtype
+        bound = 3 * torch.finfo(dtype).eps * ((x64 * c).abs() + (rotated * s).abs()) + 1e-30
+        assert got.dtype == dtype and got.shape == x.shape
+        assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+def test_rotary_agrees_with_the_standard_formula_only(ext):
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    from transformers.models.mixtral import modeling_mixtral
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    for module in (modeling_qwen3_moe, modeling_mixtral, modeling_deepseek_v3):
+        assert fused.rotary_agrees(_original_rotary(module), ext.rotary), module.__name__
+    # DeepSeek's interleaved pairs and gpt-oss's half-width cos/sin are other formulas
+    assert not fused.rotary_agrees(modeling_deepseek_v3.apply_rotary_pos_emb_interleave, ext.rotary)
+    assert not fused.rotary_agrees(_original_rotary(modeling_gpt_oss), ext.rotary)
+
+
+def test_a_loaded_model_rotates_with_the_kernel_and_equals_transformers_own(ext, store, monkeypatch):
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    ckpt, path = store
+    model, _ = moestream.load(path, "1MiB")
+    function = modeling_qwen3_moe.apply_rotary_pos_emb
+    assert isinstance(function, functools.partial) and function.func is fused._fused_rotary
+    ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(42))
+    with torch.inference_mode():
+        got = model(ids).logits
+        monkeypatch.setattr(modeling_qwen3_moe, "apply_rotary_pos_emb", function.args[0])  # transformers' own
+        expected = model(ids).logits
+    assert torch.equal(got, expected)
+    # other arguments go to the original function
+    q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8)
+    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    for a, b in zip(function(q, k, cos, sin, unsqueeze_dim=2), function.args[0](q, k, cos, sin, unsqueeze_dim=2)):
+        assert torch.equal(a, b)
+
+
+# -- the one-token experts kernel -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name):
+    from moestream.conversion import quant
+    from moestream.core.kernels import expert_linear
+
+    g = torch.Generator().manual_seed(43)
+    hidden, inner, n = 64, 96, 3
+    fmt = quant.QuantFormat.make(name, 32)
+    x = torch.randn(1, hidden, generator=g).to(torch.bfloat16)
+    records, exact = [], []
+    for _ in range(n):
+        q1 = quant.quantize(torch.randn(2 * inner, hidden, generator=g) / 8, fmt)
+        q2 = quant.quantize(torch.randn(hidden, inner, generator=g) / 8, fmt)
+        records.append({**quant.pack(q1, fmt, "gate_up_proj"), **quant.pack(q2, fmt, "down_proj")})
+        h = quant.reference_dequantize(q1, fmt) @ x.double()[0]
+        a = torch.nn.functional.silu(h[:inner]) * h[inner:]
+        exact.append(quant.reference_dequantize(q2, fmt) @ a)
+    p = fmt.params
+    got = ext.experts_decode(
+        x,
+        [r["gate_up_proj.qweight"] for r in records],
+        [r[f"gate_up_proj.{p}"] for r in records],
+        [r["down_proj.qweight"] for r in records],
+        [r[f"down_proj.{p}"] for r in records],
+        fmt.bits,
+        fmt.group_size or 0,
+    )
+    assert got.shape == (n, hidden) and got.dtype == torch.bfloat16
+    for j, r in enumerate(records):
+        error = (got[j].double() - exact[j]).norm() / exact[j].norm()
+        assert error.item() < 1e-2  # bf16 activations, rounded after each op
+        h = expert_linear(x, r, "gate_up_proj", fmt, False)
+        gate, up = h.chunk(2, dim=-1)
+        own = expert_linear(torch.nn.functional.silu(gate) * up, r, "down_proj", fmt, False)
+        assert ((got[j].float() - own[0].float()).norm() / own.float().norm()).item() < 2e-3
+
+
+@pytest.fixture(scope="module")
+def int4_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused-experts")
+    model = make_model("qwen3_moe", seed=44, dtype=torch.bfloat16, **dict(TINY["qwen3_moe"], moe_intermediate_size=64))
+    return moestream.convert(save_checkpoint(model, root / "hf"), root / "store", experts_dtype="int4", progress=False)
+
+
+def _decode_step_logits(path, budget):
+    model, _ = moestream.load(path, budget, prefetch="off")
+    prompt = torch.randint(0, 250, (1, 7), generator=torch.Generator().manual_seed(45))
+    with torch.inference_mode():
+        out = model(prompt, use_cache=True)
+        step = model(out.logits[:, -1:].argmax(-1), cache=out.past_key_values)
+    return step.logits, model
+
+
+def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_numbers(ext, int4_store, monkeypatch):
+    from moestream.core.loading import engine_of
+
+    manifest = Store(int4_store).manifest
+    slot, top_k = manifest.max_record_stride, manifest.model_config["num_experts_per_tok"]
+    everything = sum(layer.num_experts for layer in manifest.layers) * slot
+    full, model = _decode_step_logits(int4_store, everything)
+    kernels = engine_of(model)._one_token_kernels
+    assert kernels and all(found is not None and found[0] is ext.experts_decode for found in kernels.values())
+    # the minimum budget: misses computed one by one as their reads land, hits together
+    small, model = _decode_step_logits(int4_store, top_k * slot)
+    assert moestream.stats(model)["evictions"] > 0
+    assert torch.equal(small, full)
+    # against the engine's own path (the module's gate, one op at a time): the gate's exp may differ in
+    # the last bit
+    monkeypatch.setattr(fused, "experts_kernel", lambda *args: None)
+    own, model = _decode_step_logits(int4_store, everything)
+    assert all(found is None for found in engine_of(model)._one_token_kernels.values())
+    assert ((full.float() - own.float()).norm() / own.float().norm()).item() < 1e-2
