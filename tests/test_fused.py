@@ -249,7 +249,7 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name)
         h = expert_linear(x, r, "gate_up_proj", fmt, False)
         gate, up = h.chunk(2, dim=-1)
         own = expert_linear(torch.nn.functional.silu(gate) * up, r, "down_proj", fmt, False)
-        assert ((got[j].float() - own[0].float()).norm() / own.float().norm()).item() < 2e-3
+        assert torch.equal(got[j : j + 1], own)  # the same kernels and ops, without the Python between them
 
 
 @pytest.fixture(scope="module")
@@ -281,9 +281,8 @@ def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_n
     small, model = _decode_step_logits(int4_store, top_k * slot)
     assert moestream.stats(model)["evictions"] > 0
     assert torch.equal(small, full)
-    # against the engine's own path (the module's gate, one op at a time): the gate's exp may differ in
-    # the last bit
+    # the engine's own path (the module's gate, one op at a time) computes the same bits
     monkeypatch.setattr(fused, "experts_kernel", lambda *args: None)
     own, model = _decode_step_logits(int4_store, everything)
     assert all(found is None for found in engine_of(model)._one_token_kernels.values())
-    assert ((full.float() - own.float()).norm() / own.float().norm()).item() < 1e-2
+    assert torch.equal(full, own)

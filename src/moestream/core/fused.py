@@ -20,7 +20,7 @@ function on random inputs in bf16, float16 and float32 (`rotary_agrees`; an inte
 variant keeps its own). Other shapes and arguments go to the original function.
 
 Experts: `experts_decode` runs one token through a layer's cached quantized experts (int4 or int8,
-torch's own kernels called from C++, the SiLU gate fused), for an experts module whose gate agrees with
+torch's own kernels called from C++, and torch's silu and mul between them), for an experts module whose gate agrees with
 the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute).
 
 Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes.
@@ -131,30 +131,19 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
   return {rotate(q, c, s), rotate(k, c, s)};
 }
 
-// The SiLU gate of transformers' experts, act(gate) * up over h [..., 2I] = [gate | up], rounded to h's
-// dtype after the activation and after the product, as torch's two ops round.
-template <typename scalar_t>
-static void silu_gate_row(const scalar_t* h, scalar_t* a, int64_t I) {
-  for (int64_t i = 0; i < I; ++i) {
-    const float g = static_cast<float>(h[i]);
-    const scalar_t act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
-    a[i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(h[I + i]));
-  }
+// The SiLU gate of transformers' experts, act(gate) * up over h [..., 2I] = [gate | up], with torch's own
+// silu and mul (called here without the Python between them): the module's numbers, bit for bit.
+static void silu_gate_into(const torch::Tensor& h, torch::Tensor& out) {
+  const int64_t I = h.size(-1) / 2;
+  at::mul_out(out, at::silu(h.narrow(-1, 0, I)), h.narrow(-1, I, I));
 }
 
 torch::Tensor silu_gate(torch::Tensor h) {
-  auto in = h.contiguous();
-  const int64_t two = in.size(-1), I = two / 2;
-  TORCH_CHECK(two % 2 == 0, "silu_gate: the last dim must be even");
-  auto sizes = in.sizes().vec();
-  sizes.back() = I;
-  auto out = torch::empty(sizes, in.options());
-  const int64_t rows = I ? out.numel() / I : 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.scalar_type(), "silu_gate", [&] {
-    const scalar_t* hp = in.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) silu_gate_row(hp + r * two, op + r * I, I);
-  });
+  TORCH_CHECK(h.size(-1) % 2 == 0, "silu_gate: the last dim must be even");
+  auto sizes = h.sizes().vec();
+  sizes.back() /= 2;
+  auto out = torch::empty(sizes, h.options());
+  silu_gate_into(h, out);
   return out;
 }
 
@@ -177,11 +166,8 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   torch::Tensor out;
   for (int64_t j = 0; j < n; ++j) {
     auto h = quantized(x, first[j], first_params[j], bits, group);
-    const int64_t I = h.size(1) / 2;
-    auto a = torch::empty({1, I}, h.options());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "experts_decode", [&] {
-      silu_gate_row(h.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), I);
-    });
+    auto a = torch::empty({1, h.size(1) / 2}, h.options());
+    silu_gate_into(h, a);
     auto y = quantized(a, second[j], second_params[j], bits, group);
     if (j == 0) out = torch::empty({n, y.size(1)}, y.options());
     std::memcpy(static_cast<char*>(out.data_ptr()) + j * y.nbytes(), y.data_ptr(), y.nbytes());
@@ -366,8 +352,9 @@ def _fused_rotary(original, kernel, q, k, cos, sin, *args, **kwargs):
 
 
 def gate_agrees(module: nn.Module, kernel, width: int, dtype: torch.dtype) -> bool:
-    """Whether `kernel` (silu_gate) computes `module`'s gate (`_apply_gate`) on random rows of a first
-    matmul's output of `width` columns in `dtype`."""
+    """Whether `kernel` (silu_gate: torch's silu and mul) computes `module`'s gate (`_apply_gate`) on random
+    rows of a first matmul's output of `width` columns in `dtype`: transformers' default gate with a SiLU
+    does, a clamped (gpt-oss) or other activation does not."""
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(16, width, generator=g) * 3).to(dtype)
     with torch.no_grad():
