@@ -286,3 +286,44 @@ def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_n
     own, model = _decode_step_logits(int4_store, everything)
     assert all(found is None for found in engine_of(model)._one_token_kernels.values())
     assert torch.equal(full, own)
+
+
+# -- routers ----------------------------------------------------------------------------------------------
+
+
+def _router(family, **overrides):
+    from moestream.core.prefetch import find_router
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **dict(TINY[family], **overrides)))
+    layer = model.model.layers[-1]
+    return find_router(layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_router_kernel_reproduces_softmax_routers_only(ext, dtype):
+    kernel = ext.softmax_topk_router
+    assert fused.router_variant(_router("qwen3_moe", norm_topk_prob=True).to(dtype), kernel) == (True, True)
+    assert fused.router_variant(_router("qwen3_moe", norm_topk_prob=False).to(dtype), kernel) == (False, True)
+    assert fused.router_variant(_router("olmoe", norm_topk_prob=False).to(dtype), kernel) == (False, True)
+    mixtral = fused.router_variant(_router("mixtral").to(dtype), kernel)  # its weights stay float32
+    assert mixtral == ((True, True) if dtype == torch.float32 else (True, False))
+    # sigmoid scores with groups and a bias, and top-k before the softmax: other formulas
+    assert fused.router_variant(_router("deepseek_v3").to(dtype), kernel) is None
+    assert fused.router_variant(_router("gpt_oss").to(dtype), kernel) is None
+
+
+def test_a_loaded_models_routers_use_the_kernel_with_the_same_bits(ext, store):
+    from moestream.core.prefetch import find_router
+
+    model, _ = moestream.load(store[1], "1MiB")
+    routers = [find_router(layer.mlp) for layer in model.model.layers]
+    assert all(getattr(r.forward, "func", None) is fused._fused_router for r in routers)
+    x = torch.randn(5, routers[0].weight.shape[1], generator=torch.Generator().manual_seed(46))
+    with torch.no_grad():
+        for a, b in zip(routers[0](x), type(routers[0]).forward(routers[0], x)):
+            assert torch.equal(a, b)
+        x64 = x.double()  # another dtype than the weight's: the router's own forward (which raises here or promotes)
+        with pytest.raises(RuntimeError):
+            type(routers[0]).forward(routers[0], x64)
+        with pytest.raises(RuntimeError):
+            routers[0](x64)

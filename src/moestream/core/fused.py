@@ -40,7 +40,7 @@ from torch import nn
 
 EXTENSION = "moestream_fused_v2"  # a new name for every change of the source: the build cache is by name
 STALE_LOCK_SECONDS = 600  # an older build lock belongs to a build that was killed
-FUNCTIONS = ["rms_norm", "rotary", "silu_gate", "experts_decode"]
+FUNCTIONS = ["rms_norm", "rotary", "silu_gate", "experts_decode", "softmax_topk_router"]
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -145,6 +145,19 @@ torch::Tensor silu_gate(torch::Tensor h) {
   auto out = torch::empty(sizes, h.options());
   silu_gate_into(h, out);
   return out;
+}
+
+// A top-k router as transformers' softmax routers compute it, with the same torch ops called from here:
+// logits = x W^T, probabilities = softmax in float32, their top k (divided by their sum if `normalize`,
+// cast back to the logits' dtype if `cast`) -> (logits, weights, indices).
+std::vector<torch::Tensor> softmax_topk_router(torch::Tensor x, torch::Tensor weight, int64_t k, bool normalize, bool cast) {
+  auto logits = at::linear(x.reshape({-1, weight.size(1)}), weight);
+  auto probabilities = at::softmax(logits, -1, at::kFloat);
+  auto top = at::topk(probabilities, k, -1);
+  auto values = std::get<0>(top);
+  if (normalize) values.div_(values.sum(-1, true));
+  if (cast) values = values.to(logits.scalar_type());
+  return {logits, values, std::get<1>(top)};
 }
 
 static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group) {
@@ -260,9 +273,10 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     return dtype == torch.float32 or (diff > 0).float().mean().item() <= 1e-3
 
 
-def install(model: nn.Module) -> int:
-    """Give each RMSNorm module whose class agrees with the kernel (`agrees`) the fused forward, and the
-    model's modeling modules the fused rotary (`install_rotary`); returns how many norms. The norm's
+def install(model: nn.Module, routers=()) -> int:
+    """Give each RMSNorm module whose class agrees with the kernel (`agrees`) the fused forward, the
+    model's modeling modules the fused rotary (`install_rotary`) and its `routers` the fused router where
+    it agrees (`install_routers`); returns how many norms. The norm's
     forward falls back to the module's own for inputs the kernel does not take (another dtype than the
     weight's, a device other than the CPU, more arguments than the one checked, or with autograd
     recording)."""
@@ -270,6 +284,7 @@ def install(model: nn.Module) -> int:
     if ext is None:
         return 0
     install_rotary(model, ext.rotary)
+    install_routers(routers, ext.softmax_topk_router)
     norms = _rms_norms(model)
     verdict: dict[tuple[type, torch.dtype], bool] = {}
     installed = 0
@@ -346,6 +361,60 @@ def _fused_rotary(original, kernel, q, k, cos, sin, *args, **kwargs):
     ):
         return tuple(kernel(q, k, cos, sin))
     return original(q, k, cos, sin, *args, **kwargs)
+
+
+# -- routers -------------------------------------------------------------------------------------------------
+
+
+def router_variant(router: nn.Module, kernel) -> tuple[bool, bool] | None:
+    """Which (normalize, cast) of the kernel gives the bits of `router`'s forward on random rows and a
+    random weight (a copy), or None: another formula (DeepSeek's sigmoid groups, gpt-oss's top-k before
+    the softmax) keeps its own."""
+    weight, k = getattr(router, "weight", None), getattr(router, "top_k", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not isinstance(k, int):
+        return None
+    g = torch.Generator().manual_seed(0)
+    probe = copy.deepcopy(router).eval()
+    probe.weight = nn.Parameter(torch.randn(weight.shape, generator=g).to(weight.dtype), requires_grad=False)
+    x = torch.randn(7, weight.shape[1], generator=g).to(weight.dtype)
+    try:
+        with torch.no_grad():
+            expected = type(router).forward(probe, x)
+    except Exception:
+        return None
+    if not isinstance(expected, tuple) or len(expected) != 3:
+        return None
+    for variant in ((True, True), (True, False), (False, True), (False, False)):
+        got = kernel(x, probe.weight, k, *variant)
+        if all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected)):
+            return variant
+    return None
+
+
+def install_routers(routers, kernel) -> int:
+    """Give each router whose forward the kernel reproduces (`router_variant`) the fused forward; returns
+    how many. The forward falls back to the router's own for another input dtype or device, or with
+    autograd recording."""
+    verdict: dict[tuple[type, torch.dtype], tuple[bool, bool] | None] = {}
+    installed = 0
+    for router in routers:
+        if router is None or router.training:
+            continue
+        key = (type(router), router.weight.dtype)
+        if key not in verdict:
+            verdict[key] = router_variant(router, kernel)
+        if verdict[key] is not None:
+            router.forward = functools.partial(_fused_router, router, kernel, *verdict[key])
+            installed += 1
+    return installed
+
+
+def _fused_router(router: nn.Module, kernel, normalize: bool, cast: bool, hidden_states: torch.Tensor, *args, **kwargs):
+    w = router.weight
+    differentiating = torch.is_grad_enabled() and (w.requires_grad or hidden_states.requires_grad)
+    if not args and not kwargs and hidden_states.dtype == w.dtype and hidden_states.device.type == "cpu" and not differentiating:
+        return tuple(kernel(hidden_states, w, router.top_k, normalize, cast))
+    return type(router).forward(router, hidden_states, *args, **kwargs)
 
 
 # -- the experts' one-token path ----------------------------------------------------------------------------

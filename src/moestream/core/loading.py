@@ -130,7 +130,7 @@ def load(
         dense.set_compute_dtype(model, stored, dtype)
         if not on_gpu:
             dense.routers_in_float32(routers)
-            fused.install(model)
+            fused.install(model, routers)
         _rebuild_buffers(model)
         still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if still_meta:
