@@ -341,13 +341,15 @@ class ExpertEngine:
         if call.single and call.fused is not None:
             kernel, (q1, p1, q2, p2), bits, group = call.fused
             experts = sorted(experts, key=lambda item: call.rows[item[0]])  # in k order
-            ys = kernel(call.x, [w[q1] for _, w in experts], [w[p1] for _, w in experts],
-                        [w[q2] for _, w in experts], [w[p2] for _, w in experts], bits, group)  # fmt: skip
-            if len(experts) == call.k:
-                call.ys = ys  # every choice at once, rows in k order: `result` needs no concatenation
+            whole = len(experts) == call.k  # every choice at once: the kernel also sums them, as `result` would
+            out = kernel(call.x, [w[q1] for _, w in experts], [w[p1] for _, w in experts],
+                         [w[q2] for _, w in experts], [w[p2] for _, w in experts], bits, group,
+                         call.weights if whole else None)  # fmt: skip
+            if whole:
+                call.total = out
             else:
                 for j, (expert, _) in enumerate(experts):
-                    call.ys[call.rows[expert]] = ys[j : j + 1]
+                    call.ys[call.rows[expert]] = out[j : j + 1]
             return
         if call.single:
             hs = [_first_matmul(call, call.x, w) for _, w in experts]
@@ -420,7 +422,7 @@ class _LayerCall:
 
     __slots__ = (
         "engine", "module", "layer", "hidden", "rows", "weights", "k", "single", "x", "fmt", "first", "ys", "out",
-        "fused",
+        "fused", "total",
     )  # fmt: skip
 
     def __init__(self, engine: ExpertEngine, module, layer: int, hidden, rows, top_k_weights, tokens: int, k: int, single: bool):
@@ -435,19 +437,23 @@ class _LayerCall:
         self.x = hidden if hidden.dtype == dtype else hidden.to(dtype)
         if single and not self.x.is_contiguous():  # the general path's gather copies; the kernels need rows
             self.x = self.x.contiguous()
-        self.fused = engine.one_token_kernel(module, layer, self.x) if single else None
+        # The fused one-token kernel computes in the hidden states' dtype (quantized records), as `result` sums.
+        self.fused = engine.one_token_kernel(module, layer, self.x) if single and self.x.dtype == hidden.dtype else None
+        self.total = None  # the result itself, when the fused kernel computed every choice at once
         if self.single:
             self.weights = top_k_weights.reshape(k, 1)
-            self.ys = [None] * k  # or one [k, H] tensor, when the fused kernel computed every choice at once
+            self.ys = [None] * k
         else:
             self.weights = top_k_weights.reshape(-1)
             self.out = hidden.new_empty(tokens * k, hidden.shape[-1])  # every row is written once
 
     def result(self) -> torch.Tensor:
         """[T, H]: the weighted outputs summed over k, in k order."""
+        if self.total is not None:
+            return self.total
         dtype = self.hidden.dtype
         if self.single:
-            out = self.ys if isinstance(self.ys, torch.Tensor) else torch.cat(self.ys)  # [k, H]; cat upcasts (exactly) to a common dtype
+            out = torch.cat(self.ys)  # [k, H]; cat upcasts (exactly) to a common dtype
             # In place where the result keeps out's dtype: computed in the promoted dtype (float32 router
             # weights) and rounded once, as (out * weights).to(dtype) is, with one op and buffer less.
             out = out.mul_(self.weights) if out.dtype == dtype else (out * self.weights).to(dtype)

@@ -169,8 +169,11 @@ static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, c
 // and up stacked, [2I, H]) and second ([H, I]) in torch's CPU kernels' layouts (bits 4: the int4 kernel
 // with `group`; 8: the int8 kernel) -> [n, H], row j expert j's output. The same kernels the engine calls
 // one op at a time, without the dispatch between them.
+// With `weights` [n, 1]: instead the weighted sum over the experts [1, H], as the engine computes it (its
+// rows multiplied in place, then summed), one call for a whole one-token experts call.
 torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, std::vector<torch::Tensor> first_params,
-                             std::vector<torch::Tensor> second, std::vector<torch::Tensor> second_params, int64_t bits, int64_t group) {
+                             std::vector<torch::Tensor> second, std::vector<torch::Tensor> second_params, int64_t bits, int64_t group,
+                             c10::optional<torch::Tensor> weights) {
   const int64_t n = static_cast<int64_t>(first.size());
   TORCH_CHECK(n > 0 && first_params.size() == first.size() && second.size() == first.size() && second_params.size() == first.size(),
               "experts_decode: one first and one second matrix per expert");
@@ -185,6 +188,7 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
     if (j == 0) out = torch::empty({n, y.size(1)}, y.options());
     std::memcpy(static_cast<char*>(out.data_ptr()) + j * y.nbytes(), y.data_ptr(), y.nbytes());
   }
+  if (weights.has_value()) return out.mul_(*weights).view({1, n, -1}).sum(1);
   return out;
 }
 """
