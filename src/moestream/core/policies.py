@@ -248,6 +248,9 @@ class ForecastPolicy:
         - once the next step's input token is known (`on_step`, before its first layer runs): whether this
           expert was among those its layer chose the last time that token id came in a one-token step
           (a table of the last TOKEN_TABLE_SIZE token ids' routing, layers x top-k ids each),
+        - once the layer has run in this step, so that its next call is the next step's, whose token is not
+          known yet: whether this expert was among those its layer chose in the step that followed this
+          step's token the last time it came (a second table of as many token ids: what followed each),
     as logarithms, are the features of a logistic regression whose weights are learned online: a call
     labels the previous call's features of its layer with the experts it used, and an AdaGrad step
     follows (every LEARN_EVERY calls). Nothing is fitted to a model beforehand: the weights start at zero.
@@ -262,8 +265,8 @@ class ForecastPolicy:
     Cost: about 20 small vector operations over one layer's experts per call and 10 over all layers per
     step, none through BLAS (numpy's BLAS threads would compete with torch's for the cores); an eviction
     compares one number per layer. The transition tables take layers x experts^2 float32 (15 MiB for
-    DeepSeek-V3's 58 layers of 256 experts, 3 MiB for Qwen3-30B-A3B's 48 of 128), the token table up to
-    TOKEN_TABLE_SIZE x layers x top-k int16 (7.6 MiB for DeepSeek-V3)."""
+    DeepSeek-V3's 58 layers of 256 experts, 3 MiB for Qwen3-30B-A3B's 48 of 128), the two token tables up
+    to TOKEN_TABLE_SIZE x layers x top-k int16 each (7.6 MiB each for DeepSeek-V3)."""
 
     name = "forecast"
     HALF_LIVES = (1.0, 8.0, 64.0)  # in calls of the layer; (2, 8, 32, 128) and (2, 16, 128) gave the same hits
@@ -285,17 +288,21 @@ class ForecastPolicy:
         # of zeros for the token (not known until the next step starts; `on_step` then writes the token's
         # features itself); the features are their logs (after these offsets, which keep a zero finite) and
         # a constant 1, the bias.
-        self._raw = np.zeros((layers, n + 2, experts), f32)
-        self._offsets = np.array([1e-3] * n + [1e-4, 0.1], f32)[:, None]
-        self._features = np.ones((layers, n + 3, experts), f32)
-        self._features[:, : n + 2] = np.log(self._offsets)  # nothing seen yet
-        self._scratch = np.empty((n + 3, experts), f32)
-        self._weights = np.zeros(n + 3, f32)
-        self._grad_sq = np.full(n + 3, 1e-3, f32)
+        self._raw = np.zeros((layers, n + 3, experts), f32)
+        self._offsets = np.array([1e-3] * n + [1e-4, 0.1, 0.1], f32)[:, None]
+        self._features = np.ones((layers, n + 4, experts), f32)
+        self._features[:, : n + 3] = np.log(self._offsets)  # nothing seen yet
+        self._scratch = np.empty((n + 4, experts), f32)
+        self._weights = np.zeros(n + 4, f32)
+        self._grad_sq = np.full(n + 4, 1e-3, f32)
         self._calls = 0
-        # The token table: token id -> [layers, top-k] expert ids it took in its last one-token step.
+        # The token table: token id -> [layers, top-k] expert ids it took in its last one-token step; the
+        # successor table: token id -> the experts of the one-token step that followed it that time.
         self._token_routing: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._successor_routing: OrderedDict[int, np.ndarray] = OrderedDict()
         self._step_token: int | None = None  # the current step's token, if it is a one-token step
+        self._previous_token: int | None = None  # the token of the one-token step before it
+        self._step_successor: np.ndarray | None = None  # what followed the current token the last time
         self._step_calls = 0  # calls since the step began (its routing is whole once every layer ran)
         self._last_ids: list[np.ndarray | None] = [None] * layers  # the experts of each layer's last call
         # Per layer: the logit of every expert's use at the layer's next call, the same for cached experts
@@ -316,15 +323,19 @@ class ForecastPolicy:
     def on_step(self, token_ids) -> None:
         if self._idle:
             return
+        finished = None
         if self._step_token is not None and self._step_calls == self.layers:  # remember the finished token
             ids = self._last_ids
             if len({len(i) for i in ids}) == 1:
-                self._token_routing[self._step_token] = np.stack(ids).astype(np.int16)
-                self._token_routing.move_to_end(self._step_token)
-                if len(self._token_routing) > self.TOKEN_TABLE_SIZE:
-                    self._token_routing.popitem(last=False)
+                finished = self._step_token
+                routing = np.stack(ids).astype(np.int16)
+                self._remember(self._token_routing, finished, routing)
+                if self._previous_token is not None:
+                    self._remember(self._successor_routing, self._previous_token, routing)
         tokens = list(token_ids) if len(token_ids) <= self.TOKEN_STEP_LIMIT else []
+        self._previous_token = finished
         self._step_token = int(tokens[0]) if len(tokens) == 1 else None
+        self._step_successor = self._successor_routing.get(self._step_token)
         self._step_calls = 0
         known = [self._token_routing[t] for t in tokens if t in self._token_routing]
         if not known:
@@ -343,6 +354,12 @@ class ForecastPolicy:
         self._masked[rows, cols] = self._logit[rows, cols] + self._uncached[rows, cols]
         self._layer_argmin[:] = self._masked.argmin(axis=1)
         self._layer_min[:] = self._masked[np.arange(self.layers), self._layer_argmin]
+
+    def _remember(self, table: OrderedDict, token: int, routing: np.ndarray) -> None:
+        table[token] = routing
+        table.move_to_end(token)
+        if len(table) > self.TOKEN_TABLE_SIZE:
+            table.popitem(last=False)
 
     def on_call(self, layer: int, experts) -> None:
         if self._idle:
@@ -368,7 +385,13 @@ class ForecastPolicy:
         counts += used
         follows = self._follow[layer].reshape(self.experts, self.experts)[ids].sum(axis=0, out=raw[n])
         follows /= follows.sum()
-        logs = features[: n + 2]  # the row after them is constant (the bias, last)
+        # This layer's next call comes in the next step: the experts it took in the step that followed this
+        # step's token the last time that token came (raw[n + 1], the token row, waits for that step's token)
+        successor = raw[n + 2]
+        successor[:] = 0.0
+        if self._step_successor is not None:
+            successor[self._step_successor[layer]] = 1.0
+        logs = features[: n + 3]  # the row after them is constant (the bias, last)
         np.add(raw, self._offsets, out=logs)
         np.log(logs, out=logs)
         np.multiply(features, self._weights[:, None], out=self._scratch)
