@@ -252,7 +252,9 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name)
         own = expert_linear(torch.nn.functional.silu(gate) * up, r, "down_proj", fmt, False)
         assert torch.equal(got[j : j + 1], own)  # the same kernels and ops, without the Python between them
     weights = torch.rand(n, 1, generator=g)  # float32, as the routers give them on the CPU
-    summed = ext.experts_decode(x, *(list(args) for args in zip(*[_matrices(r, fmt) for r in records])), fmt.bits, fmt.group_size or 0, weights)
+    summed = ext.experts_decode(
+        x, *(list(args) for args in zip(*[_matrices(r, fmt) for r in records])), fmt.bits, fmt.group_size or 0, weights
+    )
     assert torch.equal(summed, got.clone().mul_(weights).view(1, n, -1).sum(dim=1))  # as the engine sums them
 
 
