@@ -284,10 +284,10 @@ class ForecastPolicy:
         self._decay = np.array([0.5 ** (1.0 / h) for h in self.HALF_LIVES], f32)[:, None]
         self._follow = np.full((layers, experts * experts), 0.01, f32)  # [l, s*E + e]: e followed s
         self._used = np.zeros((layers, experts), f32)  # 1 where the layer's last call used the expert
-        # Each layer at its last call, [quantity, expert]: the decayed counts, the transition share and a row
+        # Each layer at its last call, [quantity, expert]: the decayed counts, the transition share, a row
         # of zeros for the token (not known until the next step starts; `on_step` then writes the token's
-        # features itself); the features are their logs (after these offsets, which keep a zero finite) and
-        # a constant 1, the bias.
+        # features itself) and the successor row; the features are their logs (after these offsets, which
+        # keep a zero finite) and a constant 1, the bias.
         self._raw = np.zeros((layers, n + 3, experts), f32)
         self._offsets = np.array([1e-3] * n + [1e-4, 0.1, 0.1], f32)[:, None]
         self._features = np.ones((layers, n + 4, experts), f32)
