@@ -1,4 +1,4 @@
-"""Fused CPU kernels for the small ops that dominate a decode step: RMSNorm, rotary, the experts' gate.
+"""Fused CPU kernels for the small ops that dominate a decode step: RMSNorm, rotary, routers, experts.
 
 Why: a one-token decode step on the CPU runs hundreds of tiny ops, each costing 5-30 us of dispatch
 and cache misses whatever its size. transformers' RMSNorm is eight of them (cast, pow, mean, add,
@@ -19,9 +19,14 @@ layer) is replaced, in that module, by one kernel call when the kernel gives the
 function on random inputs in bf16, float16 and float32 (`rotary_agrees`; an interleaved or partial
 variant keeps its own). Other shapes and arguments go to the original function.
 
-Experts: `experts_decode` runs one token through a layer's cached quantized experts (int4 or int8,
-torch's own kernels called from C++, and torch's silu and mul between them), for an experts module whose gate agrees with
-the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute).
+Routers: a softmax top-k router's forward (linear, softmax, top-k, normalization, cast) as the same
+torch ops called from C++, for a router whose forward it reproduces bit for bit (`router_variant`).
+
+Experts: `experts_decode` runs one token through a layer's cached quantized experts (int4 or int8) with
+torch's own kernels and its silu and mul called from C++, for an experts module whose gate agrees with
+the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute). The rotary,
+router and experts kernels call or replay torch's ops, so they give the model's own bits; what they save
+is the Python and dispatch between the ops (docs/BENCHMARKS.md, "Fused rotary, routers and experts").
 
 Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes.
 """
