@@ -24,9 +24,9 @@ torch ops called from C++, for a router whose forward it reproduces bit for bit 
 
 Experts: `experts_decode` runs one token through a layer's cached quantized experts (int4 or int8) with
 torch's own kernels and its silu and mul called from C++, for an experts module whose gate agrees with
-the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute). The rotary,
-router and experts kernels call or replay torch's ops, so they give the model's own bits; what they save
-is the Python and dispatch between the ops (docs/BENCHMARKS.md, "Fused rotary, routers and experts").
+the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute). The router and
+experts kernels call torch's own ops and the rotary one rounds as they do, so all three give the model's
+own bits; what they save is the Python and dispatch between the ops (docs/BENCHMARKS.md, "Fused rotary, routers and experts").
 
 Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes.
 """
