@@ -201,3 +201,17 @@ def test_reference_dtype_loads_the_checkpoint_in_that_dtype(models):
         compare(models["store"], models["ckpt"], text, reference_dtype="float64")
     with pytest.raises(UsageError, match="needs a checkpoint reference"):
         compare(models["store"], models["store"], text, reference_dtype="float32")
+
+
+def test_decode_mode_gives_the_windows_numbers_one_token_at_a_time(models):
+    """--decode: the store predicts each window token by token with its KV cache; the same model, so the
+    same metrics as one forward pass per window up to float32 summation order."""
+    store_model, _ = moestream.load(models["store"], "1MiB")
+    reference = AutoModelForCausalLM.from_pretrained(models["other_ckpt"], dtype=torch.float32).eval()
+    ids = torch.randint(0, 250, (90,), generator=torch.Generator().manual_seed(61))
+    windows = compare_models(store_model, reference, ids, context=40)
+    decoded = compare_models(store_model, reference, ids, context=40, decode=True)
+    assert decoded["tokens"] == windows["tokens"] == 87
+    for key in ("store_perplexity", "kl_mean", "top1_agreement"):
+        assert decoded[key] == pytest.approx(windows[key], rel=1e-4), key
+    assert decoded["reference_perplexity"] == windows["reference_perplexity"]

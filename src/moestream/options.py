@@ -171,6 +171,20 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
         "and off, keeps it on only if that is at least 3%% faster, re-checks every 256 steps), on, or off (no "
         "reads ahead of need)",
     )
+    add_route_to_cached_argument(parser)
+
+
+def add_route_to_cached_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--route-to-cached",
+        type=float,
+        default=0.0,
+        metavar="MARGIN",
+        help="cache-aware routing, off by default (0): in a decode step, a chosen expert that is not cached gives "
+        "way to a cached one whose router probability is at least (1 - MARGIN) times its own (0.2: within 20%%). "
+        "Fewer reads under a small budget, but other outputs than the model's: price it first with "
+        "`moestream eval --decode --route-to-cached MARGIN`. Softmax top-k routers only (Qwen3-MoE, Mixtral, OLMoE)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -186,6 +200,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         policy=args.policy,
         prefetch=args.prefetch,
         compute_dtype=args.compute_dtype,
+        route_to_cached=args.route_to_cached,
     )
 
 

@@ -65,6 +65,7 @@ class LayerStats:
     verify_seconds: float = 0.0  # checksum time on the I/O threads (not on the model thread)
     evictions: int = 0  # this layer's experts pushed out of the cache
     device_hits: int = 0  # of the hits, those found in the device tier (device_tier.py), computed at once
+    rerouted: int = 0  # choices the router made that cache-aware routing replaced (routing.py)
 
 
 class ExpertEngine:
@@ -387,6 +388,7 @@ class ExpertEngine:
             "verify_seconds": sum(s["verify_seconds"] for s in layers),
             "verify": self.verify,
             "evictions": sum(s["evictions"] for s in layers),
+            "rerouted": sum(s["rerouted"] for s in layers),
             "cache_slots": self.cache.capacity,
             "cache_policy": self.cache.policy.name,
             "cache_budget_bytes": self.cache.budget_bytes,

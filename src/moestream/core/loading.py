@@ -29,6 +29,7 @@ from .devices import CudaDevice, Device
 from .engine import IMPLEMENTATION, ExpertEngine
 from .policies import DEFAULT_POLICY, make_policy
 from .prefetch import Prefetcher, find_router
+from .routing import CacheAwareRouting
 
 
 def _rebuild_buffers(model) -> None:
@@ -59,6 +60,7 @@ def load(
     policy: str = DEFAULT_POLICY,
     prefetch: str = "auto",
     compute_dtype: str = "auto",
+    route_to_cached: float = 0.0,
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
@@ -70,14 +72,17 @@ def load(
         resident weights are on the GPU).
     verify: when expert records are checked against their checksums: "first" read of each (default),
         "always", or "off".
-    policy: the cache's eviction policy, one of policies.POLICIES: "lfu" (decayed use counts, default),
-        "lru", "arc" (adaptive); `moestream simulate` compares them on a recorded trace.
+    policy: the cache's eviction policy, one of policies.POLICIES: "forecast" (the default), "lfu", "lru",
+        "arc"; `moestream simulate` compares them on a recorded trace.
     prefetch: speculative reads of the next layer's likely experts: "auto" (default: times decode steps
         with speculation on and off, keeps it only if faster, probes again; prefetch.py), "on" or "off".
         Unless "off", hash-routed layers' experts are read exactly, before the layers run.
     compute_dtype: "auto" (default: the model's dtype, except a bf16 model on a CPU without bf16
         arithmetic computes in float32, its float resident weights then held at twice their stored
         size), "bf16" or "fp32" (kernels.compute_dtype).
+    route_to_cached: a margin in (0, 1) turns cache-aware routing on (routing.py): in a decode step a
+        chosen expert that is not cached gives way to a cached one whose router probability is at least
+        (1 - margin) times its own. It changes the model's output; 0 (the default) is off.
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     accelerator = _device(device)
@@ -131,6 +136,8 @@ def load(
         if not on_gpu:
             dense.routers_in_float32(routers)
             fused.install(model, routers)
+        if route_to_cached:
+            CacheAwareRouting(engine, route_to_cached).install(routers)
         _rebuild_buffers(model)
         still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if still_meta:

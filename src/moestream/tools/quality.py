@@ -67,7 +67,9 @@ class QualityReport:
     reference_seconds: float
     store_load_seconds: float = 0.0
     reference_load_seconds: float = 0.0
-    store_cache: dict = field(default_factory=dict)  # hit rate and bytes read of the store during the forwards
+    store_cache: dict = field(default_factory=dict)  # hit rate, bytes read, rerouted choices during the forwards
+    decode: bool = False  # the store decoded token by token (--decode)
+    route_to_cached: float = 0.0  # the store's cache-aware routing margin (0: off)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -79,7 +81,11 @@ class QualityReport:
         rows = [
             ("store", f"{self.store} (experts {self.experts_dtype})"),
             ("reference", f"{self.reference} ({self.reference_kind}, experts {self.reference_dtype})"),
-            ("tokens evaluated", f"{self.tokens} in {self.windows} windows of up to {self.context}"),
+            (
+                "tokens evaluated",
+                f"{self.tokens} in {self.windows} windows of up to {self.context}"
+                + (", the store decoding one token at a time" if self.decode else ""),
+            ),  # fmt: skip
             ("perplexity", f"store {self.store_perplexity:.4f} | reference {self.reference_perplexity:.4f}"),
             ("perplexity change", f"{self.perplexity_change_percent:+.4f} %"),
             ("KL(ref || store) mean", f"{self.kl_mean:.3e} nats"),
@@ -95,6 +101,13 @@ class QualityReport:
         if self.store_cache:
             c = self.store_cache
             rows.append(("store cache", f"hit rate {c['hit_rate']:.1%}, read {c['bytes_read'] / 2**20:.1f} MiB"))
+        if self.route_to_cached:
+            rows.append(
+                (
+                    "cache-aware routing",
+                    f"margin {self.route_to_cached:g}: {self.store_cache.get('rerouted', 0)} choices rerouted",
+                )
+            )
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
@@ -139,10 +152,17 @@ class _Totals:
 
 
 def compare_models(
-    store_model, reference_model, ids: torch.Tensor, context: int = DEFAULT_CONTEXT, progress: bool = False
+    store_model,
+    reference_model,
+    ids: torch.Tensor,
+    context: int = DEFAULT_CONTEXT,
+    progress: bool = False,
+    decode: bool = False,
 ) -> dict:
     """Metrics of `store_model` against `reference_model` on the 1-D token ids `ids`.
 
+    decode: the store predicts each window one token at a time with its KV cache (`decode_logits`), as
+    it generates, instead of in one forward pass; the reference always runs the window at once.
     Returns the metric fields of QualityReport (tokens, windows, perplexities, KL, agreement, seconds).
     """
     if context < 2:
@@ -173,9 +193,11 @@ def compare_models(
             logits = {}
             for side, model in (("reference", reference_model), ("store", store_model)):
                 start = time.perf_counter()
-                # use_cache=False: one teacher-forced pass per window, a KV cache would only cost memory.
                 device = model.device if model.device.type == "cuda" else batch.device  # a store on a GPU
-                logits[side] = model(batch.to(device), use_cache=False).logits[0, :-1].cpu()
+                if side == "store" and decode:
+                    logits[side] = decode_logits(model, batch.to(device))
+                else:  # use_cache=False: one teacher-forced pass per window, a KV cache would only cost memory
+                    logits[side] = model(batch.to(device), use_cache=False).logits[0, :-1].cpu()
                 seconds[side] += time.perf_counter() - start
             totals.add(logits["reference"], logits["store"], window[1:])
             del logits  # only one window's logits of each model at a time
@@ -197,6 +219,15 @@ def compare_models(
         "store_seconds": seconds["store"],
         "reference_seconds": seconds["reference"],
     }
+
+
+def decode_logits(model, batch: torch.Tensor) -> torch.Tensor:
+    """[L - 1, vocab]: the next-token logits after each of a window's first L - 1 tokens, fed one at a time
+    with the KV cache (teacher forced): every experts call a decode step's one-token call."""
+    from ..frontends.generate import Forward
+
+    forward = Forward(model)
+    return torch.stack([forward(batch[:, t : t + 1])[0, -1].float().cpu() for t in range(batch.shape[1] - 1)])
 
 
 # -- loading both sides ----------------------------------------------------------------------------------
@@ -276,6 +307,8 @@ def compare(
     progress: bool = False,
     device: str = "cpu",
     gpu_memory: str | int | None = None,
+    decode: bool = False,
+    route_to_cached: float = 0.0,
 ) -> QualityReport:
     """Compare a store with a reference (a Hugging Face checkpoint directory or another store) on `text`.
 
@@ -284,6 +317,8 @@ def compare(
         a checkpoint reference stays on the CPU.
     reference_dtype: load a checkpoint reference in this dtype ("float32", "bfloat16", "float16")
         instead of its own; stores always compute in their own dtype.
+    decode: the store decodes each window token by token (`compare_models`).
+    route_to_cached: the store's cache-aware routing margin (`moestream.load`), 0 for off.
     """
     from ..core.loading import engine_of, load
 
@@ -299,7 +334,7 @@ def compare(
         )
 
     start = time.perf_counter()
-    store_model, tokenizer = load(store, memory, device=device, gpu_memory=gpu_memory)
+    store_model, tokenizer = load(store, memory, device=device, gpu_memory=gpu_memory, route_to_cached=route_to_cached)
     store_load = time.perf_counter() - start
     if tokenizer is None:
         raise UsageError(
@@ -332,7 +367,7 @@ def compare(
 
     engine = engine_of(store_model)
     engine.reset_stats()
-    metrics = compare_models(store_model, reference_model, ids, context, progress)
+    metrics = compare_models(store_model, reference_model, ids, context, progress, decode)
     cache = engine.stats()
     return QualityReport(
         store=str(store),
@@ -342,7 +377,9 @@ def compare(
         reference_dtype=reference_dtype,
         store_load_seconds=store_load,
         reference_load_seconds=reference_load,
-        store_cache={"hit_rate": cache["hit_rate"], "bytes_read": cache["bytes_read"]},
+        store_cache={"hit_rate": cache["hit_rate"], "bytes_read": cache["bytes_read"], "rerouted": cache["rerouted"]},
+        decode=decode,
+        route_to_cached=route_to_cached,
         **metrics,
     )
 
@@ -359,7 +396,7 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..options import add_device_arguments, add_threads_argument
+    from ..options import add_device_arguments, add_route_to_cached_argument, add_threads_argument
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_threads_argument(parser)
@@ -402,6 +439,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="load a checkpoint REF in this dtype instead of its own: float32 compares against full "
         "precision (a bf16 store then shows what bf16 arithmetic alone costs)",
     )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="the store predicts each window one token at a time with its KV cache, as it generates (slower); "
+        "what decode-time behaviour costs, e.g. --route-to-cached under a small --memory",
+    )
+    add_route_to_cached_argument(parser)
     add_device_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -427,6 +471,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.json,
         device=args.device,
         gpu_memory=args.gpu_memory,
+        decode=args.decode,
+        route_to_cached=args.route_to_cached,
     )
     print(json.dumps(report.to_json()) if args.json else report.table())
     return 0
