@@ -11,7 +11,8 @@ Only softmax top-k routers (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the new choic
 as such a router computes them (the probabilities of the chosen experts, divided by their sum where the
 router normalizes). Which of those a router does is found by behaviour on random inputs, as
 core/fused.py finds it; a router of another formula (DeepSeek's sigmoid groups, gpt-oss) is refused.
-Prompts (calls of several tokens) are left alone: their many experts per call say little about a cache.
+Prompts and batched decode steps (calls of several tokens, `serve` with several streams) are left alone:
+rerouting one row of a batch saves no read that the others need.
 """
 
 from __future__ import annotations
