@@ -12,7 +12,7 @@ as such a router computes them (the probabilities of the chosen experts, divided
 router normalizes). Which of those a router does is found by behaviour on random inputs, as
 core/fused.py finds it; a router of another formula (DeepSeek's sigmoid groups, gpt-oss) is refused.
 Prompts and batched decode steps (calls of several tokens, `serve` with several streams) are left alone:
-rerouting one row of a batch saves no read that the others need.
+the rule is for one token's choices, and a batch's rows would share reads, which it does not weigh.
 """
 
 from __future__ import annotations
