@@ -85,7 +85,7 @@ class QualityReport:
                 "tokens evaluated",
                 f"{self.tokens} in {self.windows} windows of up to {self.context}"
                 + (", the store decoding one token at a time" if self.decode else ""),
-            ),  # fmt: skip
+            ),
             ("perplexity", f"store {self.store_perplexity:.4f} | reference {self.reference_perplexity:.4f}"),
             ("perplexity change", f"{self.perplexity_change_percent:+.4f} %"),
             ("KL(ref || store) mean", f"{self.kl_mean:.3e} nats"),
@@ -430,7 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MEMORY,
         metavar="M",
         help=f"expert cache budget of the store, and of REF if it is a store (default {DEFAULT_MEMORY}); a smaller budget "
-        "makes the evaluation slower but never changes its numbers",
+        "makes the evaluation slower but never changes its numbers (unless --route-to-cached)",
     )
     parser.add_argument(
         "--reference-dtype",
