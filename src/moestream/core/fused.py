@@ -309,12 +309,17 @@ def install(model: nn.Module, routers=()) -> int:
     return installed
 
 
+def _kernel_takes(weight: torch.Tensor, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether a module's fused forward may run its kernel on this call: the one input that was checked,
+    in the weight's dtype, on the CPU, and no autograd recording (the kernels have no backward)."""
+    differentiating = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
+    return not args and not kwargs and x.dtype == weight.dtype and x.device.type == "cpu" and not differentiating
+
+
 def _fused_forward(module: nn.Module, kernel, eps: float, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    w = module.weight
-    differentiating = torch.is_grad_enabled() and (w.requires_grad or hidden_states.requires_grad)  # no backward here
-    if not args and not kwargs and hidden_states.dtype == w.dtype and hidden_states.device.type == "cpu" and not differentiating:
-        return kernel(hidden_states, w, eps)
-    return type(module).forward(module, hidden_states, *args, **kwargs)  # (a call with more inputs than checked)
+    if _kernel_takes(module.weight, hidden_states, args, kwargs):
+        return kernel(hidden_states, module.weight, eps)
+    return type(module).forward(module, hidden_states, *args, **kwargs)
 
 
 # -- rotary ------------------------------------------------------------------------------------------------
@@ -421,10 +426,8 @@ def install_routers(routers, kernel) -> int:
 
 
 def _fused_router(router: nn.Module, kernel, normalize: bool, cast: bool, hidden_states: torch.Tensor, *args, **kwargs):
-    w = router.weight
-    differentiating = torch.is_grad_enabled() and (w.requires_grad or hidden_states.requires_grad)
-    if not args and not kwargs and hidden_states.dtype == w.dtype and hidden_states.device.type == "cpu" and not differentiating:
-        return tuple(kernel(hidden_states, w, router.top_k, normalize, cast))
+    if _kernel_takes(router.weight, hidden_states, args, kwargs):
+        return tuple(kernel(hidden_states, router.weight, router.top_k, normalize, cast))
     return type(router).forward(router, hidden_states, *args, **kwargs)
 
 

@@ -70,20 +70,21 @@ class CacheAwareRouting:
                     f"--route-to-cached needs softmax top-k routers; this model's {type(router).__name__} computes "
                     "another formula. Run it without --route-to-cached."
                 )
-            router.register_forward_hook(functools.partial(self._hook, layer, *variant))
+            normalize = variant[0]  # (its cast shows in the dtype of the weights it returns)
+            router.register_forward_hook(functools.partial(self._hook, layer, normalize))
 
-    def _hook(self, layer: int, normalize: bool, _cast: bool, router: nn.Module, args, output):
+    def _hook(self, layer: int, normalize: bool, router: nn.Module, args, output):
         logits, weights, indices = output
         if indices.shape[0] != 1:
             return None
         probabilities = F.softmax(logits[0], dim=-1, dtype=torch.float32)
-        chosen = indices[0].tolist()
+        p, chosen = probabilities.tolist(), indices[0].tolist()
         cache = self.engine.cache
-        experts = reroute(probabilities.tolist(), chosen, lambda e: (layer, e) in cache, self.margin)
+        experts = reroute(p, chosen, lambda e: (layer, e) in cache, self.margin)
         if experts == chosen:
             return None
         self.engine.layer_stats[layer].rerouted += sum(a != b for a, b in zip(experts, chosen))
-        experts.sort(key=lambda e: -float(probabilities[e]))  # as top-k orders them
+        experts.sort(key=lambda e: -p[e])  # as top-k orders them
         index = torch.tensor([experts], dtype=indices.dtype, device=indices.device)
         values = probabilities[index[0]][None]
         if normalize:
