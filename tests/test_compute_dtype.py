@@ -73,6 +73,7 @@ def test_bf16_models_route_in_float32_on_the_cpu(family, tmp_path):
             stored = reference.get_submodule(name).weight
             assert module.weight.dtype == torch.float32  # transformers keeps DeepSeek-V3's so, the others in bf16
             assert torch.equal(module.weight, stored.float())  # an exact copy, not a requantized one
+            assert not module._forward_pre_hooks  # the cast is in its forward: a hook slows every call
             module.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out[0])))
     ids = torch.randint(0, 250, (2, 9), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():

@@ -43,6 +43,8 @@ import warnings
 import torch
 from torch import nn
 
+from . import dense
+
 EXTENSION = "moestream_fused_v2"  # a new name for every change of the source: the build cache is by name
 STALE_LOCK_SECONDS = 600  # an older build lock belongs to a build that was killed
 FUNCTIONS = ["rms_norm", "rotary", "silu_gate", "experts_decode", "softmax_topk_router"]
@@ -420,15 +422,16 @@ def install_routers(routers, kernel) -> int:
         if key not in verdict:
             verdict[key] = router_variant(router, kernel)
         if verdict[key] is not None:
-            router.forward = functools.partial(_fused_router, router, kernel, *verdict[key])
+            router.forward = functools.partial(_fused_router, router, kernel, *verdict[key], router.forward)
             installed += 1
     return installed
 
 
-def _fused_router(router: nn.Module, kernel, normalize: bool, cast: bool, hidden_states: torch.Tensor, *args, **kwargs):
-    if _kernel_takes(router.weight, hidden_states, args, kwargs):
-        return tuple(kernel(hidden_states, router.weight, router.top_k, normalize, cast))
-    return type(router).forward(router, hidden_states, *args, **kwargs)
+def _fused_router(router: nn.Module, kernel, normalize: bool, cast: bool, fallback, hidden_states: torch.Tensor, *args, **kwargs):
+    x = dense.float32_input(router, hidden_states)  # the cast of the forward this one replaces (`fallback`)
+    if _kernel_takes(router.weight, x, args, kwargs):
+        return tuple(kernel(x, router.weight, router.top_k, normalize, cast))
+    return fallback(hidden_states, *args, **kwargs)
 
 
 # -- the experts' one-token path ----------------------------------------------------------------------------
