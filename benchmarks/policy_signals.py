@@ -1,4 +1,4 @@
-"""Which signals help the forecast policy: token ids, router probabilities, the next layer's guess.
+"""Which signals help the forecast policy: token ids, router probabilities, later layers' guesses.
 
     python benchmarks/policy_signals.py ../shared/models/tiny-code-moe validation-olmoe ...
 
@@ -13,6 +13,9 @@ ids add:
                   evidence: the experts just below the top-k)
     next-layer    the next layer's router applied to this layer's input, as the prefetcher guesses; for
                   layer l+1 it is known one call ahead, while layer l runs
+    later-layers  every later layer's router applied to this layer's input: while layer l runs, a guess
+                  at the experts of layers l+2, l+3, ... of the same step (l+1's are about to be pinned),
+                  refreshed at each layer; it prints how much of each distance's top-k the guess finds
     step-stale    not a signal: every call's update deferred to the next step's start (one vectorized
                   pass per step would cost a layer count less), so each forecast is up to a step old
 
@@ -39,7 +42,8 @@ from moestream.tools.trace import Trace
 
 def routing(checkpoint: Path, tokens: int) -> dict[str, np.ndarray]:
     """ids [T], experts [T, L, k], probs [T, L, E] (softmax of the router logits), next_layer [T, L, E]
-    (layer l's router on layer l-1's router input; zeros for layer 0)."""
+    (layer l's router on layer l-1's router input; zeros for layer 0), later [T, L, L, E] (layer j's router
+    on layer l's router input, for j > l; zeros elsewhere)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -57,7 +61,18 @@ def routing(checkpoint: Path, tokens: int) -> dict[str, np.ndarray]:
         for i in range(1, len(routers)):
             logits = routers[i](seen[i - 1][0].reshape(len(ids), -1))[0]
             guess[:, i] = torch.softmax(logits.float(), -1).numpy()
-    return {"ids": np.array(ids), "experts": experts.astype(np.int64), "probs": probs, "next_layer": guess}
+        layers, k = len(routers), experts.shape[2]
+        later = np.zeros((len(ids), layers, layers, probs.shape[2]), np.float32)
+        for i in range(layers):
+            for j in range(i + 1, layers):
+                later[:, i, j] = torch.softmax(routers[j](seen[i][0].reshape(len(ids), -1))[0].float(), -1).numpy()
+    for d in range(1, layers):  # how good the guesses are: the share of layer l+d's top-k in the guess's top-k
+        found = [
+            np.mean([len(set(g) & set(e)) for g, e in zip(np.argsort(-later[:, i, i + d], axis=1)[:, :k], experts[:, i + d])]) / k
+            for i in range(layers - d)
+        ]
+        print(f"  {checkpoint.name}: layer l's input through layer l+{d}'s router finds {np.mean(found):.1%} of its top-{k}")
+    return {"ids": np.array(ids), "experts": experts.astype(np.int64), "probs": probs, "next_layer": guess, "later": later}
 
 
 def _ranks(scores: np.ndarray) -> np.ndarray:
@@ -96,9 +111,13 @@ class WithSignal(ForecastPolicy):
         t, row = self.token, self._features[layer, self.extra]
         if self.signal == "router-rank":
             row[:] = _ranks(self.data["probs"][t, layer])
-        elif self.signal == "next-layer":
+        elif self.signal in ("next-layer", "later-layers"):
             row[:] = self.unknown  # filled again before this layer's next call
         self._refresh(layer)
+        if self.signal == "later-layers":
+            for j in range(layer + 2, self.layers):
+                self._features[j, self.extra] = _ranks(self.data["later"][t, layer, j])
+                self._refresh(j)
         if self.signal == "next-layer" and layer + 1 < self.layers:
             self._features[layer + 1, self.extra] = _ranks(self.data["next_layer"][t, layer + 1])
             self._refresh(layer + 1)
@@ -127,7 +146,7 @@ def make(variant: str, table, data):
     return StepStale(table) if variant == "step-stale" else WithSignal(table, data, variant)
 
 
-VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer", "step-stale")
+VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer", "later-layers", "step-stale")
 
 
 def main() -> None:
