@@ -5,8 +5,9 @@ One decode step, as a reader follows it:
    hear that a forward pass begins (the policy gets its token ids), and hash-routed layers' experts are
    read ahead (their ids alone determine them);
 2. transformers runs embeddings, attention, norms and the router (upstream code, unchanged);
-3. the router's top-k goes to the experts module, whose forward transformers dispatches through its
-   ExpertsInterface to `streaming_experts_forward` below (registered as "moestream");
+3. the router's top-k goes to the experts module, whose forward is `streaming_experts_forward` below
+   (registered in transformers' ExpertsInterface as "moestream", and set as each module's own forward
+   at load, which skips the interface's lookup per call);
 4. `ExpertEngine.run` groups the tokens by expert and hands the experts to the scheduler
    (scheduler.py), which looks them up, starts reads for the misses into free (or evicted) slots through
    `submit`, has the hits computed while the reads are in flight, then each miss as soon as its read lands;

@@ -11,7 +11,6 @@ call.
 from __future__ import annotations
 
 import functools
-
 import os
 from pathlib import Path
 
