@@ -33,6 +33,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from ..core.loading import engine_of
 from ..errors import MoestreamError, UsageError
 from ..options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
+from .kv_layer import grow_in_place
 
 # Used when a checkpoint ships no chat template (base models, the byte-level test tokenizer): plain
 # "Role: text" paragraphs ending in "Assistant:", the format base models have seen most in their data.
@@ -268,6 +269,8 @@ def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = No
         # Not around the yield: inference mode is thread state, and the caller's code runs between tokens.
         with torch.inference_mode():
             logits = forward(step)[:, -1, :].to("cpu", torch.float32, copy=True)  # sampled on the CPU
+            if len(fed) == len(prompt_ids):  # after the prefill: decode appends into room (kv_layer.py)
+                grow_in_place(forward.cache)
             token = sampler(logits)
             step = token.view(1, 1).to(torch.long)
         try:

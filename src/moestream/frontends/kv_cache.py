@@ -3,7 +3,8 @@
 Both work on transformers' own `DynamicCache`, whose layers hold keys and values as tensors
 [batch, heads, positions, head_dim] and grow by concatenation (a layer's `update` never writes into a
 tensor it already holds). That is why a prefix's tensors can be shared by the prefix cache and by every
-sequence that continues it, with no copy: a continuation concatenates into new tensors.
+sequence that continues it, with no copy: a continuation concatenates into new tensors. A lone
+sequence's layers grow into room instead (kv_layer.py); the prefix cache keeps compact copies of them.
 
 `BatchKV` keeps the running sequences in one DynamicCache, row i for sequence i, right-aligned: each row
 ends at the last position and has left padding where it is shorter than the longest. A decode step
@@ -28,7 +29,9 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer)
+from .kv_layer import GrowingLayer
+
+_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer)  # growing: a lone sequence's (generate_step)
 
 
 def batchable(cache) -> str | None:
@@ -61,9 +64,24 @@ def _left_pad(t: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _shallow(cache: DynamicCache) -> DynamicCache:
-    """A cache object of its own over the same tensors (safe: layers update by concatenation)."""
+    """A cache object of its own over the same tensors (safe: layers update by concatenation, or, growing
+    ones, write in place only past every other layer's view, kv_layer.py)."""
     out = copy.copy(cache)
     out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
+
+
+def _compact(cache: DynamicCache) -> DynamicCache:
+    """`_shallow`, with each growing layer made a plain DynamicLayer of its views' positions, copied out of
+    its buffers, whose room would otherwise stay held, uncounted, for as long as the copy is kept."""
+    out = _shallow(cache)
+    for i, layer in enumerate(out.layers):
+        if isinstance(layer, GrowingLayer):
+            out.layers[i] = plain = DynamicLayer.__new__(DynamicLayer)
+            plain.__dict__.update(layer.__dict__)
+            plain.__dict__.pop("_buffers", None)
+            if layer.is_initialized:
+                plain.keys, plain.values = layer.keys.clone(), layer.values.clone()
     return out
 
 
@@ -201,7 +219,7 @@ class PrefixCache:
             # An entry that is a prefix of the new one is dominated by it.
             for old in [old for old in self._entries if old == ids[: len(old)]]:
                 self._drop(old)
-            self._entries[ids] = (_shallow(cache), size)
+            self._entries[ids] = (_compact(cache), size)
             self._stats.bytes += size
             while self._stats.bytes > self.budget_bytes:
                 self._drop(next(iter(self._entries)))

@@ -1,0 +1,75 @@
+"""Decode after a long prompt with the KV cache growing into room (kv_layer.py) against transformers'
+concatenation, side by side in one process.
+
+    python benchmarks/long_context.py STORE --memory 6GiB [--positions 3000] [--tokens 18] [--rounds 5]
+
+Loads the store, prefills --positions random token ids once, then decodes --tokens greedy tokens from
+that prefill in alternating rounds (A B, B A, ...): once with the cache's layers made GrowingLayers
+(what `generate_step` does after its prefill) and once with transformers' DynamicLayers as they are.
+Each round starts from its own copy of the prefilled cache; decode tokens/s counts the tokens after the
+first two (the growing layers' first update copies the history into buffers with room). Prints each
+round, whether both gave the same logits, and the medians and the median of per-round ratios.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import moestream
+from moestream.frontends.generate import Forward
+from moestream.frontends.kv_cache import _shallow
+from moestream.frontends.kv_layer import grow_in_place
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("store")
+    parser.add_argument("--memory", default="6GiB", help="a budget that holds every expert")
+    parser.add_argument("--positions", type=int, default=3000)
+    parser.add_argument("--tokens", type=int, default=18)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = moestream.load(args.store, args.memory, prefetch="off")
+    ids = torch.randint(0, 200, (1, args.positions), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        prefill = Forward(model)
+        first = prefill(ids)[:, -1].argmax(-1).view(1, 1)
+
+        def decode(grow: bool) -> tuple[float, torch.Tensor]:
+            forward = Forward(model, _shallow(prefill.cache))  # layers of its own over the prefill's tensors
+            if grow:
+                grow_in_place(forward.cache)
+            token, logits, start = first, [], None
+            for i in range(args.tokens):
+                if i == 2:
+                    start = time.perf_counter()
+                out = forward(token)[:, -1]
+                token = out.argmax(-1).view(1, 1)
+                logits.append(out)
+            return (args.tokens - 2) / (time.perf_counter() - start), torch.stack(logits)
+
+        decode(True), decode(False)  # warm-up: every expert these tokens use into the cache
+        rates = {True: [], False: []}
+        for r in range(args.rounds):
+            outputs = {}
+            for grow in (True, False) if r % 2 == 0 else (False, True):
+                rate, outputs[grow] = decode(grow)
+                rates[grow].append(rate)
+            same = torch.equal(outputs[True], outputs[False])
+            print(
+                f"round {r}: growing {rates[True][-1]:.2f} tok/s, concatenating {rates[False][-1]:.2f} tok/s, same logits: {same}"
+            )
+    grown, concatenated = statistics.median(rates[True]), statistics.median(rates[False])
+    per_round = statistics.median(a / b for a, b in zip(rates[True], rates[False]))
+    print(
+        f"{args.positions} positions: growing {grown:.2f} / concatenating {concatenated:.2f} tok/s (medians), "
+        f"{grown / concatenated:.3f} (ratio of medians), {per_round:.3f} (median of per-round ratios)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""A KV cache layer that grows into room it keeps ahead, instead of copying its history at every step.
+
+transformers' `DynamicLayer` appends a step's keys and values with `torch.cat`, which copies every
+position it holds: at 3,000 positions of Qwen3-30B-A3B's attention shape those copies are about a third
+of a CPU decode step (docs/BENCHMARKS.md, "The KV cache at long context"). `GrowingLayer` holds its keys
+and values as views into buffers with room for up to ROOM more positions, writes each step's positions
+into that room, and copies its history only when the room runs out (once every ROOM steps of decode).
+The views hold the same numbers as the concatenated tensors would, and attention over them computes the
+same bits (tests/test_kv_layer.py).
+
+Layer objects that share buffers stay apart. The prefix cache keeps a layer whose tensors a continuation
+goes on using (kv_cache.py), so the buffers record how many positions they hold (their frontier), and
+only a layer whose views end at the frontier writes beyond it; any other layer copies into buffers of
+its own first. Whatever replaces a layer's tensors (batching rows together, cropping, selecting rows)
+leaves tensors that are not views at the frontier, and the next update copies them once.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+ROOM = 256  # positions of room per reallocation: a copy of the history every 256 decode steps
+
+
+class _Buffers:
+    """The keys' and values' buffers [batch, heads, capacity, head_dim] and how many positions are written."""
+
+    __slots__ = ("keys", "values", "length")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        self.keys, self.values, self.length = keys, values, length
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose `update` writes into room kept ahead (see the module's doc)."""
+
+    _buffers: _Buffers | None = None
+
+    @classmethod
+    def adopt(cls, layer: DynamicLayer) -> GrowingLayer:
+        """This kind of layer with `layer`'s state (its tensors become the history of the first update)."""
+        grown = cls.__new__(cls)
+        grown.__dict__.update(layer.__dict__)
+        grown._buffers = None
+        return grown
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.keys.shape[-2] if self.keys.numel() else 0
+        end = held + key_states.shape[-2]
+        buffers = self._buffers
+        if buffers is None or not self._at_frontier(buffers, held, key_states, value_states) or end > buffers.keys.shape[-2]:
+            buffers = self._buffers = self._allocate(held, end + ROOM, key_states, value_states)
+        buffers.keys[..., held:end, :].copy_(key_states)
+        buffers.values[..., held:end, :].copy_(value_states)
+        buffers.length = end
+        self.keys, self.values = buffers.keys[..., :end, :], buffers.values[..., :end, :]
+        return self.keys, self.values
+
+    def _at_frontier(self, buffers: _Buffers, held: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether this layer's tensors are the buffers' first `held` positions and nothing lies beyond
+        them, so that writing the new positions in place changes no one else's view."""
+        if buffers.length != held or held == 0:
+            return False
+        for mine, buffer, new in ((self.keys, buffers.keys, key_states), (self.values, buffers.values, value_states)):
+            if (
+                mine.data_ptr() != buffer.data_ptr()
+                or mine.stride() != buffer.stride()
+                or mine.shape[:-2] != buffer.shape[:-2]
+                or new.shape[:-2] != buffer.shape[:-2]
+                or new.shape[-1] != buffer.shape[-1]
+                or new.dtype != buffer.dtype
+                or new.device != buffer.device
+            ):
+                return False
+        return True
+
+    def _allocate(self, held: int, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> _Buffers:
+        """Buffers of `capacity` positions holding this layer's first `held` positions."""
+        made = []
+        for mine, new in ((self.keys, key_states), (self.values, value_states)):
+            buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])
+            if held:
+                buffer[..., :held, :].copy_(mine)
+            made.append(buffer)
+        return _Buffers(made[0], made[1], held)
+
+
+def grow_in_place(cache) -> None:
+    """Make each plain DynamicLayer of `cache` (a transformers Cache) a GrowingLayer; other kinds of layers
+    (sliding windows, compressed or quantized caches) keep their own update."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer:
+            layers[i] = GrowingLayer.adopt(layer)
