@@ -11,24 +11,16 @@ calls it in decode). The best of 5 x 50 calls after 5 warm-up ones.
 """
 
 import argparse
-import time
 
+import packed_qkv  # its timing loop (run from benchmarks/, which Python puts on the path)
 import torch
 import torch.nn.functional as F
 
 SHAPES = {"qwen3-30b-a3b": (32, 4, 128), "fixture": (4, 2, 64)}  # query heads, KV heads, head dim
 
 
-def best_us(fn, calls: int = 50, repeats: int = 5) -> float:
-    for _ in range(5):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
+def best_us(fn) -> float:
+    return packed_qkv.best_us(fn, calls=50, repeats=5, warm_up=5)
 
 
 def main() -> None:

@@ -17,8 +17,9 @@ import torch
 SHAPES = {"fixture": (256, (256, 128, 128)), "qwen3-30b-a3b": (2048, (4096, 512, 512))}
 
 
-def best_us(fn, calls: int = 300, repeats: int = 10) -> float:
-    for _ in range(30):
+def best_us(fn, calls: int = 300, repeats: int = 10, warm_up: int = 30) -> float:
+    """The best of `repeats` runs of `calls` calls of fn, in microseconds per call (kv_growth.py too)."""
+    for _ in range(warm_up):
         fn()
     best = float("inf")
     for _ in range(repeats):
