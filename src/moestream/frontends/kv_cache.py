@@ -75,13 +75,7 @@ def _compact(cache: DynamicCache) -> DynamicCache:
     """`_shallow`, with each growing layer made a plain DynamicLayer of its views' positions, copied out of
     its buffers, whose room would otherwise stay held, uncounted, for as long as the copy is kept."""
     out = _shallow(cache)
-    for i, layer in enumerate(out.layers):
-        if isinstance(layer, GrowingLayer):
-            out.layers[i] = plain = DynamicLayer.__new__(DynamicLayer)
-            plain.__dict__.update(layer.__dict__)
-            plain.__dict__.pop("_buffers", None)
-            if layer.is_initialized:
-                plain.keys, plain.values = layer.keys.clone(), layer.values.clone()
+    out.layers = [layer.compact() if isinstance(layer, GrowingLayer) else layer for layer in out.layers]
     return out
 
 

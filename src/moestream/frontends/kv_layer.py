@@ -1,8 +1,9 @@
 """A KV cache layer that grows into room it keeps ahead, instead of copying its history at every step.
 
 transformers' `DynamicLayer` appends a step's keys and values with `torch.cat`, which copies every
-position it holds: at 3,000 positions of Qwen3-30B-A3B's attention shape those copies are about a third
-of a CPU decode step (docs/BENCHMARKS.md, "The KV cache at long context"). `GrowingLayer` holds its keys
+position it holds: at 4,096 positions of Qwen3-30B-A3B's attention shape one such copy costs about 40
+times writing the new position in place (docs/BENCHMARKS.md, "The KV cache at long context"), and it
+grows with the context. `GrowingLayer` holds its keys
 and values as views into buffers with room for up to ROOM more positions, writes each step's positions
 into that room, and copies its history only when the room runs out (once every ROOM steps of decode).
 The views hold the same numbers as the concatenated tensors would, and attention over them computes the
@@ -44,6 +45,16 @@ class GrowingLayer(DynamicLayer):
         grown.__dict__.update(layer.__dict__)
         grown._buffers = None
         return grown
+
+    def compact(self) -> DynamicLayer:
+        """A plain DynamicLayer of this layer's positions, copied out of the buffers (whose room a kept
+        copy would otherwise hold on to)."""
+        plain = DynamicLayer.__new__(DynamicLayer)
+        plain.__dict__.update(self.__dict__)
+        plain.__dict__.pop("_buffers", None)  # (set once a layer has grown)
+        if self.is_initialized:
+            plain.keys, plain.values = self.keys.clone(), self.values.clone()
+        return plain
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
