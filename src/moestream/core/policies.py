@@ -245,12 +245,12 @@ class ForecastPolicy:
         - the layer's transitions: of the times the experts this call used were followed at their layer's
           next call, the share that went to this expert (an expert-to-expert count table per layer; the
           consecutive tokens of a text take related paths, which counts alone do not see),
-        - once the next step's input token is known (`on_step`, before its first layer runs): whether this
-          expert was among those its layer chose the last time that token id came in a one-token step
-          (a table of the last TOKEN_TABLE_SIZE token ids' routing, layers x top-k ids each),
+        - once the next step's input token is known (`on_step`, before its first layer runs): how many of
+          the last TOKEN_VOTES times that token id came in a one-token step its layer chose this expert
+          (a table of the last TOKEN_TABLE_SIZE token ids' routings, TOKEN_VOTES x layers x top-k ids each),
         - once the layer has run in this step, so that its next call is the next step's, whose token is not
-          known yet: whether this expert was among those its layer chose in the step that followed this
-          step's token the last time it came (a second table of as many token ids: what followed each),
+          known yet: how many of the last TOKEN_VOTES times this step's token came its layer chose this
+          expert in the step that followed (a second table of as many token ids: what followed each),
     as logarithms, are the features of a logistic regression whose weights are learned online: a call
     labels the previous call's features of its layer with the experts it used, and an AdaGrad step
     follows (every LEARN_EVERY calls). Nothing is fitted to a model beforehand: the weights start at zero.
@@ -272,7 +272,8 @@ class ForecastPolicy:
     HALF_LIVES = (1.0, 8.0, 64.0)  # in calls of the layer; (2, 8, 32, 128) and (2, 16, 128) gave the same hits
     LEARN_EVERY = 4  # calls per learning step: 1, 2, 4 and 8 give the same hits within 0.002x of Belady's
     LEARNING_RATE = 0.2  # AdaGrad's step; hit rates vary by under 0.5% between 0.05 and 1 on the fixture
-    TOKEN_TABLE_SIZE = 8192  # token ids whose last routing is kept (the least recently seen leave first)
+    TOKEN_TABLE_SIZE = 8192  # token ids whose last routings are kept (the least recently seen leave first)
+    TOKEN_VOTES = 3  # routings kept per token id: 1 -> 3 gains 0.003-0.008x of Belady's hits, 8 no more
     TOKEN_STEP_LIMIT = 16  # longer steps (prompts) are not looked up: they use most experts anyway
 
     def __init__(self, layer_experts: Sequence[int]):
@@ -296,8 +297,8 @@ class ForecastPolicy:
         self._weights = np.zeros(n + 4, f32)
         self._grad_sq = np.full(n + 4, 1e-3, f32)
         self._calls = 0
-        # The token table: token id -> [layers, top-k] expert ids it took in its last one-token step; the
-        # successor table: token id -> the experts of the one-token step that followed it that time.
+        # The token table: token id -> [votes, layers, top-k] expert ids it took in its last one-token steps,
+        # the latest first; the successor table: token id -> the experts of the one-token steps that followed.
         self._token_routing: OrderedDict[int, np.ndarray] = OrderedDict()
         self._successor_routing: OrderedDict[int, np.ndarray] = OrderedDict()
         self._step_token: int | None = None  # the current step's token, if it is a one-token step
@@ -305,6 +306,7 @@ class ForecastPolicy:
         self._step_successor: np.ndarray | None = None  # what followed the current token the last time
         self._step_calls = 0  # calls since the step began (its routing is whole once every layer ran)
         self._last_ids: list[np.ndarray | None] = [None] * layers  # the experts of each layer's last call
+        self._layer_offsets = (np.arange(layers) * experts)[:, None]  # [layer, 0] -> its first flat index
         # Per layer: the logit of every expert's use at the layer's next call, the same for cached experts
         # only (+inf for the rest), and each layer's lowest: the probability is monotone in the logit, so an
         # eviction compares one number per layer.
@@ -341,10 +343,10 @@ class ForecastPolicy:
         if not known:
             return  # every layer's token row already says "unknown" (reset at each call)
         n = len(self.HALF_LIVES)
-        choices = np.zeros((self.layers, self.experts), np.float32)
-        layer_index = np.arange(self.layers)[:, None]
-        for routing in known:
-            choices[layer_index, routing] += 1.0
+        # Per token, the share of its routings kept that chose each (layer, expert); summed over the tokens.
+        flat = np.concatenate([(r + self._layer_offsets).ravel() for r in known])
+        votes = np.concatenate([np.full(r.size, 1.0 / len(r)) for r in known])
+        choices = np.bincount(flat, votes, minlength=self.layers * self.experts).reshape(self.layers, self.experts)
         rows, cols = np.nonzero(choices)
         # Only the named experts' features change (their token row was log(offset) since their layer's last
         # call), and so their logits, by the token row's weight times the change.
@@ -356,7 +358,8 @@ class ForecastPolicy:
         self._layer_min[:] = self._masked[np.arange(self.layers), self._layer_argmin]
 
     def _remember(self, table: OrderedDict, token: int, routing: np.ndarray) -> None:
-        table[token] = routing
+        kept = table.get(token)
+        table[token] = routing[None] if kept is None else np.concatenate([routing[None], kept[: self.TOKEN_VOTES - 1]])
         table.move_to_end(token)
         if len(table) > self.TOKEN_TABLE_SIZE:
             table.popitem(last=False)
@@ -385,12 +388,14 @@ class ForecastPolicy:
         counts += used
         follows = self._follow[layer].reshape(self.experts, self.experts)[ids].sum(axis=0, out=raw[n])
         follows /= follows.sum()
-        # This layer's next call comes in the next step: the experts it took in the step that followed this
-        # step's token the last time that token came (raw[n + 1], the token row, waits for that step's token)
+        # This layer's next call comes in the next step: the experts it took in the steps that followed this
+        # step's token the last times that token came (raw[n + 1], the token row, waits for that step's token)
         successor = raw[n + 2]
-        successor[:] = 0.0
-        if self._step_successor is not None:
-            successor[self._step_successor[layer]] = 1.0
+        if self._step_successor is None:
+            successor[:] = 0.0
+        else:
+            votes = self._step_successor[:, layer]
+            successor[:] = np.bincount(votes.ravel(), minlength=self.experts) / len(votes)
         logs = features[: n + 3]  # the row after them is constant (the bias, last)
         np.add(raw, self._offsets, out=logs)
         np.log(logs, out=logs)
