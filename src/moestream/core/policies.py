@@ -266,7 +266,7 @@ class ForecastPolicy:
     step, none through BLAS (numpy's BLAS threads would compete with torch's for the cores); an eviction
     compares one number per layer. The transition tables take layers x experts^2 float32 (15 MiB for
     DeepSeek-V3's 58 layers of 256 experts, 3 MiB for Qwen3-30B-A3B's 48 of 128), the two token tables up
-    to TOKEN_TABLE_SIZE x TOKEN_VOTES x layers x top-k int16 each (22.8 MiB each for DeepSeek-V3)."""
+    to TOKEN_TABLE_SIZE x TOKEN_VOTES x layers x top-k int16 each (21.8 MiB each for DeepSeek-V3)."""
 
     name = "forecast"
     HALF_LIVES = (1.0, 8.0, 64.0)  # in calls of the layer; (2, 8, 32, 128) and (2, 16, 128) gave the same hits
