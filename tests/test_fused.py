@@ -338,3 +338,85 @@ def test_a_loaded_models_routers_use_the_kernel_with_the_same_bits(ext, store):
             type(routers[0]).forward(routers[0], x64)
         with pytest.raises(RuntimeError):
             routers[0](x64)
+
+
+# -- one token's attention --------------------------------------------------------------------------------
+
+
+def _attention_modules(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+
+
+def _store_of(family, root, dense_dtype, **overrides):
+    model = make_model(family, seed=47, dtype=torch.bfloat16, **dict(TINY[family], **overrides))
+    return moestream.convert(save_checkpoint(model, root / "hf"), root / "store", dense_dtype=dense_dtype, progress=False)
+
+
+def _decode_logits(model, steps=6):
+    """A 7-token prompt, then `steps` greedy one-token steps through transformers' dynamic cache."""
+    from moestream.frontends.generate import Forward
+
+    forward = Forward(model)
+    ids = torch.randint(0, 250, (1, 7), generator=torch.Generator().manual_seed(48))
+    out = []
+    with torch.inference_mode():
+        for _ in range(steps + 1):
+            logits = forward(ids)[:, -1]
+            out.append(logits)
+            ids = logits.argmax(-1, keepdim=True)
+    return out
+
+
+@pytest.mark.parametrize(
+    "family, dense_dtype", [("qwen3_moe", "int8"), ("qwen3_moe", "float"), ("mixtral", "int8"), ("olmoe", "int4")]
+)
+def test_one_token_attention_takes_the_fused_step_with_the_modules_own_bits(ext, tmp_path, family, dense_dtype):
+    """Per-head q/k norms (Qwen3-MoE), none (Mixtral), norms over the whole projection (OLMoE); int8, int4
+    and float projections: every attention module takes the fused step, and decoding gives the bits of
+    the modules' own forwards."""
+    model, _ = moestream.load(_store_of(family, tmp_path, dense_dtype), "64MiB", prefetch="off")
+    attention = _attention_modules(model)
+    assert attention and all(getattr(m.forward, "func", None) is fused._fused_attention for m in attention)
+    fast = _decode_logits(model)
+    for m in attention:
+        m.forward = m.forward.args[-1]  # the module's own forward
+    own = _decode_logits(model)
+    assert all(torch.equal(a, b) for a, b in zip(fast, own))
+
+
+def test_the_fused_attention_leaves_prompts_masks_and_batches_to_the_modules_own(ext, tmp_path):
+    model, _ = moestream.load(_store_of("qwen3_moe", tmp_path, "int8"), "64MiB", prefetch="off")
+    calls = []
+    for m in _attention_modules(model):
+        own = m.forward.args[-1]
+        m.forward = functools.partial(m.forward.func, *m.forward.args[:-1], lambda *a, own=own, **k: calls.append(a[0].shape) or own(*a, **k))
+    _decode_logits(model, steps=3)
+    layers = len(model.model.layers)
+    assert calls == [torch.Size([1, 7, 32])] * layers  # the prompt only: the one-token steps took the kernels
+    calls.clear()
+    ids = torch.randint(0, 250, (2, 5), generator=torch.Generator().manual_seed(49))
+    with torch.inference_mode():
+        out = model(ids, attention_mask=torch.ones(2, 5, dtype=torch.long), use_cache=True)
+        model(ids[:, :1], cache=out.past_key_values, attention_mask=torch.ones(2, 6, dtype=torch.long))
+    assert [s[0] for s in calls] == [2] * (2 * layers)  # two rows: the module's own forward
+
+
+def test_only_attention_the_kernels_reproduce_takes_them(ext, tmp_path):
+    # MLA (DeepSeek-V3) has no q/k/v projections; OLMoE clipping q/k/v is not what the kernels compute
+    for family, overrides in (("deepseek_v3", {}), ("olmoe", {"clip_qkv": 0.5})):
+        model, _ = moestream.load(_store_of(family, tmp_path / family, "int8", **overrides), "64MiB", prefetch="off")
+        assert not any(getattr(m.forward, "func", None) is fused._fused_attention for m in _attention_modules(model))
+    # the check itself fails on a forward whose numbers differ in the last place of one element
+    model, _ = moestream.load(_store_of("qwen3_moe", tmp_path / "qwen3", "int8"), "64MiB", prefetch="off")
+    m = _attention_modules(model)[0]
+    fast, own = m.forward, m.forward.args[-1]
+
+    def off_by_one(*args, **kwargs):
+        out, weights = own(*args, **kwargs)
+        out = out.clone()
+        out.view(-1)[3] = torch.nextafter(out.view(-1)[3], torch.tensor(float("inf"), dtype=out.dtype))
+        return out, weights
+
+    dtype = model.get_input_embeddings().weight.dtype
+    assert fused.attention_agrees(m, fast, own, dtype)
+    assert not fused.attention_agrees(m, fast, off_by_one, dtype)

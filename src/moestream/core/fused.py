@@ -42,12 +42,21 @@ import warnings
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from . import dense
 
-EXTENSION = "moestream_fused_v2"  # a new name for every change of the source: the build cache is by name
+EXTENSION = "moestream_fused_v3"  # a new name for every change of the source: the build cache is by name
 STALE_LOCK_SECONDS = 600  # an older build lock belongs to a build that was killed
-FUNCTIONS = ["rms_norm", "rotary", "silu_gate", "experts_decode", "softmax_topk_router"]
+FUNCTIONS = [
+    "rms_norm",
+    "rotary",
+    "silu_gate",
+    "experts_decode",
+    "softmax_topk_router",
+    "attention_decode_qkv",
+    "attention_decode_out",
+]
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -198,6 +207,55 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   if (weights.has_value()) return out.mul_(*weights).view({1, n, -1}).sum(1);
   return out;
 }
+
+// A resident linear without bias as kernels.py runs it on the CPU, x [M, K] -> [M, N]: bits 0 a float
+// weight (at::linear), 8 torch's int8 kernel (in float32 for bf16 activations whose width is not a
+// multiple of 16, where its bf16 path is wrong), 4 the int4 kernel (in bf16, cast back).
+static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group) {
+  if (bits == 0) return at::linear(x, w);
+  if (bits == 8) {
+    if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16)
+      return at::_weight_int8pack_mm(x.to(at::kFloat), w, params.to(at::kFloat)).to(x.scalar_type());
+    return at::_weight_int8pack_mm(x, w, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
+  }
+  TORCH_CHECK(bits == 4, "project: 0, 4 or 8 bits");
+  if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, w, group, params);
+  return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, params).to(x.scalar_type());
+}
+
+// One token's attention inputs as transformers' Llama-family attention computes them, x [1, H] ->
+// q [1, heads, 1, D], k and v [1, kv heads, 1, D]: the three projections (weights, params, bits, groups:
+// q, k, v), the optional RMSNorms of q and k (over each head, or over the whole projection before it is
+// split into heads), then the rotary embedding of q and k.
+std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> params,
+                                                std::vector<int64_t> bits, std::vector<int64_t> groups,
+                                                c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                                                double q_eps, double k_eps, bool norm_per_head, int64_t head_dim,
+                                                torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(weights.size() == 3 && params.size() == 3 && bits.size() == 3 && groups.size() == 3, "attention_decode_qkv: q, k, v");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "attention_decode_qkv: x must be one contiguous row [1, H]");
+  torch::Tensor states[3];
+  for (int i = 0; i < 3; ++i) {
+    auto y = project(x, weights[i], params[i], bits[i], groups[i]);
+    const c10::optional<torch::Tensor>& norm = i == 0 ? q_norm : k_norm;
+    const double eps = i == 0 ? q_eps : k_eps;
+    if (i < 2 && norm.has_value() && !norm_per_head) y = rms_norm(y, *norm, eps);
+    y = y.view({1, 1, -1, head_dim});
+    if (i < 2 && norm.has_value() && norm_per_head) y = rms_norm(y, *norm, eps);
+    states[i] = y.transpose(1, 2);
+  }
+  auto rotated = rotary(states[0], states[1], cos, sin);
+  return {rotated[0], rotated[1], states[2]};
+}
+
+// The rest of one token's attention: sdpa over the cached keys and values as transformers calls it for
+// one query without a mask (no causal flag; grouped heads in sdpa itself), heads joined, then the output
+// projection -> [1, 1, H].
+torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, double scale,
+                                   bool grouped, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+  auto o = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
+  return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group).view({1, 1, -1});
+}
 """
 
 
@@ -308,6 +366,7 @@ def install(model: nn.Module, routers=()) -> int:
         if verdict[key]:
             module.forward = functools.partial(_fused_forward, module, ext.rms_norm, _epsilon(module))
             installed += 1
+    install_attention(model, ext, model.get_input_embeddings().weight.dtype)  # after the norms: it runs theirs
     return installed
 
 
@@ -460,3 +519,124 @@ def experts_kernel(module: nn.Module, width: int, dtype: torch.dtype):
     if key not in _GATE_VERDICTS:
         _GATE_VERDICTS[key] = gate_agrees(module, ext.silu_gate, width, dtype)
     return ext.experts_decode if _GATE_VERDICTS[key] else None
+
+
+# -- one token's attention ------------------------------------------------------------------------------------
+
+
+def _projection(linear: nn.Module) -> tuple | None:
+    """(weight, params, bits, group) of a bias-free resident linear as the kernel takes it, or None."""
+    if isinstance(linear, dense.QuantizedLinear) and linear.bias is None and linear.fmt.name in ("int8", "int4"):
+        return linear.qweight, getattr(linear, linear.fmt.params), linear.fmt.bits, linear.fmt.group_size or 0
+    if type(linear) is nn.Linear and linear.bias is None:
+        return linear.weight, linear.weight, 0, 0
+    return None
+
+
+def _norm(module: nn.Module, head_dim: int, width: int) -> tuple | None:
+    """(weight, eps, per head) of an attention's q or k norm that runs the fused kernel; (None, 0.0, True)
+    without one; None for any other norm."""
+    if module is None:
+        return None, 0.0, True
+    forward = getattr(module, "forward", None)
+    if getattr(forward, "func", None) is not _fused_forward or module.weight.shape[0] not in (head_dim, width):
+        return None
+    return module.weight, _epsilon(module), module.weight.shape[0] == head_dim
+
+
+def attention_plan(module: nn.Module, ext) -> tuple | None:
+    """The fused one-token attention's two kernels with this module's weights bound, or None where its
+    parts are not the ones they run: four bias-free projections, q/k norms that run the fused kernel (or
+    none), sdpa without a sliding window or clipping, and a head size sdpa groups heads for itself."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if not all(isinstance(getattr(module, n, None), nn.Module) for n in names):
+        return None
+    config, head_dim = getattr(module, "config", None), getattr(module, "head_dim", None)
+    scale, layer = getattr(module, "scaling", None), getattr(module, "layer_idx", None)
+    if not isinstance(head_dim, int) or not isinstance(scale, float) or not isinstance(layer, int) or head_dim > 256:
+        return None
+    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "clip_qkv", None) is not None:
+        return None
+    if getattr(module, "sliding_window", None) is not None:
+        return None
+    projections = [_projection(getattr(module, n)) for n in names]
+    norms = [_norm(getattr(module, n, None), head_dim, getattr(module, p).out_features) for n, p in (("q_norm", "q_proj"), ("k_norm", "k_proj"))]
+    if None in projections or None in norms or norms[0][2] != norms[1][2]:
+        return None
+    (qn, q_eps, per_head), (kn, k_eps, _) = norms
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    qkv = functools.partial(
+        ext.attention_decode_qkv,
+        *[list(parts) for parts in zip(*projections[:3])],
+        qn, kn, q_eps, k_eps, per_head, head_dim,
+    )  # fmt: skip
+    out = functools.partial(ext.attention_decode_out, *projections[3], scale, grouped)
+    return qkv, out
+
+
+def attention_agrees(module: nn.Module, forward, own, dtype: torch.dtype) -> bool:
+    """Whether `forward` gives the bits of the module's own forward (`own`) on one token in `dtype` after 1 to 9 random
+    cached positions: its output and the keys and values it caches, for random hidden states at two
+    scales and random rotary angles."""
+    g = torch.Generator().manual_seed(0)
+    width, head_dim = module.q_proj.in_features, module.head_dim
+    kv_heads = module.k_proj.out_features // head_dim
+    for history, scale in ((1, 1.0), (9, 30.0)):
+        x = (torch.randn(1, 1, width, generator=g) * scale).to(dtype)
+        angles = torch.rand(1, 1, head_dim // 2, generator=g) * 100
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+        keys, values = (torch.randn(1, kv_heads, history, head_dim, generator=g).to(dtype) for _ in range(2))
+        caches = DynamicCache(), DynamicCache()
+        for cache in caches:  # the layers before this one's empty, as update() makes them
+            cache.update(keys, values, module.layer_idx)
+        try:
+            with torch.no_grad():
+                expected = own(x, (cos, sin), None, cache=caches[0])
+                got = forward(x, (cos, sin), None, cache=caches[1])
+        except Exception:  # another signature or another cache method: the module keeps its own forward
+            return False
+        if not (torch.equal(expected[0], got[0]) and expected[0].dtype == got[0].dtype and expected[0].shape == got[0].shape):
+            return False
+        cached = [(c.layers[module.layer_idx].keys, c.layers[module.layer_idx].values) for c in caches]
+        if not all(torch.equal(a, b) for a, b in zip(*cached)):
+            return False
+    return True
+
+
+def install_attention(model: nn.Module, ext, dtype: torch.dtype) -> int:
+    """Give each attention module whose one-token step the fused kernels reproduce bit for bit
+    (`attention_plan`, `attention_agrees`) the fused forward; returns how many."""
+    installed = 0
+    for module in model.modules():
+        if not type(module).__name__.endswith("Attention") or module.training:
+            continue
+        plan = attention_plan(module, ext)
+        if plan is None:
+            continue
+        forward = functools.partial(_fused_attention, module, dtype, *plan, module.forward)
+        if attention_agrees(module, forward, module.forward, dtype):
+            module.forward = forward
+            installed += 1
+    return installed
+
+
+def _fused_attention(module, dtype, qkv, out, fallback, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+    """One token of one sequence without a mask, on the CPU, in the dtype checked, with transformers'
+    dynamic cache: two kernel calls around the cache's own update (growing layers and the prefix cache
+    keep working). Anything else goes to the module's own forward."""
+    cache = kwargs.get("cache")
+    if (
+        type(cache) is not DynamicCache
+        or args
+        or attention_mask is not None
+        or position_embeddings is None
+        or hidden_states.shape[0] != 1
+        or hidden_states.shape[1] != 1
+        or hidden_states.dtype != dtype
+        or hidden_states.device.type != "cpu"
+        or (torch.is_grad_enabled() and hidden_states.requires_grad)
+    ):
+        return fallback(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    q, k, v = qkv(hidden_states.view(1, -1), *position_embeddings)
+    k, v = cache.update(k, v, module.layer_idx, kwargs={n: a for n, a in kwargs.items() if n != "cache"})  # as upstream
+    return out(q, k, v), None
