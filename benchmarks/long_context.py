@@ -8,14 +8,15 @@ that prefill in alternating rounds (A B, B A, ...): once with the cache's layers
 (what `generate_step` does after its prefill) and once with transformers' DynamicLayers as they are.
 Each round starts from its own copy of the prefilled cache; decode tokens/s counts the tokens after the
 first two (the growing layers' first update copies the history into buffers with room). Prints each
-round, whether both gave the same logits, and the medians and the median of per-round ratios.
+round, whether both gave the same logits, and the medians and the median of per-round ratios
+(ab_rounds.py).
 """
 
 import argparse
-import statistics
 import time
 
 import torch
+from ab_rounds import alternate
 
 import moestream
 from moestream.frontends.generate import Forward
@@ -53,23 +54,8 @@ def main() -> None:
             return (args.tokens - 2) / (time.perf_counter() - start), torch.stack(logits)
 
         decode(True), decode(False)  # warm-up: every expert these tokens use into the cache
-        rates = {True: [], False: []}
-        for r in range(args.rounds):
-            outputs = {}
-            for grow in (True, False) if r % 2 == 0 else (False, True):
-                rate, outputs[grow] = decode(grow)
-                rates[grow].append(rate)
-            same = torch.equal(outputs[True], outputs[False])
-            print(
-                f"round {r}: growing {rates[True][-1]:.2f} tok/s, concatenating {rates[False][-1]:.2f} tok/s, same logits: {same}"
-            )
-    grown, concatenated = statistics.median(rates[True]), statistics.median(rates[False])
-    per_round = statistics.median(a / b for a, b in zip(rates[True], rates[False]))
-    print(
-        f"{args.positions} positions: growing {grown:.2f} / concatenating {concatenated:.2f} tok/s (medians), "
-        f"{grown / concatenated:.3f} (ratio of medians), {per_round:.3f} (median of per-round ratios)"
-    )
-
+        print(f"{args.positions} positions:")
+        alternate({"growing": lambda: decode(True), "concatenating": lambda: decode(False)}, args.rounds)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,52 @@
+"""Decode with the fused one-token attention (core/fused.py) against the attention modules' own forwards,
+side by side in one process.
+
+    python benchmarks/fused_attention.py STORE --memory 256MiB [--tokens 200] [--rounds 8]
+
+Loads the store (the fused attention installs itself where it gives the module's bits), warms the cache
+with a 512-token prompt, then decodes --tokens greedy tokens after a 32-token prompt through
+`generate_step`, the decode path of every command, in alternating rounds: once with the fused forwards,
+once with each module's own. Prints each round, whether both decoded the same tokens, and the medians
+and the median of per-round ratios (ab_rounds.py).
+"""
+
+import argparse
+
+import torch
+from ab_rounds import alternate
+
+import moestream
+from moestream.core import fused
+from moestream.frontends.generate import timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("store")
+    parser.add_argument("--memory", default="256MiB", help="a budget that holds every expert")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = moestream.load(args.store, args.memory, prefetch="off")
+    modules = [m for m in model.modules() if getattr(m.forward, "func", None) is fused._fused_attention]
+    if not modules:
+        raise SystemExit("no attention module of this model takes the fused one-token step")
+    forwards = {"fused": [m.forward for m in modules], "own": [m.forward.args[-1] for m in modules]}
+    print(f"{len(modules)} attention modules take the fused step")
+
+    def decode(way: str) -> tuple[float, list[int]]:
+        for module, forward in zip(modules, forwards[way]):
+            module.forward = forward
+        result = timed(model, prompt, args.tokens)
+        return result.timing.decode_tokens_per_second, result.token_ids
+
+    timed(model, [10 + i % 200 for i in range(512)], 2)  # every expert a long prompt routes to, into the cache
+    prompt = [10 + i for i in range(32)]
+    decode("fused"), decode("own")  # and any the decode needs besides
+    alternate({"fused": lambda: decode("fused"), "own": lambda: decode("own")}, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
