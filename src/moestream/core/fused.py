@@ -620,11 +620,12 @@ def install_attention(model: nn.Module, ext, dtype: torch.dtype) -> int:
     return installed
 
 
-def _fused_attention(module, dtype, qkv, out, fallback, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+def _fused_attention(
+    module, dtype, qkv, out, fallback, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *args, **kwargs
+):
     """One token of one sequence without a mask, on the CPU, in the dtype checked, with transformers'
     dynamic cache: two kernel calls around the cache's own update (growing layers and the prefix cache
     keep working). Anything else goes to the module's own forward."""
-    cache = kwargs.get("cache")
     if (
         type(cache) is not DynamicCache
         or args
@@ -636,7 +637,7 @@ def _fused_attention(module, dtype, qkv, out, fallback, hidden_states, position_
         or hidden_states.device.type != "cpu"
         or (torch.is_grad_enabled() and hidden_states.requires_grad)
     ):
-        return fallback(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        return fallback(hidden_states, position_embeddings, attention_mask, cache, *args, **kwargs)
     q, k, v = qkv(hidden_states.view(1, -1), *position_embeddings)
-    k, v = cache.update(k, v, module.layer_idx, kwargs={n: a for n, a in kwargs.items() if n != "cache"})  # as upstream
+    k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)  # as the module's own forward calls it
     return out(q, k, v), None
