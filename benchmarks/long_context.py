@@ -57,5 +57,6 @@ def main() -> None:
         print(f"{args.positions} positions:")
         alternate({"growing": lambda: decode(True), "concatenating": lambda: decode(False)}, args.rounds)
 
+
 if __name__ == "__main__":
     main()

@@ -389,7 +389,9 @@ def test_the_fused_attention_leaves_prompts_masks_and_batches_to_the_modules_own
     calls = []
     for m in _attention_modules(model):
         own = m.forward.args[-1]
-        m.forward = functools.partial(m.forward.func, *m.forward.args[:-1], lambda *a, own=own, **k: calls.append(a[0].shape) or own(*a, **k))
+        m.forward = functools.partial(
+            m.forward.func, *m.forward.args[:-1], lambda *a, own=own, **k: calls.append(a[0].shape) or own(*a, **k)
+        )
     _decode_logits(model, steps=3)
     layers = len(model.model.layers)
     assert calls == [torch.Size([1, 7, 32])] * layers  # the prompt only: the one-token steps took the kernels

@@ -1,4 +1,5 @@
-"""Fused CPU kernels for the small ops that dominate a decode step: RMSNorm, rotary, routers, experts.
+"""Fused CPU kernels for the small ops that dominate a decode step: RMSNorm, rotary, routers, experts,
+attention.
 
 Why: a one-token decode step on the CPU runs hundreds of tiny ops, each costing 5-30 us of dispatch
 and cache misses whatever its size. transformers' RMSNorm is eight of them (cast, pow, mean, add,
@@ -27,6 +28,14 @@ torch's own kernels and its silu and mul called from C++, for an experts module 
 the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute). The router and
 experts kernels call torch's own ops and the rotary one rounds as they do, so all three give the model's
 own bits; what they save is the Python and dispatch between the ops (docs/BENCHMARKS.md, "Fused rotary, routers and experts").
+
+Attention: a Llama-family attention module's one-token step (q/k/v projections, optional q/k RMSNorms
+over each head or the whole projection, rotary; the cache's own update; sdpa and the output projection)
+as two C++ calls around the cache update, with the same kernels in the same order, for a module whose
+forward it reproduces bit for bit on random states and cached positions (`attention_plan`,
+`attention_agrees`). Its Python (six submodule calls, views, the attention interface's lookup and
+checks) cost as much as its kernels at the fixture's width. Prompts, masks, batches and other caches
+take the module's own forward.
 
 Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes.
 """
@@ -560,7 +569,10 @@ def attention_plan(module: nn.Module, ext) -> tuple | None:
     if getattr(module, "sliding_window", None) is not None:
         return None
     projections = [_projection(getattr(module, n)) for n in names]
-    norms = [_norm(getattr(module, n, None), head_dim, getattr(module, p).out_features) for n, p in (("q_norm", "q_proj"), ("k_norm", "k_proj"))]
+    norms = [
+        _norm(getattr(module, n, None), head_dim, getattr(module, p).out_features)
+        for n, p in (("q_norm", "q_proj"), ("k_norm", "k_proj"))
+    ]
     if None in projections or None in norms or norms[0][2] != norms[1][2]:
         return None
     (qn, q_eps, per_head), (kn, k_eps, _) = norms
