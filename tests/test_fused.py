@@ -404,8 +404,10 @@ def test_the_fused_attention_leaves_prompts_masks_and_batches_to_the_modules_own
 
 
 def test_only_attention_the_kernels_reproduce_takes_them(ext, tmp_path):
-    # MLA (DeepSeek-V3) has no q/k/v projections; OLMoE clipping q/k/v is not what the kernels compute
-    for family, overrides in (("deepseek_v3", {}), ("olmoe", {"clip_qkv": 0.5})):
+    # MLA (DeepSeek-V3) has no q/k/v projections, Qwen2-MoE's have biases, gpt-oss adds sinks and sliding
+    # layers; OLMoE clipping q/k/v is not what the kernels compute
+    cases = (("deepseek_v3", {}), ("qwen2_moe", {}), ("gpt_oss", {}), ("olmoe", {"clip_qkv": 0.5}))
+    for family, overrides in cases:
         model, _ = moestream.load(_store_of(family, tmp_path / family, "int8", **overrides), "64MiB", prefetch="off")
         assert not any(getattr(m.forward, "func", None) is fused._fused_attention for m in _attention_modules(model))
     # the check itself fails on a forward whose numbers differ in the last place of one element
