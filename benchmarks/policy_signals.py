@@ -16,6 +16,8 @@ ids add:
     later-layers  every later layer's router applied to this layer's input: while layer l runs, a guess
                   at the experts of layers l+2, l+3, ... of the same step (l+1's are about to be pinned),
                   refreshed at each layer; it prints how much of each distance's top-k the guess finds
+    later-top-k   the same guesses, but only whether an expert is in a guess's top-k (as the token row is
+                  whether the token took it), so the guess leaves the other experts' order alone
     step-stale    not a signal: every call's update deferred to the next step's start (one vectorized
                   pass per step would cost a layer count less), so each forecast is up to a step old
 
@@ -113,10 +115,19 @@ class WithSignal(ForecastPolicy):
             row[:] = _ranks(self.data["probs"][t, layer])
         elif self.signal in ("next-layer", "later-layers"):
             row[:] = self.unknown  # filled again before this layer's next call
+        elif self.signal == "later-top-k":
+            row[:] = np.log(0.1)  # no guess: as if outside the guessed top-k
         self._refresh(layer)
         if self.signal == "later-layers":
             for j in range(layer + 2, self.layers):
                 self._features[j, self.extra] = _ranks(self.data["later"][t, layer, j])
+                self._refresh(j)
+        if self.signal == "later-top-k":
+            k = self.data["experts"].shape[2]
+            for j in range(layer + 2, self.layers):
+                chosen = np.zeros(self.experts, np.float32)
+                chosen[np.argsort(-self.data["later"][t, layer, j])[:k]] = 1.0
+                self._features[j, self.extra] = np.log(chosen + 0.1)
                 self._refresh(j)
         if self.signal == "next-layer" and layer + 1 < self.layers:
             self._features[layer + 1, self.extra] = _ranks(self.data["next_layer"][t, layer + 1])
@@ -146,7 +157,7 @@ def make(variant: str, table, data):
     return StepStale(table) if variant == "step-stale" else WithSignal(table, data, variant)
 
 
-VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer", "later-layers", "step-stale")
+VARIANTS = ("lfu", "forecast", "no-token-ids", "router-rank", "next-layer", "later-layers", "later-top-k", "step-stale")
 
 
 def main() -> None:
