@@ -587,9 +587,9 @@ def attention_plan(module: nn.Module, ext) -> tuple | None:
 
 
 def attention_agrees(module: nn.Module, forward, own, dtype: torch.dtype) -> bool:
-    """Whether `forward` gives the bits of the module's own forward (`own`) on one token in `dtype` after 1 to 9 random
-    cached positions: its output and the keys and values it caches, for random hidden states at two
-    scales and random rotary angles."""
+    """Whether `forward` gives the bits of the module's own forward (`own`) on one token in `dtype` after 1
+    and 9 random cached positions: its output and the keys and values it caches, for random hidden
+    states at two scales and random rotary angles."""
     g = torch.Generator().manual_seed(0)
     width, head_dim = module.q_proj.in_features, module.head_dim
     kv_heads = module.k_proj.out_features // head_dim
@@ -650,6 +650,6 @@ def _fused_attention(
         or (torch.is_grad_enabled() and hidden_states.requires_grad)
     ):
         return fallback(hidden_states, position_embeddings, attention_mask, cache, *args, **kwargs)
-    q, k, v = qkv(hidden_states.view(1, -1), *position_embeddings)
+    q, k, v = qkv(hidden_states.reshape(1, -1).contiguous(), *position_embeddings)  # the kernel takes one row
     k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)  # as the module's own forward calls it
     return out(q, k, v), None
