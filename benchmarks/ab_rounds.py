@@ -1,9 +1,30 @@
-"""Alternating rounds of two ways to decode in one process (A B, B A, ...), for the in-process A/B
-benchmarks (long_context.py, fused_attention.py): each way returns its tokens/s and what it decoded,
-which must be the same for both."""
+"""What the in-process A/B benchmarks share (long_context.py, fused_attention.py, router_dtype.py): their
+common arguments and the store's loading (`store_arguments`, `load`), and alternating rounds of two ways
+to decode (A B, B A, ...; `alternate`): each way returns its tokens/s and what it decoded, which must be
+the same for both."""
 
+import argparse
 import statistics
 from typing import Callable
+
+
+def store_arguments(parser: argparse.ArgumentParser, tokens: int, rounds: int, memory: str = "6GiB") -> None:
+    """STORE, --memory (a budget that holds every expert), --tokens, --rounds and --threads."""
+    parser.add_argument("store")
+    parser.add_argument("--memory", default=memory, help="a budget that holds every expert")
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def load(args: argparse.Namespace):
+    """The store's model at --threads compute threads, without speculative reads."""
+    import torch
+
+    import moestream
+
+    torch.set_num_threads(args.threads)
+    return moestream.load(args.store, args.memory, prefetch="off")[0]
 
 
 def alternate(ways: dict[str, Callable[[], tuple[float, object]]], rounds: int) -> None:

@@ -13,25 +13,18 @@ instead (512 / time to first token), which must take the modules' own forward ei
 
 import argparse
 
-import torch
-from ab_rounds import alternate
+from ab_rounds import alternate, load, store_arguments
 
-import moestream
 from moestream.core import fused
 from moestream.frontends.generate import timed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("store")
-    parser.add_argument("--memory", default="256MiB", help="a budget that holds every expert")
-    parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
+    store_arguments(parser, tokens=200, rounds=8, memory="256MiB")
     parser.add_argument("--prefill", action="store_true", help="time the 512-token prefill instead of the decode")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, _ = moestream.load(args.store, args.memory, prefetch="off")
+    model = load(args)
     modules = [m for m in model.modules() if getattr(m.forward, "func", None) is fused._fused_attention]
     if not modules:
         raise SystemExit("no attention module of this model takes the fused one-token step")

@@ -16,9 +16,8 @@ import argparse
 import time
 
 import torch
-from ab_rounds import alternate
+from ab_rounds import alternate, load, store_arguments
 
-import moestream
 from moestream.frontends.generate import Forward
 from moestream.frontends.kv_cache import _shallow
 from moestream.frontends.kv_layer import grow_in_place
@@ -26,15 +25,10 @@ from moestream.frontends.kv_layer import grow_in_place
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("store")
-    parser.add_argument("--memory", default="6GiB", help="a budget that holds every expert")
+    store_arguments(parser, tokens=18, rounds=5)
     parser.add_argument("--positions", type=int, default=3000)
-    parser.add_argument("--tokens", type=int, default=18)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, _ = moestream.load(args.store, args.memory, prefetch="off")
+    model = load(args)
     ids = torch.randint(0, 200, (1, args.positions), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         prefill = Forward(model)

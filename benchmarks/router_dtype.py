@@ -16,8 +16,8 @@ import statistics
 import time
 
 import torch
+from ab_rounds import load, store_arguments
 
-import moestream
 from moestream.conversion.skeleton import experts_modules
 from moestream.core.prefetch import find_router
 from moestream.frontends.generate import timed
@@ -25,14 +25,9 @@ from moestream.frontends.generate import timed
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("store")
-    parser.add_argument("--memory", default="6GiB", help="a budget that holds every expert")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
+    store_arguments(parser, tokens=32, rounds=8)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, _ = moestream.load(args.store, args.memory, prefetch="off")
+    model = load(args)
     routers = [find_router(model.get_submodule(name.rsplit(".", 1)[0])) for name, _ in experts_modules(model)]
     if not routers or any(r is None or r.weight.dtype != torch.float32 for r in routers):
         raise SystemExit("this store's routers are not bf16 ones computed in float32: nothing to compare")
