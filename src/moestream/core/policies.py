@@ -245,11 +245,12 @@ class ForecastPolicy:
         - the layer's transitions: of the times the experts this call used were followed at their layer's
           next call, the share that went to this expert (an expert-to-expert count table per layer; the
           consecutive tokens of a text take related paths, which counts alone do not see),
-        - once the next step's input token is known (`on_step`, before its first layer runs): how many of
-          the last TOKEN_VOTES times that token id came in a one-token step its layer chose this expert
-          (a table of the last TOKEN_TABLE_SIZE token ids' routings, TOKEN_VOTES x layers x top-k ids each),
+        - once the next step's input token is known (`on_step`, before its first layer runs): the share of
+          the last (up to TOKEN_VOTES) times that token id came in a one-token step in which its layer
+          chose this expert (a table of the last TOKEN_TABLE_SIZE token ids' routings, TOKEN_VOTES x layers
+          x top-k ids each),
         - once the layer has run in this step, so that its next call is the next step's, whose token is not
-          known yet: how many of the last TOKEN_VOTES times this step's token came its layer chose this
+          known yet: the share of the last times this step's token came in which its layer chose this
           expert in the step that followed (a second table of as many token ids: what followed each),
     as logarithms, are the features of a logistic regression whose weights are learned online: a call
     labels the previous call's features of its layer with the experts it used, and an AdaGrad step
@@ -273,7 +274,7 @@ class ForecastPolicy:
     LEARN_EVERY = 4  # calls per learning step: 1, 2, 4 and 8 give the same hits within 0.002x of Belady's
     LEARNING_RATE = 0.2  # AdaGrad's step; hit rates vary by under 0.5% between 0.05 and 1 on the fixture
     TOKEN_TABLE_SIZE = 8192  # token ids whose last routings are kept (the least recently seen leave first)
-    TOKEN_VOTES = 3  # routings kept per token id: 1 -> 3 gains 0.003-0.008x of Belady's hits, 8 no more
+    TOKEN_VOTES = 3  # routings kept per token id: 1 -> 3 gains 0.003-0.007x of Belady's hits, 8 no more
     TOKEN_STEP_LIMIT = 16  # longer steps (prompts) are not looked up: they use most experts anyway
 
     def __init__(self, layer_experts: Sequence[int]):
@@ -303,7 +304,7 @@ class ForecastPolicy:
         self._successor_routing: OrderedDict[int, np.ndarray] = OrderedDict()
         self._step_token: int | None = None  # the current step's token, if it is a one-token step
         self._previous_token: int | None = None  # the token of the one-token step before it
-        self._step_successor: np.ndarray | None = None  # what followed the current token the last time
+        self._step_successor: np.ndarray | None = None  # what followed the current token the last times
         self._step_calls = 0  # calls since the step began (its routing is whole once every layer ran)
         self._last_ids: list[np.ndarray | None] = [None] * layers  # the experts of each layer's last call
         self._layer_offsets = (np.arange(layers) * experts)[:, None]  # [layer, 0] -> its first flat index
