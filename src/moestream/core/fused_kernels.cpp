@@ -1,0 +1,197 @@
+#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+// transformers' RMSNorm on rows of x [..., H], in its rounding: the mean of squares and the scaling in
+// float32, the normalized row rounded to x's dtype, then multiplied by the weight (in float32, rounded).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must share a dtype");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "rms_norm: weight must be [H]");
+  auto in = x.contiguous();
+  auto w = weight.contiguous();
+  auto out = torch::empty_like(in);
+  const int64_t rows = H ? in.numel() / H : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = in.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float epsilon = static_cast<float>(eps);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* a = xp + r * H;
+        scalar_t* o = op + r * H;
+        float sum = 0.f;
+        for (int64_t i = 0; i < H; ++i) {
+          const float v = static_cast<float>(a[i]);
+          sum += v * v;
+        }
+        const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + epsilon);
+        for (int64_t i = 0; i < H; ++i) {
+          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(a[i]) * inv);
+          o[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotary position embedding as transformers' apply_rotary_pos_emb computes it, x * cos + rotate_half(x) *
+// sin, with each product and the sum rounded to x's dtype as torch's ops round them: x [B, heads, S, D]
+// (any strides but the last), cos and sin [B or 1, S, D], broadcast over the heads.
+static torch::Tensor rotate(const torch::Tensor& x_in, const torch::Tensor& cos, const torch::Tensor& sin) {
+  auto x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
+  const int64_t B = x.size(0), heads = x.size(1), S = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t cos_batch = cos.size(0) == 1 ? 0 : S * D;
+  auto out = torch::empty({B, heads, S, D}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t sb = x.stride(0), sh = x.stride(1), ss = x.stride(2);
+    at::parallel_for(0, B * heads * S, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t b = r / (heads * S), h = (r / S) % heads, t = r % S;
+        const scalar_t* a = xp + b * sb + h * sh + t * ss;
+        const scalar_t* c = cp + b * cos_batch + t * D;
+        const scalar_t* s = sp + b * cos_batch + t * D;
+        scalar_t* o = op + r * D;
+        for (int64_t i = 0; i < D; ++i) {
+          const float rotated = i < half ? -static_cast<float>(a[i + half]) : static_cast<float>(a[i - half]);
+          const scalar_t first = static_cast<scalar_t>(static_cast<float>(a[i]) * static_cast<float>(c[i]));
+          const scalar_t second = static_cast<scalar_t>(static_cast<float>(static_cast<scalar_t>(rotated)) * static_cast<float>(s[i]));
+          o[i] = static_cast<scalar_t>(static_cast<float>(first) + static_cast<float>(second));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.dim() == 3, "rotary: q, k [B, heads, S, D]; cos, sin [B, S, D]");
+  TORCH_CHECK(q.scalar_type() == cos.scalar_type() && k.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type(),
+              "rotary: q, k, cos and sin must share a dtype");
+  const int64_t D = q.size(3);
+  TORCH_CHECK(D % 2 == 0 && k.size(3) == D && cos.size(2) == D && sin.sizes() == cos.sizes(), "rotary: head dims differ");
+  TORCH_CHECK(q.size(2) == cos.size(1) && k.size(2) == cos.size(1), "rotary: positions differ");
+  TORCH_CHECK((cos.size(0) == 1 || cos.size(0) == q.size(0)) && k.size(0) == q.size(0), "rotary: batch sizes differ");
+  auto c = cos.contiguous(), s = sin.contiguous();
+  return {rotate(q, c, s), rotate(k, c, s)};
+}
+
+// The SiLU gate of transformers' experts, act(gate) * up over h [..., 2I] = [gate | up], with torch's own
+// silu and mul (called here without the Python between them): the module's numbers, bit for bit.
+static void silu_gate_into(const torch::Tensor& h, torch::Tensor& out) {
+  const int64_t I = h.size(-1) / 2;
+  at::mul_out(out, at::silu(h.narrow(-1, 0, I)), h.narrow(-1, I, I));
+}
+
+torch::Tensor silu_gate(torch::Tensor h) {
+  TORCH_CHECK(h.size(-1) % 2 == 0, "silu_gate: the last dim must be even");
+  auto sizes = h.sizes().vec();
+  sizes.back() /= 2;
+  auto out = torch::empty(sizes, h.options());
+  silu_gate_into(h, out);
+  return out;
+}
+
+// A top-k router as transformers' softmax routers compute it, with the same torch ops called from here:
+// logits = x W^T, probabilities = softmax in float32, their top k (divided by their sum if `normalize`,
+// cast back to the logits' dtype if `cast`) -> (logits, weights, indices).
+std::vector<torch::Tensor> softmax_topk_router(torch::Tensor x, torch::Tensor weight, int64_t k, bool normalize, bool cast) {
+  auto logits = at::linear(x.reshape({-1, weight.size(1)}), weight);
+  auto probabilities = at::softmax(logits, -1, at::kFloat);
+  auto top = at::topk(probabilities, k, -1);
+  auto values = std::get<0>(top);
+  if (normalize) values.div_(values.sum(-1, true));
+  if (cast) values = values.to(logits.scalar_type());
+  return {logits, values, std::get<1>(top)};
+}
+
+static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group) {
+  if (bits == 4) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
+  return at::_weight_int8pack_mm(x, q, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
+}
+
+// One token through n quantized experts with the SiLU gate: x [1, H]; per expert its first matrix (gate
+// and up stacked, [2I, H]) and second ([H, I]) in torch's CPU kernels' layouts (bits 4: the int4 kernel
+// with `group`; 8: the int8 kernel) -> [n, H], row j expert j's output. The same kernels the engine calls
+// one op at a time, without the dispatch between them.
+// With `weights` [n, 1]: instead the weighted sum over the experts [1, H], as the engine computes it (its
+// rows multiplied in place, then summed), one call for a whole one-token experts call.
+torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, std::vector<torch::Tensor> first_params,
+                             std::vector<torch::Tensor> second, std::vector<torch::Tensor> second_params, int64_t bits, int64_t group,
+                             c10::optional<torch::Tensor> weights) {
+  const int64_t n = static_cast<int64_t>(first.size());
+  TORCH_CHECK(n > 0 && first_params.size() == first.size() && second.size() == first.size() && second_params.size() == first.size(),
+              "experts_decode: one first and one second matrix per expert");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "experts_decode: x must be one contiguous row [1, H]");
+  TORCH_CHECK(bits == 4 || bits == 8, "experts_decode: 4 or 8 bits");
+  torch::Tensor out;
+  for (int64_t j = 0; j < n; ++j) {
+    auto h = quantized(x, first[j], first_params[j], bits, group);
+    auto a = torch::empty({1, h.size(1) / 2}, h.options());
+    silu_gate_into(h, a);
+    auto y = quantized(a, second[j], second_params[j], bits, group);
+    if (j == 0) out = torch::empty({n, y.size(1)}, y.options());
+    std::memcpy(static_cast<char*>(out.data_ptr()) + j * y.nbytes(), y.data_ptr(), y.nbytes());
+  }
+  if (weights.has_value()) return out.mul_(*weights).view({1, n, -1}).sum(1);
+  return out;
+}
+
+// A resident linear without bias as kernels.py runs it on the CPU, x [M, K] -> [M, N]: bits 0 a float
+// weight (at::linear), 8 torch's int8 kernel (in float32 for bf16 activations whose width is not a
+// multiple of 16, where its bf16 path is wrong), 4 the int4 kernel (in bf16, cast back).
+static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group) {
+  if (bits == 0) return at::linear(x, w);
+  if (bits == 8) {
+    if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16)
+      return at::_weight_int8pack_mm(x.to(at::kFloat), w, params.to(at::kFloat)).to(x.scalar_type());
+    return at::_weight_int8pack_mm(x, w, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
+  }
+  TORCH_CHECK(bits == 4, "project: 0, 4 or 8 bits");
+  if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, w, group, params);
+  return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, params).to(x.scalar_type());
+}
+
+// One token's attention inputs as transformers' Llama-family attention computes them, x [1, H] ->
+// q [1, heads, 1, D], k and v [1, kv heads, 1, D]: the three projections (weights, params, bits, groups:
+// q, k, v), the optional RMSNorms of q and k (over each head, or over the whole projection before it is
+// split into heads), then the rotary embedding of q and k.
+std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> params,
+                                                std::vector<int64_t> bits, std::vector<int64_t> groups,
+                                                c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                                                double q_eps, double k_eps, bool norm_per_head, int64_t head_dim,
+                                                torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(weights.size() == 3 && params.size() == 3 && bits.size() == 3 && groups.size() == 3, "attention_decode_qkv: q, k, v");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "attention_decode_qkv: x must be one contiguous row [1, H]");
+  torch::Tensor states[3];
+  for (int i = 0; i < 3; ++i) {
+    auto y = project(x, weights[i], params[i], bits[i], groups[i]);
+    const c10::optional<torch::Tensor>& norm = i == 0 ? q_norm : k_norm;
+    const double eps = i == 0 ? q_eps : k_eps;
+    if (i < 2 && norm.has_value() && !norm_per_head) y = rms_norm(y, *norm, eps);
+    y = y.view({1, 1, -1, head_dim});
+    if (i < 2 && norm.has_value() && norm_per_head) y = rms_norm(y, *norm, eps);
+    states[i] = y.transpose(1, 2);
+  }
+  auto rotated = rotary(states[0], states[1], cos, sin);
+  return {rotated[0], rotated[1], states[2]};
+}
+
+// The rest of one token's attention: sdpa over the cached keys and values as transformers calls it for
+// one query without a mask (no causal flag; grouped heads in sdpa itself), heads joined, then the output
+// projection -> [1, 1, H].
+torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, double scale,
+                                   bool grouped, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+  auto o = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
+  return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group).view({1, 1, -1});
+}
