@@ -56,17 +56,8 @@ from transformers import DynamicCache
 
 from . import dense
 
-EXTENSION = "moestream_fused_v3"  # a new name for every change of the source: the build cache is by name
+EXTENSION = "moestream_fused_v4"  # a new name for every change of the source: the build cache is by name
 STALE_LOCK_SECONDS = 600  # an older build lock belongs to a build that was killed
-FUNCTIONS = [
-    "rms_norm",
-    "rotary",
-    "silu_gate",
-    "experts_decode",
-    "softmax_topk_router",
-    "attention_decode_qkv",
-    "attention_decode_out",
-]
 
 _SOURCE = (Path(__file__).parent / "fused_kernels.cpp").read_text()  # compiled by `extension()`
 
@@ -101,7 +92,7 @@ def extension():
                 flush=True,
             )
         return cpp_extension.load_inline(
-            EXTENSION, cpp_sources=_SOURCE, functions=FUNCTIONS, extra_cflags=["-O3", "-ffp-contract=off"]
+            EXTENSION, cpp_sources=_SOURCE, extra_cflags=["-O3", "-ffp-contract=off"]
         )
     except Exception as error:  # no compiler, no headers: the model runs as it would without them
         warnings.warn(f"moestream: running without fused CPU kernels ({type(error).__name__}: {error})", stacklevel=2)

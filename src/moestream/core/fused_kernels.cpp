@@ -195,3 +195,13 @@ torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, i
   auto o = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
   return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group).view({1, 1, -1});
 }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("rotary", &rotary);
+  m.def("silu_gate", &silu_gate);
+  m.def("experts_decode", &experts_decode);
+  m.def("softmax_topk_router", &softmax_topk_router);
+  m.def("attention_decode_qkv", &attention_decode_qkv);
+  m.def("attention_decode_out", &attention_decode_out);
+}
