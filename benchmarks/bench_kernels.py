@@ -17,7 +17,7 @@ import time
 import torch
 
 from moestream.conversion.quant import QuantFormat, pack, quantize
-from moestream.core.kernels import expert_linear
+from moestream.core.kernels import cpu_record, expert_linear
 
 SHAPES = {"Qwen3-30B-A3B (2048 -> 768 -> 2048)": (2048, 768), "DeepSeek-V3 (7168 -> 2048 -> 7168)": (7168, 2048)}
 FORMATS = ["bf16", "fp32", "int8", "int4", "int3", "int2"]
@@ -32,7 +32,7 @@ def _expert(hidden: int, inter: int, fmt_name: str, seed: int):
         record = {"gate_up_proj": gate_up.to(dtype), "down_proj": down.to(dtype)}
         return record, None, dtype
     fmt = QuantFormat.make(fmt_name)
-    record = {**pack(quantize(gate_up, fmt), fmt, "gate_up_proj"), **pack(quantize(down, fmt), fmt, "down_proj")}
+    record = cpu_record({**pack(quantize(gate_up, fmt), fmt, "gate_up_proj"), **pack(quantize(down, fmt), fmt, "down_proj")}, fmt)
     return record, fmt, torch.bfloat16
 
 

@@ -51,9 +51,9 @@ def floor_calls(engine, calls):
                     kernels.append((torch._weight_int8pack_mm, a, q, w[f"{name}.scales"].to(a.dtype)))
                 else:
                     if fmt.bits < 4:
-                        from moestream.conversion.quant import expand_kernel_bytes
+                        from moestream.conversion.quant import expand_int4_bytes
 
-                        q = expand_kernel_bytes(q, fmt.bits)
+                        q = expand_int4_bytes(q, fmt.bits)
                     k_in = q.shape[1] * 2
                     a = inp if inp is not None else torch.randn(rows, k_in).to(torch.bfloat16)
                     kernels.append((torch._weight_int4pack_mm_for_cpu, a, q, fmt.group_size, w[f"{name}.scales_zeros"]))

@@ -9,10 +9,10 @@ from tiny import TINY
 from transformers import AutoModelForCausalLM
 
 import moestream
-from moestream.conversion.quant import QuantFormat, pack, quantize, reference_dequantize
+from moestream.conversion.quant import QuantFormat, pack, quantize, reference_dequantize, torch_int4_packing
 from moestream.conversion.store import MANIFEST, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.dense import QuantizedLinear, align_weights
+from moestream.core.dense import QuantizedLinear, align_weights, to_kernel_layout
 from moestream.errors import StoreError, UsageError
 
 
@@ -26,6 +26,7 @@ def test_quantized_linear_matches_the_float64_definition(name, group, dtype):
     q = quantize(w, fmt)
     layer = QuantizedLinear(256, 96, torch.nn.Parameter(bias.to(dtype)), fmt)
     layer.load_state_dict({k.removeprefix("w."): v for k, v in pack(q, fmt, "w").items()} | {"bias": bias.to(dtype)}, assign=True)
+    to_kernel_layout(layer)  # as load() does on the CPU
     x = torch.randn(2, 5, 256, generator=g)
     expected = x.double() @ reference_dequantize(q, fmt).T + bias.double()
     got = layer(x.to(dtype))
@@ -106,7 +107,15 @@ def test_dense_layers_packed_for_other_cpu_kernels_are_refused(tmp_path):
     name = next(n for n, f in manifest["dense_quantization"].items() if f["format"] == "int4")
     manifest["dense_quantization"][name]["packing"] = "torch-cpu-some-other-isa"
     (store / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(StoreError, match=f"{name}.*some-other-isa.*convert the model again"):
+    with pytest.raises(StoreError, match=f"{name}.*packing 'torch-cpu-some-other-isa' is not one of nibbles"):
+        moestream.load(store, "64MiB")
+    manifest["format_version"] = 3  # a version 3 store packed for another CPU's kernels: upgrade it
+    other = "torch-cpu-avx512" if "avx2" in torch_int4_packing() else "torch-cpu-avx2"
+    for fmt in manifest["dense_quantization"].values():
+        if fmt["format"] == "int4":
+            fmt["packing"] = other
+    (store / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=f"are in torch's {other} layout.*moestream upgrade"):
         moestream.load(store, "64MiB")
 
 

@@ -7,11 +7,11 @@ from tiny import tiny_checkpoint
 
 import moestream
 from moestream.cli import main
-from moestream.conversion.quant import QuantFormat, expand_kernel_bytes, int4_packing, pack, quantize, reference_dequantize
+from moestream.conversion.quant import QuantFormat, expand_int4_bytes, pack, quantize, reference_dequantize
 from moestream.core.cache import ExpertCache, State
 from moestream.core.device_tier import DeviceTier
 from moestream.core.devices import StandInDevice
-from moestream.core.kernels import int4_dequantized, int8_dequantized, quantized_matmul
+from moestream.core.kernels import cpu_record, int4_dequantized, int8_dequantized, quantized_matmul
 from moestream.core.policies import LRUPolicy
 from moestream.errors import UsageError
 from moestream.frontends.generate import stream
@@ -104,25 +104,26 @@ def test_int8_on_a_device_without_its_kernel_dequantizes_exactly():
 
 @pytest.mark.parametrize("name,group", [("int4", 32), ("int4", 128), ("int3", 64), ("int2", 32)])
 def test_the_int4_family_on_a_device_without_its_kernel_recovers_the_codes_as_stored(name, group):
-    """CUDA has no kernel for torch's CPU int4 packing; the codes are recovered from the packed bytes as
+    """CUDA has no kernel for torch's CPU int4 packing; the codes are read from the portable bytes as
     stored and dequantized: the same matrix as the format's float64 definition, the same matmul as the
-    CPU kernel's."""
+    CPU kernel's on the same record made into its layout."""
     g = torch.Generator().manual_seed(len(name) + group)
     for n, k in ((48, 128), (256, 256)):
         w = torch.randn(n, k, generator=g)
         x = torch.randn(3, k, generator=g)
-        fmt = QuantFormat(name, group, int4_packing())
+        fmt = QuantFormat.make(name, group)
         q = quantize(w, fmt)
         record = pack(q, fmt, "w")
         got = int4_dequantized(
             x,
-            expand_kernel_bytes(record["w.qweight"], fmt.bits) if fmt.bits < 4 else record["w.qweight"],
+            expand_int4_bytes(record["w.qweight"], fmt.bits) if fmt.bits < 4 else record["w.qweight"],
             record["w.scales_zeros"],
             fmt,
         )
         reference = x.double() @ reference_dequantize(q, fmt).T
         assert torch.allclose(got.double(), reference, atol=1e-4, rtol=1e-4), (name, group, n, k)
-        cpu = quantized_matmul(x, record["w.qweight"], record["w.scales_zeros"], fmt)  # bf16 activations inside
+        cpu_bytes = cpu_record(record, fmt)
+        cpu = quantized_matmul(x, cpu_bytes["w.qweight"], cpu_bytes["w.scales_zeros"], fmt)  # bf16 activations inside
         assert torch.allclose(got, cpu, atol=0.05 * reference.abs().max().item()), (name, group, n, k)
 
 

@@ -216,19 +216,20 @@ def test_a_loaded_model_rotates_with_the_kernel_and_equals_transformers_own(ext,
 
 
 @pytest.mark.parametrize("name", ["int4", "int8"])
-def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: CPUs without bf16 arithmetic
+def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name, dtype):
     from moestream.conversion import quant
-    from moestream.core.kernels import expert_linear
+    from moestream.core.kernels import cpu_record, expert_linear
 
     g = torch.Generator().manual_seed(43)
     hidden, inner, n = 64, 96, 3
     fmt = quant.QuantFormat.make(name, 32)
-    x = torch.randn(1, hidden, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, hidden, generator=g).to(dtype)
     records, exact = [], []
     for _ in range(n):
         q1 = quant.quantize(torch.randn(2 * inner, hidden, generator=g) / 8, fmt)
         q2 = quant.quantize(torch.randn(hidden, inner, generator=g) / 8, fmt)
-        records.append({**quant.pack(q1, fmt, "gate_up_proj"), **quant.pack(q2, fmt, "down_proj")})
+        records.append(cpu_record({**quant.pack(q1, fmt, "gate_up_proj"), **quant.pack(q2, fmt, "down_proj")}, fmt))
         h = quant.reference_dequantize(q1, fmt) @ x.double()[0]
         a = torch.nn.functional.silu(h[:inner]) * h[inner:]
         exact.append(quant.reference_dequantize(q2, fmt) @ a)
@@ -243,10 +244,10 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name)
         fmt.group_size or 0,
         None,
     )
-    assert got.shape == (n, hidden) and got.dtype == torch.bfloat16
+    assert got.shape == (n, hidden) and got.dtype == dtype
     for j, r in enumerate(records):
         error = (got[j].double() - exact[j]).norm() / exact[j].norm()
-        assert error.item() < 1e-2  # bf16 activations, rounded after each op
+        assert error.item() < 1e-2  # bf16 activations (int4's kernel takes no other), rounded after each op
         h = expert_linear(x, r, "gate_up_proj", fmt, False)
         gate, up = h.chunk(2, dim=-1)
         own = expert_linear(torch.nn.functional.silu(gate) * up, r, "down_proj", fmt, False)

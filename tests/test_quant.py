@@ -11,19 +11,36 @@ from transformers import AutoModelForCausalLM
 import moestream
 from moestream.conversion.quant import (
     QuantFormat,
-    compress_kernel_bytes,
-    expand_kernel_bytes,
+    compress_int4_bytes,
+    expand_int4_bytes,
+    legacy_codes,
     pack,
+    pack_nibbles,
     quantize,
     reference_dequantize,
+    torch_int4_packing,
+    unpack_nibbles,
 )
 from moestream.conversion.skeleton import expert_parameters, experts_modules
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.kernels import expert_linear
+from moestream.core import repack
+from moestream.core.kernels import cpu_record, expert_linear
 from moestream.errors import StoreError, UsageError
 
 FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("int3", 32), ("int2", 32), ("int2", 64)]
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (96, 256), (256, 128), (80, 192)])
+def test_portable_int4_bytes_become_this_machines_kernel_layout(shape):
+    """The repack (C++ and its fallback) gives torch's own packing of the same codes, for full blocks of
+    rows, a tail of 16, and inputs that take the vectorized path (K a multiple of 64) or not."""
+    n, k = shape
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n + k), dtype=torch.uint8)
+    expected = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    assert torch.equal(repack.kernel_layout(pack_nibbles(codes)), expected)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+    assert torch.equal(legacy_codes(expected, torch_int4_packing()), codes)  # version 3 bytes read back
 
 
 def _weights(n, k, seed):
@@ -52,12 +69,12 @@ def test_quantization_error_is_within_half_a_step(name, group):
 
 
 @pytest.mark.parametrize("bits", [2, 3])
-def test_dense_int2_int3_bytes_expand_to_the_int4_kernel_bytes(bits):
+def test_dense_int2_int3_bytes_expand_to_the_int4_bytes(bits):
     codes = torch.randint(0, 2**bits, (48, 256), generator=torch.Generator().manual_seed(bits), dtype=torch.int32)
-    kernel_bytes = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    dense = compress_kernel_bytes(kernel_bytes, bits)
-    assert dense.shape == (48, 256 * bits // 8) and dense.dtype == torch.uint8
-    assert torch.equal(expand_kernel_bytes(dense, bits), kernel_bytes)
+    for int4_bytes in (pack_nibbles(codes), torch._convert_weight_to_int4pack_for_cpu(codes, 1)):  # any nibble order
+        dense = compress_int4_bytes(int4_bytes, bits)
+        assert dense.shape == (48, 256 * bits // 8) and dense.dtype == torch.uint8
+        assert torch.equal(expand_int4_bytes(dense, bits), int4_bytes)
 
 
 @pytest.mark.parametrize("name,group", FORMATS)
@@ -67,7 +84,7 @@ def test_kernels_match_the_float64_definition(name, group, dtype):
     w = _weights(96, 256, 7)
     q = quantize(w, fmt)
     reference_w = reference_dequantize(q, fmt)
-    record = pack(q, fmt, "down_proj")
+    record = cpu_record(pack(q, fmt, "down_proj"), fmt)  # as the engine makes it where a record lands
     for batch in (1, 32):
         x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(batch))
         expected = x.double() @ reference_w.T
@@ -160,16 +177,14 @@ def test_mixed_recipe_is_recorded_per_layer(tmp_path):
         assert torch.isfinite(model(torch.randint(0, 250, (1, 5))).logits).all()
 
 
-def test_a_store_packed_for_other_cpu_kernels_is_refused(checkpoint, tmp_path):
+def test_a_store_naming_an_unknown_packing_is_refused(checkpoint, tmp_path):
     _, ckpt = checkpoint
     store = moestream.convert(ckpt, tmp_path / "store", "int4", progress=False)
     raw = json.loads((store / "manifest.json").read_text())
     for layer in raw["experts"]["layers"]:
         layer["quantization"]["packing"] = "torch-cpu-some-other-isa"
     (store / "manifest.json").write_text(json.dumps(raw))
-    with pytest.raises(
-        StoreError, match="packed for torch's torch-cpu-some-other-isa kernels.*convert the model again on this machine"
-    ):
+    with pytest.raises(StoreError, match="packing 'torch-cpu-some-other-isa' is not one of nibbles"):
         moestream.load(store, "1MiB")
 
 

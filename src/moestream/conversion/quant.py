@@ -5,16 +5,17 @@ Every format works on one weight matrix W [N, K] (out features, in features) and
 tensors a kernel consumes directly (kernels.py), so a record goes from disk to the matmul unchanged:
 
 - int8: symmetric per output channel. `qweight` int8 [N, K], `scales` float32 [N]; W = q * s.
-- int4: affine per group of G inputs, in the layout of torch's CPU int4 kernel
-  (`torch._convert_weight_to_int4pack_for_cpu`): `qweight` uint8 [N, K/2] packed, `scales_zeros`
-  bfloat16 [K/G, N, 2]; W = (q - 8) * s + z with q in 0..15. That packed layout depends on the CPU
-  kernels torch runs (AVX512 and AVX2 interleave differently), so the store records it as `packing`
-  and a machine with other kernels refuses the store instead of computing garbage.
+- int4: affine per group of G inputs: `qweight` uint8 [N, K/2], `scales_zeros` bfloat16 [K/G, N, 2];
+  W = (q - 8) * s + z with q in 0..15. `qweight` holds plain nibbles in row order (byte j of row n: the
+  codes of inputs 2j, low nibble, and 2j+1, high), a layout of the format's own that depends on no CPU,
+  torch version or device (`PORTABLE_PACKING`). The running machine's kernels get their own layout from
+  it (core/repack.py); stores of format version 3 held torch's CPU kernel layout for the converting CPU
+  (`LEGACY_PACKINGS`), and `legacy_nibble_index` says where each code sits in those.
 - int3, int2: the int4 format restricted to codes 0..2^b-1 (so W = (q - 8) * s + z = q * s + m with
-  z = m + 8 s), with the int4 kernel's bytes compressed densely: int2 keeps the 2 used bits of every
-  nibble (two kernel bytes in one), int3 the 3 used bits (four kernel bytes in three). Expanding back
-  is a handful of byte-wide shifts and masks per weight byte, then the int4 kernel runs: no unpacking
-  to floats, which was 100x slower than the matmul itself on AVX2.
+  z = m + 8 s), with the int4 bytes compressed densely: int2 keeps the 2 used bits of every nibble (two
+  int4 bytes in one), int3 the 3 used bits (four int4 bytes in three). Expanding back is a handful of
+  byte-wide shifts and masks per weight byte, whatever order the nibbles are in: no unpacking to floats,
+  which was 100x slower than the matmul itself on AVX2.
 
 `reference_dequantize` is the format's definition in float64, used by the tests as the ground truth
 that kernels and packing are compared against.
@@ -22,7 +23,6 @@ that kernels and packing are compared against.
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 
@@ -38,8 +38,16 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 
 
-def int4_packing() -> str:
-    """The int4 layout this process's torch kernels consume, e.g. "torch-cpu-avx2"."""
+#: The int4 `packing` of format version 4: plain nibbles in row order, the same on every machine.
+PORTABLE_PACKING = "nibbles"
+#: The int4 packings of format version 3 stores: torch's CPU int4 kernel layout of the CPU that converted
+#: them (`moestream upgrade` rewrites them as PORTABLE_PACKING).
+LEGACY_PACKINGS = ("torch-cpu-default", "torch-cpu-avx2", "torch-cpu-avx512")
+
+
+def torch_int4_packing() -> str:
+    """The int4 layout this process's torch CPU kernel consumes, e.g. "torch-cpu-avx2" (a version 3 store
+    written with the same one runs as it is)."""
     return f"torch-cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
@@ -49,7 +57,7 @@ class QuantFormat:
 
     name: str  # one of QUANT_FORMATS
     group_size: int | None = None  # inputs per scale (None: int8, per output channel)
-    packing: str | None = None  # int4/int3/int2: the int4 kernel layout `qweight` derives from
+    packing: str | None = None  # int4/int3/int2: PORTABLE_PACKING, or a version 3 store's LEGACY_PACKINGS
 
     @property
     def bits(self) -> int:
@@ -57,9 +65,14 @@ class QuantFormat:
 
     @property
     def params(self) -> str:
-        """The name of the tensor beside `qweight` that its kernel reads: int8's per-channel scales, or
-        the int4 kernel's interleaved scales and zeros."""
+        """The name of the tensor beside `qweight`: int8's per-channel scales, or the int4 family's
+        interleaved scales and zeros."""
         return "scales" if self.name == "int8" else "scales_zeros"
+
+    @property
+    def portable(self) -> bool:
+        """Whether `qweight` is stored machine-independent (int8, and every format version 4 layout)."""
+        return self.packing is None or self.packing == PORTABLE_PACKING
 
     @staticmethod
     def make(name: str, group_size: int = DEFAULT_GROUP_SIZE) -> "QuantFormat":
@@ -69,7 +82,7 @@ class QuantFormat:
             return QuantFormat("int8")
         if group_size not in GROUP_SIZES:
             raise UsageError(f"group size {group_size} is not supported; choose one of {GROUP_SIZES}")
-        return QuantFormat(name, group_size, int4_packing())
+        return QuantFormat(name, group_size, PORTABLE_PACKING)
 
     def to_json(self) -> dict:
         return {"format": self.name, "group_size": self.group_size, "packing": self.packing}
@@ -131,66 +144,90 @@ def reference_dequantize(q: Quantized, fmt: QuantFormat) -> torch.Tensor:
 
 
 def pack(q: Quantized, fmt: QuantFormat, name: str) -> dict[str, torch.Tensor]:
-    """The record tensors of `record_specs`, in the kernels' layout."""
+    """The record tensors of `record_specs`, in the portable layout."""
     if fmt.name == "int8":
         return {f"{name}.qweight": q.codes, f"{name}.scales": q.scales.to(torch.float32)}
-    kernel_bytes = torch._convert_weight_to_int4pack_for_cpu(q.codes.to(torch.int32), 1)  # [N, K/2]
+    nibbles = pack_nibbles(q.codes)
     scales_zeros = torch.stack([q.scales.t(), q.offsets.t()], dim=-1).contiguous()  # [K/G, N, 2]
-    qweight = kernel_bytes if fmt.bits == 4 else compress_kernel_bytes(kernel_bytes, fmt.bits)
+    qweight = nibbles if fmt.bits == 4 else compress_int4_bytes(nibbles, fmt.bits)
     return {f"{name}.qweight": qweight, f"{name}.scales_zeros": scales_zeros}
 
 
-# Each byte of the int4 kernel's layout holds two nibbles. With codes below 4 only bits 0,1,4,5 are
-# used (mask 0x33); below 8, bits 0,1,2,4,5,6: the 0x33 part plus the 0x44 part. The kernel's byte
-# stream is cut into equal contiguous parts (halves for int2, quarters for int3) whose bits share bytes,
-# so that expanding is a few whole-tensor byte operations with contiguous reads and writes.
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (0..15) -> the portable int4 bytes [N, K/2]: inputs 2j and 2j+1 in byte j's low and
+    high nibble."""
+    codes = codes.to(torch.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
-@functools.lru_cache(maxsize=16)
-def int4_unpack_index(n: int, k: int) -> torch.Tensor:
-    """For the int4 kernel bytes of an [N, K] matrix (this process's packing): which nibble of the bytes
-    (low then high nibble of each byte, in order) holds weight i of the matrix in row-major order.
-
-    torch's CPU packing moves each 4-bit code to another nibble and changes nothing else, so that map
-    is found by packing the weights' own indices, four bits per pass, and reading where each landed. It
-    lets a device without torch's CPU int4 kernel (CUDA) recover the codes from the records as stored."""
-    index = torch.arange(n * k, dtype=torch.int64)
-    holder = torch.zeros(n * k, dtype=torch.int64)  # nibble position -> the weight it holds
-    shift = 0
-    while (1 << shift) < n * k:
-        codes = ((index >> shift) & 15).view(n, k).to(torch.int32)
-        holder |= _nibbles(torch._convert_weight_to_int4pack_for_cpu(codes, 1)).to(torch.int64) << shift
-        shift += 4
-    return torch.argsort(holder)  # weight -> the nibble position that holds it
+def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """The portable int4 bytes [N, K/2] -> codes [N, K] (uint8, 0..15), on the bytes' device."""
+    return torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)
 
 
-def _nibbles(kernel_bytes: torch.Tensor) -> torch.Tensor:
-    """Every nibble of the bytes, low then high nibble of each byte, in order (the bytes' dtype)."""
-    b = kernel_bytes.reshape(-1)
-    return torch.stack([b & 15, b >> 4], dim=-1).reshape(-1)
+def stored_codes(qweight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """The [N, K] codes of a stored int4/int3/int2 matrix in the portable layout."""
+    return unpack_nibbles(qweight if fmt.bits == 4 else expand_int4_bytes(qweight, fmt.bits))
 
 
-def unpack_int4_codes(kernel_bytes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The [N, K] uint8 codes (0..15) of int4 kernel bytes [N, K/2], with `int4_unpack_index(N, K)` on
-    the bytes' device."""
-    return _nibbles(kernel_bytes)[index].view(kernel_bytes.shape[0], -1)
+# -- version 3 stores: torch's CPU kernel layouts ------------------------------------------------------------
 
 
-def compress_kernel_bytes(kernel_bytes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int4 kernel bytes whose codes fit in `bits` bits -> the dense int2/int3 `qweight`."""
-    n = kernel_bytes.shape[0]
+def legacy_nibble_index(packing: str, n: int, k: int) -> torch.Tensor:
+    """Where torch's CPU int4 kernel layout `packing` keeps weight i of an [N, K] matrix (row-major): the
+    index of its nibble among the bytes' nibbles (low, then high, of each byte in order).
+
+    torch packs rows in blocks of 64 (AVX512) or 32 (AVX2, and the portable build): byte i of input k in a
+    block of B rows holds rows i and i + B/2 (AVX2, AVX512) or rows 2i and 2i + 1 (the portable build, and
+    every block narrower than B, i.e. a tail of N); input k's B/2 bytes follow input k - 1's. The running
+    machine's own layout is checked against torch's packing function itself (tests/test_quant.py)."""
+    if packing not in LEGACY_PACKINGS:
+        raise ValueError(f"unknown int4 packing {packing!r}")
+    block = 64 if packing == "torch-cpu-avx512" else 32
+    split = packing != "torch-cpu-default"
+    index = torch.empty(n, k, dtype=torch.int64)
+    ks = torch.arange(k, dtype=torch.int64)
+    for start in range(0, n, block):
+        rows = min(block, n - start)
+        base = 2 * start * k // 2  # nibbles before this block: start rows of K codes
+        for r in range(rows):
+            if split and rows == block:
+                byte, high = r % (block // 2), r // (block // 2)
+            else:
+                byte, high = r // 2, r % 2
+            index[start + r] = base + 2 * (ks * (rows // 2) + byte) + high
+    return index
+
+
+def legacy_codes(kernel_bytes: torch.Tensor, packing: str) -> torch.Tensor:
+    """The [N, K] codes (uint8) of int4 kernel bytes [N, K/2] stored in a version 3 `packing`."""
+    n, k = kernel_bytes.shape[0], kernel_bytes.shape[1] * 2
+    nibbles = torch.stack([kernel_bytes & 15, kernel_bytes >> 4], dim=-1).reshape(-1)
+    return nibbles[legacy_nibble_index(packing, n, k).reshape(-1)].view(n, k)
+
+
+# Each int4 byte holds two nibbles. With codes below 4 only bits 0,1,4,5 are used (mask 0x33); below 8,
+# bits 0,1,2,4,5,6: the 0x33 part plus the 0x44 part. The byte stream is cut into equal contiguous parts
+# (halves for int2, quarters for int3) whose bits share bytes, so that expanding is a few whole-tensor
+# byte operations with contiguous reads and writes. It moves whole nibbles only, so it serves any nibble
+# order (the portable one, and a version 3 store's kernel layout).
+
+
+def compress_int4_bytes(int4_bytes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int4 bytes [N, K/2] whose codes fit in `bits` bits -> the dense int2/int3 `qweight`."""
+    n = int4_bytes.shape[0]
     if bits == 2:
-        a, b = kernel_bytes.reshape(2, -1)
-        return (a | (b << 2)).view(n, -1)  # two kernel bytes in one
-    x0, x1, x2, x3 = kernel_bytes.reshape(4, -1)
+        a, b = int4_bytes.reshape(2, -1)
+        return (a | (b << 2)).view(n, -1)  # two int4 bytes in one
+    x0, x1, x2, x3 = int4_bytes.reshape(4, -1)
     low01 = (x0 & 0x33) | ((x1 & 0x33) << 2)
     low23 = (x2 & 0x33) | ((x3 & 0x33) << 2)
     high = ((x0 & 0x44) >> 2) | ((x1 & 0x44) >> 1) | (x2 & 0x44) | ((x3 & 0x44) << 1)
-    return torch.cat([low01, low23, high]).view(n, -1)  # four kernel bytes in three
+    return torch.cat([low01, low23, high]).view(n, -1)  # four int4 bytes in three
 
 
-def expand_kernel_bytes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of compress_kernel_bytes: the bytes the int4 kernel reads, [N, K/2]."""
+def expand_int4_bytes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of compress_int4_bytes: the int4 bytes, [N, K/2]."""
     n = qweight.shape[0]
     if bits == 2:
         b = qweight.reshape(-1)

@@ -16,13 +16,16 @@ import xxhash
 
 from .. import __version__
 from ..errors import StoreError
-from .quant import GROUP_SIZES, QUANT_FORMATS, QuantFormat
+from .quant import GROUP_SIZES, LEGACY_PACKINGS, PORTABLE_PACKING, QUANT_FORMATS, QuantFormat
 
 FORMAT_NAME = "moestream-store"
-# 2 added per-layer `quantization`; 3 added `dense_quantization` (resident linears stored quantized).
-# Older stores read as before: their resident weights are all floats.
-FORMAT_VERSION = 3
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+# 2 added per-layer `quantization`; 3 added `dense_quantization` (resident linears stored quantized);
+# 4 stores int4-family codes in the portable layout (quant.PORTABLE_PACKING) instead of torch's CPU kernel
+# layout of the converting machine. Older stores read as before: version 1 and 2's resident weights are all
+# floats, version 3's int4 bytes run where this machine's kernel has their layout (`moestream upgrade`
+# rewrites them for every other).
+FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 # Every record starts on a 4 KiB boundary and its stored length is a multiple of 4 KiB, so one O_DIRECT
 # read (offset, length and buffer all block-aligned) fetches exactly one expert.
@@ -163,6 +166,7 @@ class Manifest:
     # Resident linear layers stored quantized (module name -> format); their tensors are the module's
     # `qweight` and `scales`/`scales_zeros` in the resident files, in the layout of quant.pack.
     dense: dict[str, QuantFormat] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION  # as read; what `write` writes is always FORMAT_VERSION
 
     @property
     def expert_bytes(self) -> int:
@@ -282,7 +286,7 @@ def _parse_quantization(raw, where: str) -> QuantFormat | None:
     else:
         # type(): 32.0 == 32 and True == 1, but the int4 kernel takes only an int.
         _require(type(group) is int and group in GROUP_SIZES, where, f"group_size must be one of {GROUP_SIZES}")
-        _require(isinstance(packing, str), where, "packing must name the int4 kernel layout")
+        _require(isinstance(packing, str), where, "packing must name the int4 codes' layout")
     return QuantFormat(name, group, packing)
 
 
@@ -320,7 +324,14 @@ def parse_manifest(directory: Path, raw) -> Manifest:
     _require(isinstance(extra, list) and all(isinstance(x, str) for x in extra), "extra_files", "expected strings")
     for x in extra:
         _confined_path(directory, x, "extra_files")
+    dense = _parse_dense(raw.get("dense_quantization", {}))
+    for where, fmt in [(f"experts.layers[{layer.index}]", layer.quantization) for layer in layers] + list(dense.items()):
+        if fmt is not None and fmt.packing is not None:
+            # Version 4 writes the portable layout only; earlier versions named torch's CPU kernel layout.
+            allowed = (PORTABLE_PACKING,) if version >= 4 else LEGACY_PACKINGS
+            _require(fmt.packing in allowed, where, f"packing {fmt.packing!r} is not one of {', '.join(allowed)}")
     return Manifest(
+        format_version=version,
         model_config=config,
         experts_dtype=_get(raw, "experts_dtype", str, "top level"),
         resident_files=files,
@@ -329,7 +340,7 @@ def parse_manifest(directory: Path, raw) -> Manifest:
         extra_files=extra,
         source=raw.get("source", {}) if isinstance(raw.get("source", {}), dict) else {},
         created_by=str(raw.get("created_by", "")),
-        dense=_parse_dense(raw.get("dense_quantization", {})),
+        dense=dense,
     )
 
 

@@ -13,9 +13,10 @@ import functools
 import torch
 from torch import nn
 
-from ..conversion.quant import QuantFormat, int4_packing
+from ..conversion.quant import QuantFormat
 from ..errors import StoreError
 from .kernels import quantized_matmul
+from .repack import kernel_layout
 
 
 class QuantizedLinear(nn.Module):
@@ -43,11 +44,6 @@ class QuantizedLinear(nn.Module):
 def install(model: nn.Module, formats: dict[str, QuantFormat]) -> None:
     """Swap the named nn.Linear modules of a meta-device skeleton for QuantizedLinear."""
     for name, fmt in formats.items():
-        if fmt.packing is not None and fmt.packing != int4_packing():
-            raise StoreError(
-                f"the {fmt.name} weights of {name} are packed for torch's {fmt.packing} kernels, this machine runs "
-                f"{int4_packing()}: convert the model again on this machine"
-            )
         try:
             linear = model.get_submodule(name)
         except AttributeError:
@@ -57,6 +53,14 @@ def install(model: nn.Module, formats: dict[str, QuantFormat]) -> None:
         parent, _, child = name.rpartition(".")
         quantized = QuantizedLinear(linear.in_features, linear.out_features, linear.bias, fmt)
         setattr(model.get_submodule(parent) if parent else model, child, quantized)
+
+
+def to_kernel_layout(model: nn.Module) -> None:
+    """On the CPU: the portable int4 weights become the layout of torch's CPU int4 kernel, once at load
+    (repack.py). A version 3 store's weights are in it already."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.fmt.bits == 4 and module.fmt.portable:
+            module.qweight = kernel_layout(module.qweight)
 
 
 def align_weights(model: nn.Module, alignment: int = 64) -> None:

@@ -16,6 +16,7 @@ One decode step, as a reader follows it:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -29,7 +30,7 @@ from ..conversion.sizes import ModelSizes
 from ..conversion.store import DTYPES, Store
 from ..errors import ExpertReadError, UsageError
 from ..units import format_bytes
-from . import fused, scheduler
+from . import fused, kernels, scheduler
 from .cache import Entry, ExpertCache, State
 from .kernels import expert_linear
 from .memory import peak_rss_bytes
@@ -64,6 +65,7 @@ class LayerStats:
     read_seconds: float = 0.0  # summed over I/O threads
     wait_seconds: float = 0.0  # time the model thread spent blocked on this layer's reads
     verify_seconds: float = 0.0  # checksum time on the I/O threads (not on the model thread)
+    prepare_seconds: float = 0.0  # records turned into the kernels' layout on the I/O threads (repack.py)
     evictions: int = 0  # this layer's experts pushed out of the cache
     device_hits: int = 0  # of the hits, those found in the device tier (device_tier.py), computed at once
     rerouted: int = 0  # choices the router made that cache-aware routing replaced (routing.py)
@@ -84,7 +86,11 @@ class ExpertEngine:
         verify: str = "first",
         read_timeout: float = READ_TIMEOUT_SECONDS,
         policy: str = DEFAULT_POLICY,
+        cpu_kernels: bool = True,
     ):
+        """cpu_kernels: the experts compute with torch's CPU kernels (the CPU, or a CPU stand-in device), so
+        int4-family records are repacked into their layout as they land; False on a GPU, whose kernels read
+        the stored layout."""
         if verify not in VERIFY_MODES:
             raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.store = store
@@ -106,6 +112,8 @@ class ExpertEngine:
         self.layer_stats = [LayerStats() for _ in self.layers]
         # Each layer's record tensors' dtypes by name (float records compute in their own dtype).
         self.record_dtypes = [{t.name: DTYPES[t.dtype] for t in layer.layout.tensors} for layer in self.layers]
+        # What turns each layer's records into its kernels' layout as they land, or None (kernels.py).
+        self.preparers = [kernels.record_preparer(layer.quantization, layer.layout, cpu_kernels) for layer in self.layers]
         self.trace = None  # a trace.TraceRecorder while routing is being recorded
         self.prefetcher = None  # a prefetch.Prefetcher, set by load()
         # Told when a forward pass starts (`start_step(tokens)`) and when an experts call ends
@@ -195,7 +203,13 @@ class ExpertEngine:
         check = self.verify == "always" or (self.verify == "first" and entry.key not in self._verified)
         expected = (spec.layout.nbytes, spec.checksums[e]) if check else None
         memory = self.cache.slot_memory(entry.slot)
-        entry.read = self.reader.submit(layer, spec.offsets[e], spec.layout.stride, memory, expected, speculative=not priority)
+        prepare = self.preparers[layer]
+        after = (
+            None if prepare is None else functools.partial(prepare, self.record_views(layer, self.cache.slot_tensor(entry.slot)))
+        )
+        entry.read = self.reader.submit(
+            layer, spec.offsets[e], spec.layout.stride, memory, expected, speculative=not priority, after=after
+        )
 
     def _read_ahead(self, layer: int, experts: list[int], exact: bool = False) -> None:
         """Start reads of `layer`'s likely experts into slots the policy gives up (never a pinned or loading
@@ -243,6 +257,7 @@ class ExpertEngine:
         stats.bytes_read += spec.layout.stride
         stats.read_seconds += result.seconds
         stats.verify_seconds += result.verify_seconds
+        stats.prepare_seconds += result.prepare_seconds
         entry.tensors = self.record_views(layer, self.cache.slot_tensor(entry.slot))
         entry.read = None
         entry.state = State.UNUSED if entry.state is State.READING_AHEAD else State.READY
@@ -310,8 +325,8 @@ class ExpertEngine:
     def one_token_kernel(self, module, layer: int, x: torch.Tensor) -> tuple | None:
         """The fused one-token experts kernel for this layer (core/fused.py's `experts_decode`) and the
         record tensors' names it takes, or None where it does not apply: a device tier, float or int3/int2
-        records, an int4 record with activations other than bf16, int8 in bf16 at widths torch's kernel
-        gets wrong (kernels.py), or a module whose gate differs from the kernel's."""
+        records, int8 in bf16 at widths torch's kernel gets wrong (kernels.py), or a module whose gate
+        differs from the kernel's. int4 with float32 activations casts them to bf16 and back, as kernels.py."""
         key = (layer, x.dtype)
         if key not in self._one_token_kernels:
             self._one_token_kernels[key] = self._find_one_token_kernel(module, layer, x)
@@ -324,8 +339,6 @@ class ExpertEngine:
         first = "gate_up_proj" if module.has_gate else "up_proj"
         shapes = {t.name: t.shape for t in self.layers[layer].layout.tensors}
         width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
-        if fmt.name == "int4" and x.dtype != torch.bfloat16:
-            return None
         if fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
             return None
         kernel = fused.experts_kernel(module, width, x.dtype)
@@ -387,6 +400,7 @@ class ExpertEngine:
             "read_seconds": sum(s["read_seconds"] for s in layers),
             "wait_seconds": sum(s["wait_seconds"] for s in layers),
             "verify_seconds": sum(s["verify_seconds"] for s in layers),
+            "prepare_seconds": sum(s["prepare_seconds"] for s in layers),
             "verify": self.verify,
             "evictions": sum(s["evictions"] for s in layers),
             "rerouted": sum(s["rerouted"] for s in layers),

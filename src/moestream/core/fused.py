@@ -91,9 +91,7 @@ def extension():
                 file=sys.stderr,
                 flush=True,
             )
-        return cpp_extension.load_inline(
-            EXTENSION, cpp_sources=_SOURCE, extra_cflags=["-O3", "-ffp-contract=off"]
-        )
+        return cpp_extension.load_inline(EXTENSION, cpp_sources=_SOURCE, extra_cflags=["-O3", "-ffp-contract=off"])
     except Exception as error:  # no compiler, no headers: the model runs as it would without them
         warnings.warn(f"moestream: running without fused CPU kernels ({type(error).__name__}: {error})", stacklevel=2)
         return None

@@ -2,6 +2,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -115,8 +116,13 @@ std::vector<torch::Tensor> softmax_topk_router(torch::Tensor x, torch::Tensor we
   return {logits, values, std::get<1>(top)};
 }
 
+// An expert's matmul as kernels.py runs it on the CPU: the int4 kernel in bf16 (other activations cast in
+// and the result cast back), the int8 kernel in the activations' dtype.
 static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group) {
-  if (bits == 4) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
+  if (bits == 4) {
+    if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
+    return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), q, group, params).to(x.scalar_type());
+  }
   return at::_weight_int8pack_mm(x, q, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
 }
 
@@ -196,6 +202,112 @@ torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, i
   return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group).view({1, 1, -1});
 }
 
+// ---- int4 codes from the store's portable layout to torch's CPU kernel layout ----------------------------
+// The store keeps int4 codes as plain nibbles in row order (src [N, K/2]: byte j of row n holds inputs 2j and
+// 2j+1). torch's CPU kernel reads another layout, different per CPU build: each of its bytes pairs input k
+// of two rows. It is described here by "columns", N/2 of them (repack.py derives them from torch itself):
+// column c pairs rows lo[c] (low nibble) and hi[c] (high), and its byte for input k lands at
+// offset[c] + k * stride[c]. With AVX2, sixteen columns with consecutive offsets and one stride are done
+// together: 32 bytes of each of their rows, combined, then a 16x16 byte transpose in each 128-bit lane turns
+// "per column, 16 inputs" into "per input, 16 columns", which is what the kernel layout stores contiguously.
+// Elsewhere (no AVX2, irregular columns) one column at a time.
+static void repack_columns(const uint8_t* src, uint8_t* dst, int64_t half_k, const int64_t* lo, const int64_t* hi,
+                           const int64_t* offset, const int64_t* stride, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint8_t* a = src + lo[c] * half_k;
+    const uint8_t* b = src + hi[c] * half_k;
+    uint8_t* o = dst + offset[c];
+    const int64_t s = stride[c];
+    for (int64_t j = 0; j < half_k; ++j) {
+      o[(2 * j) * s] = static_cast<uint8_t>((a[j] & 0x0F) | (b[j] << 4));
+      o[(2 * j + 1) * s] = static_cast<uint8_t>((a[j] >> 4) | (b[j] & 0xF0));
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define MOESTREAM_AVX2 __attribute__((target("avx2")))
+
+// r[t] byte u -> r[u] byte t, for t, u < 16, in each 128-bit lane.
+MOESTREAM_AVX2 static inline void transpose16(__m256i r[16]) {
+  __m256i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm256_unpacklo_epi16(t[4 * g + 0], t[4 * g + 2]);
+    u[4 * g + 1] = _mm256_unpackhi_epi16(t[4 * g + 0], t[4 * g + 2]);
+    u[4 * g + 2] = _mm256_unpacklo_epi16(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm256_unpackhi_epi16(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < 4; ++m) {
+      v[8 * h + 2 * m] = _mm256_unpacklo_epi32(u[8 * h + m], u[8 * h + 4 + m]);
+      v[8 * h + 2 * m + 1] = _mm256_unpackhi_epi32(u[8 * h + m], u[8 * h + 4 + m]);
+    }
+  for (int m = 0; m < 8; ++m) {
+    r[2 * m] = _mm256_unpacklo_epi64(v[m], v[8 + m]);
+    r[2 * m + 1] = _mm256_unpackhi_epi64(v[m], v[8 + m]);
+  }
+}
+
+// Sixteen regular columns from c, with half_k a multiple of 32.
+MOESTREAM_AVX2 static void repack_16_columns(const uint8_t* src, uint8_t* dst, int64_t half_k, const int64_t* lo,
+                                             const int64_t* hi, int64_t offset, int64_t w) {
+  const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(static_cast<char>(0xF0));
+  for (int64_t j = 0; j < half_k; j += 32) {
+    __m256i even[16], odd[16];  // inputs 2j.. and 2j+1.. of each column
+    for (int t = 0; t < 16; ++t) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + lo[t] * half_k + j));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + hi[t] * half_k + j));
+      even[t] = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(b, 4), high));
+      odd[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(b, high));
+    }
+    transpose16(even);
+    transpose16(odd);
+    for (int u = 0; u < 16; ++u) {
+      for (int lane = 0; lane < 2; ++lane) {
+        const int64_t k = 2 * (j + 16 * lane + u);
+        const __m128i e = lane ? _mm256_extracti128_si256(even[u], 1) : _mm256_castsi256_si128(even[u]);
+        const __m128i o = lane ? _mm256_extracti128_si256(odd[u], 1) : _mm256_castsi256_si128(odd[u]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + offset + k * w), e);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + offset + (k + 1) * w), o);
+      }
+    }
+  }
+}
+#endif
+
+// src and dst [N, K/2] uint8, distinct; lo, hi, offset, stride [N/2] int64. Runs on the calling thread only
+// (an I/O thread, with the GIL released: the model's compute threads are not taken).
+void repack_int4(torch::Tensor src, torch::Tensor dst, torch::Tensor lo, torch::Tensor hi, torch::Tensor offset, torch::Tensor stride) {
+  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kByte && src.is_contiguous() && dst.is_contiguous() &&
+                  dst.scalar_type() == at::kByte && dst.numel() == src.numel(), "repack_int4: src and dst contiguous uint8 [N, K/2]");
+  const int64_t n = src.size(0), half_k = src.size(1), columns = n / 2;
+  for (const auto* t : {&lo, &hi, &offset, &stride})
+    TORCH_CHECK(t->numel() == columns && t->is_contiguous() && t->scalar_type() == at::kLong,
+                "repack_int4: lo, hi, offset and stride contiguous int64, one per pair of rows");
+  const uint8_t* s = src.data_ptr<uint8_t>();
+  uint8_t* d = dst.data_ptr<uint8_t>();
+  const int64_t *lp = lo.data_ptr<int64_t>(), *hp = hi.data_ptr<int64_t>(), *op = offset.data_ptr<int64_t>(), *sp = stride.data_ptr<int64_t>();
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("avx2") && half_k % 32 == 0) {
+    for (int64_t c = 0; c < columns; c += 16) {
+      bool regular = c + 16 <= columns;
+      for (int t = 1; t < 16 && regular; ++t) regular = op[c + t] == op[c] + t && sp[c + t] == sp[c];
+      if (regular)
+        repack_16_columns(s, d, half_k, lp + c, hp + c, op[c], sp[c]);
+      else
+        repack_columns(s, d, half_k, lp, hp, op, sp, c, std::min(c + 16, columns));
+    }
+    return;
+  }
+#endif
+  repack_columns(s, d, half_k, lp, hp, op, sp, 0, columns);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rotary", &rotary);
@@ -204,4 +316,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_topk_router", &softmax_topk_router);
   m.def("attention_decode_qkv", &attention_decode_qkv);
   m.def("attention_decode_out", &attention_decode_out);
+  m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
 }

@@ -12,21 +12,21 @@ CPU kernels:
   multiples of 64).
 - int3, int2: expand the dense bytes to the int4 kernel's (byte-wide shifts and masks), then int4.
 
+The int4 family's bytes as these kernels take them: on the CPU, torch's kernel layout, made from the
+store's portable one where a record lands (repack.py); on a GPU, the portable layout as stored.
+
 CUDA kernels: float records in their own dtype (`F.linear`); int8 and the int4 family dequantized per
-call, then one matmul (`int8_dequantized`, `int4_dequantized`: the int4 codes are recovered from the CPU
-kernel's packed bytes as stored, with a per-shape index of where the packing put each code, so the
-records need no second layout).
+call, then one matmul (`int8_dequantized`, `int4_dequantized`, which unpacks the portable nibbles).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from ..conversion.quant import QuantFormat, expand_kernel_bytes, int4_unpack_index, unpack_int4_codes
-from ..errors import UsageError
+from ..conversion.quant import QuantFormat, expand_int4_bytes, torch_int4_packing, unpack_nibbles
+from ..errors import StoreError, UsageError
+from .repack import RecordPreparer
 
 
 def _int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -39,7 +39,7 @@ def _int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: Qua
 
 def _int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits < 4:
-        qweight = expand_kernel_bytes(qweight, fmt.bits)  # int3/int2 are int4 with fewer bits stored
+        qweight = expand_int4_bytes(qweight, fmt.bits)  # int3/int2 are int4 with fewer bits stored
     if x.device.type != "cpu":
         return int4_dequantized(x, qweight, scales_zeros, fmt)
     if x.dtype == torch.bfloat16:
@@ -53,21 +53,48 @@ def int8_dequantized(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return F.linear(x, qweight.to(x.dtype) * scales.to(x.dtype)[:, None])
 
 
-def int4_dequantized(x: torch.Tensor, kernel_bytes: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """int4 on a device without torch's CPU int4 kernel (CUDA): the codes recovered from the kernel bytes
-    as stored (`quant.unpack_int4_codes`), dequantized to the activations' dtype for this call
-    (W = (q - 8) * s + z per group), then one matmul."""
-    n, k = kernel_bytes.shape[0], kernel_bytes.shape[1] * 2
-    codes = unpack_int4_codes(kernel_bytes, _unpack_index(n, k, kernel_bytes.device))
+def int4_dequantized(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """int4 on a device without torch's CPU int4 kernel (CUDA): the codes of the portable layout as stored
+    (`quant.unpack_nibbles`), dequantized to the activations' dtype for this call (W = (q - 8) * s + z per
+    group), then one matmul."""
+    codes = unpack_nibbles(nibbles)
+    n, k = codes.shape
     groups = codes.view(n, k // fmt.group_size, fmt.group_size).to(x.dtype)
     scales = scales_zeros[..., 0].t().to(x.dtype)[:, :, None]  # [N, K/G, 1]
     zeros = scales_zeros[..., 1].t().to(x.dtype)[:, :, None]
     return F.linear(x, ((groups - 8) * scales + zeros).view(n, k))
 
 
-@functools.lru_cache(maxsize=32)
-def _unpack_index(n: int, k: int, device: torch.device) -> torch.Tensor:
-    return int4_unpack_index(n, k).to(device)
+def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool):
+    """What makes a layer's records, as read, into the bytes its kernels take (called on the I/O thread
+    with the record's tensors), or None where they take them as stored: float and int8 records, a GPU,
+    and a version 3 store's records (already in this machine's kernel layout, `check_packing`)."""
+    if fmt is None or fmt.name == "int8" or not cpu_kernels or not fmt.portable:
+        return None
+    return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
+
+
+def cpu_record(record: dict[str, torch.Tensor], fmt: QuantFormat | None) -> dict[str, torch.Tensor]:
+    """A portable record's tensors as torch's CPU kernels take them (a copy; what the engine does in place
+    where a record lands), for callers that compute with records outside the engine."""
+    record = {name: t.clone() for name, t in record.items()}
+    if fmt is not None and fmt.name != "int8":
+        RecordPreparer(fmt, [name for name in record if name.endswith(".qweight")])(record)
+    return record
+
+
+def check_packing(fmt: QuantFormat | None, where: str, on_gpu: bool) -> None:
+    """Refuse int4 bytes this device's kernels cannot read: a version 3 store's records are in torch's CPU
+    kernel layout of the CPU that converted it, which runs as it is only where this machine's kernel has
+    the same layout; everywhere else the store is rewritten once in the portable layout."""
+    if fmt is None or fmt.portable:
+        return
+    here = "a GPU" if on_gpu else f"torch's {torch_int4_packing()} kernels"
+    if on_gpu or fmt.packing != torch_int4_packing():
+        raise StoreError(
+            f"the {fmt.name} weights of {where} are in torch's {fmt.packing} layout (store format 3), which {here} "
+            "cannot read; rewrite the store once in the portable format: moestream upgrade STORE (no checkpoint needed)"
+        )
 
 
 _KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4}

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..conversion.quant import expert_record_specs, int4_packing
+from ..conversion.quant import expert_record_specs
 from ..conversion.sizes import ModelSizes, routed_top_k
 from ..conversion.skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
 from ..conversion.store import DTYPES, Store, file_checksum
@@ -96,6 +96,8 @@ def load(
     on_gpu = isinstance(accelerator, CudaDevice)
     dtype = kernels.compute_dtype(compute_dtype, stored) if not (on_gpu and compute_dtype == "auto") else stored
     model = build_skeleton(config, stored, experts_implementation=IMPLEMENTATION)
+    for where, fmt in [(layer.module, layer.quantization) for layer in manifest.layers] + list(manifest.dense.items()):
+        kernels.check_packing(fmt, where, on_gpu)
     dense.install(model, manifest.dense)  # resident linears stored quantized (--dense-dtype)
     modules = experts_modules(model)
     if [name for name, _ in modules] != [layer.module for layer in manifest.layers]:
@@ -105,7 +107,7 @@ def load(
         )
     for layer, (_, module) in zip(manifest.layers, modules):
         _check_record_layout(layer, module)
-    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy)
+    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy, cpu_kernels=not on_gpu)
     try:
         for index, (_, module) in enumerate(modules):
             for pname, _ in expert_parameters(module):
@@ -136,6 +138,8 @@ def load(
         result = model.load_state_dict(state, strict=False, assign=True)
         del state
         model.tie_weights()
+        if not on_gpu:
+            dense.to_kernel_layout(model)
         dense.align_weights(model)
         dense.set_compute_dtype(model, stored, dtype)
         if not on_gpu:
@@ -218,11 +222,6 @@ def _check_record_layout(layer, module) -> None:
     """The records must hold exactly the tensors this module's experts need, in the kernels' layout: a
     store from another version or another machine is refused here rather than computed with."""
     fmt = layer.quantization
-    if fmt is not None and fmt.packing is not None and fmt.packing != int4_packing():
-        raise StoreError(
-            f"the {fmt.name} records of {layer.module} are packed for torch's {fmt.packing} kernels, this machine runs "
-            f"{int4_packing()}: convert the model again on this machine"
-        )
     shapes = {name: tuple(p.shape[1:]) for name, p in expert_parameters(module)}
     expected = expert_record_specs(shapes, torch.float32, fmt, module.is_transposed, layer.module)
     found = {t.name: (DTYPES[t.dtype], t.shape) for t in layer.layout.tensors}

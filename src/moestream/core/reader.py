@@ -68,6 +68,7 @@ class RecordFile:
 class ReadResult:
     seconds: float  # wall time of the read, retries included, checksum excluded
     verify_seconds: float  # time spent hashing the payload (0 when no checksum was asked for)
+    prepare_seconds: float = 0.0  # time spent in the caller's `after` (the kernel layout made from the record)
 
 
 class RecordReader:
@@ -92,19 +93,22 @@ class RecordReader:
         buffer: memoryview,
         expected: tuple[int, str] | None = None,
         speculative: bool = False,
+        after=None,
     ) -> Future:
         """Read `length` bytes at `offset` into `buffer` on an I/O thread; the future's result is a ReadResult.
 
         expected: (payload bytes, xxh3-64 hex) to verify the first `payload bytes` against after the read.
         speculative: queue it behind other speculative reads only, on their own low-priority thread.
+        after: called with no arguments on the I/O thread once the bytes are read and verified (the engine
+        turns them into its kernels' layout there, off the model's thread).
         """
         pool = self._speculative_pool if speculative else self._pool
         if self.log is not None:
             self.log.append((file_index, offset, length))
-        return pool.submit(self.read_into, file_index, offset, length, buffer, expected)
+        return pool.submit(self.read_into, file_index, offset, length, buffer, expected, after)
 
     def read_into(
-        self, file_index: int, offset: int, length: int, buffer: memoryview, expected: tuple[int, str] | None = None
+        self, file_index: int, offset: int, length: int, buffer: memoryview, expected: tuple[int, str] | None = None, after=None
     ) -> ReadResult:
         f = self._files[file_index]
         start = time.perf_counter()
@@ -125,7 +129,12 @@ class RecordReader:
                     f"{f.path}: the {payload} bytes at offset {offset} have checksum {actual}, the manifest says "
                     f"{digest}: the store is damaged. Run `moestream verify` on it, then convert the model again."
                 )
-        return ReadResult(seconds, verify_seconds)
+        prepare_seconds = 0.0
+        if after is not None:
+            t0 = time.perf_counter()
+            after()
+            prepare_seconds = time.perf_counter() - t0
+        return ReadResult(seconds, verify_seconds, prepare_seconds)
 
     @staticmethod
     def _read_fully(f: RecordFile, offset: int, length: int, buffer: memoryview) -> None:
