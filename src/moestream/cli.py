@@ -25,6 +25,10 @@ VERBS = {
     "convert": ("conversion.convert", "convert a Hugging Face MoE checkpoint directory into a store"),
     "inspect": ("conversion.inspect_store", "sizes of a store and what a memory budget buys"),
     "verify": ("conversion.verify", "check a store's files and every record's checksum; exit 1 listing what is damaged"),
+    "upgrade": (
+        "conversion.upgrade",
+        "rewrite a store from an earlier moestream in the current format, so it runs on any machine",
+    ),
     "generate": ("frontends.generate", "generate text, streaming experts under a memory budget"),
     "chat": ("frontends.chat", "talk with a store in the terminal, through the checkpoint's chat template"),
     "serve": ("frontends.server", "serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)"),
@@ -42,6 +46,7 @@ EPILOG = """examples:
   moestream convert ./Qwen3-30B-A3B ./qwen3-30b-int4.moe --experts-dtype int4
   moestream inspect ./qwen3-30b.moe --memory 4GiB
   moestream verify ./qwen3-30b.moe
+  moestream upgrade ./qwen3-30b-int4.moe
   moestream generate ./qwen3-30b.moe --memory 4GiB --prompt "def fibonacci(n):" --max-new-tokens 64
   moestream chat ./qwen3-30b.moe --memory 4GiB
   moestream serve ./qwen3-30b.moe --memory 4GiB --port 8000
