@@ -280,32 +280,60 @@ MOESTREAM_AVX2 static void repack_16_columns(const uint8_t* src, uint8_t* dst, i
 }
 #endif
 
-// src and dst [N, K/2] uint8, distinct; lo, hi, offset, stride [N/2] int64. Runs on the calling thread only
-// (an I/O thread, with the GIL released: the model's compute threads are not taken).
-void repack_int4(torch::Tensor src, torch::Tensor dst, torch::Tensor lo, torch::Tensor hi, torch::Tensor offset, torch::Tensor stride) {
-  TORCH_CHECK(src.dim() == 2 && src.scalar_type() == at::kByte && src.is_contiguous() && dst.is_contiguous() &&
-                  dst.scalar_type() == at::kByte && dst.numel() == src.numel(), "repack_int4: src and dst contiguous uint8 [N, K/2]");
-  const int64_t n = src.size(0), half_k = src.size(1), columns = n / 2;
-  for (const auto* t : {&lo, &hi, &offset, &stride})
-    TORCH_CHECK(t->numel() == columns && t->is_contiguous() && t->scalar_type() == at::kLong,
-                "repack_int4: lo, hi, offset and stride contiguous int64, one per pair of rows");
-  const uint8_t* s = src.data_ptr<uint8_t>();
-  uint8_t* d = dst.data_ptr<uint8_t>();
-  const int64_t *lp = lo.data_ptr<int64_t>(), *hp = hi.data_ptr<int64_t>(), *op = offset.data_ptr<int64_t>(), *sp = stride.data_ptr<int64_t>();
+static void repack_range(const uint8_t* s, uint8_t* d, int64_t half_k, const int64_t* lp, const int64_t* hp, const int64_t* op,
+                         const int64_t* sp, int64_t c0, int64_t c1) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if (__builtin_cpu_supports("avx2") && half_k % 32 == 0) {
-    for (int64_t c = 0; c < columns; c += 16) {
-      bool regular = c + 16 <= columns;
+    for (int64_t c = c0; c < c1; c += 16) {
+      bool regular = c + 16 <= c1;
       for (int t = 1; t < 16 && regular; ++t) regular = op[c + t] == op[c] + t && sp[c + t] == sp[c];
       if (regular)
         repack_16_columns(s, d, half_k, lp + c, hp + c, op[c], sp[c]);
       else
-        repack_columns(s, d, half_k, lp, hp, op, sp, c, std::min(c + 16, columns));
+        repack_columns(s, d, half_k, lp, hp, op, sp, c, std::min(c + 16, c1));
     }
     return;
   }
 #endif
-  repack_columns(s, d, half_k, lp, hp, op, sp, 0, columns);
+  repack_columns(s, d, half_k, lp, hp, op, sp, c0, c1);
+}
+
+// In place: w [N, K/2] uint8; lo, hi, offset, stride [N/2] int64; blocks [B, 4] int64, each (first column,
+// end column, first byte, end byte): the columns of a block read only the rows stored in its bytes and
+// write only into them (torch lays out blocks of rows one after another), so each block is repacked into
+// a small scratch buffer and copied back while it is still in cache. Runs on the calling thread only (an
+// I/O thread, with the GIL released: the model's compute threads are not taken).
+void repack_int4(torch::Tensor w, torch::Tensor lo, torch::Tensor hi, torch::Tensor offset, torch::Tensor stride, torch::Tensor blocks) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "repack_int4: w must be contiguous uint8 [N, K/2]");
+  const int64_t n = w.size(0), half_k = w.size(1), columns = n / 2;
+  for (const auto* t : {&lo, &hi, &offset, &stride})
+    TORCH_CHECK(t->numel() == columns && t->is_contiguous() && t->scalar_type() == at::kLong,
+                "repack_int4: lo, hi, offset and stride contiguous int64, one per pair of rows");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(1) == 4 && blocks.is_contiguous() && blocks.scalar_type() == at::kLong,
+              "repack_int4: blocks [B, 4] int64");
+  uint8_t* d = w.data_ptr<uint8_t>();
+  const int64_t *lp = lo.data_ptr<int64_t>(), *hp = hi.data_ptr<int64_t>(), *op = offset.data_ptr<int64_t>(), *sp = stride.data_ptr<int64_t>();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  thread_local std::vector<uint8_t> scratch;
+  thread_local std::vector<int64_t> shifted;  // the block's offsets and rows, relative to its first byte and row
+  for (int64_t b = 0; b < blocks.size(0); ++b) {
+    const int64_t c0 = bp[4 * b], c1 = bp[4 * b + 1], first = bp[4 * b + 2], end = bp[4 * b + 3];
+    TORCH_CHECK(0 <= c0 && c0 <= c1 && c1 <= columns && 0 <= first && first <= end && end <= n * half_k && first % half_k == 0,
+                "repack_int4: a block outside the matrix");
+    const int64_t count = c1 - c0, row0 = first / half_k;
+    scratch.resize(end - first);
+    shifted.resize(3 * count);
+    for (int64_t c = 0; c < count; ++c) {
+      TORCH_CHECK(lp[c0 + c] >= row0 && hp[c0 + c] >= row0 && (std::max(lp[c0 + c], hp[c0 + c]) + 1) * half_k <= end &&
+                      op[c0 + c] >= first && op[c0 + c] + (2 * half_k - 1) * sp[c0 + c] < end,
+                  "repack_int4: a column outside its block");
+      shifted[c] = lp[c0 + c] - row0;
+      shifted[count + c] = hp[c0 + c] - row0;
+      shifted[2 * count + c] = op[c0 + c] - first;
+    }
+    repack_range(d + first, scratch.data(), half_k, shifted.data(), shifted.data() + count, shifted.data() + 2 * count, sp + c0, 0, count);
+    std::memcpy(d + first, scratch.data(), end - first);
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

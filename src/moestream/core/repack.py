@@ -18,7 +18,6 @@ own packing function runs instead (the same bytes, several times slower).
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -48,12 +47,15 @@ def kernel_nibble_index(n: int, k: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Columns:
     """torch's kernel layout of an [N, K] matrix as N/2 columns: column c's byte for input k is
-    `lo[c]`'s code (low nibble) and `hi[c]`'s (high), at byte `offset[c] + k * stride[c]`."""
+    `lo[c]`'s code (low nibble) and `hi[c]`'s (high), at byte `offset[c] + k * stride[c]`. `blocks` [B, 4]:
+    (first column, end column, first byte, end byte) of each block of rows, whose columns read and write
+    only that block's bytes, so the repack runs block by block in place."""
 
     lo: torch.Tensor
     hi: torch.Tensor
     offset: torch.Tensor
     stride: torch.Tensor
+    blocks: torch.Tensor
 
 
 def _probe(n: int, k: int) -> tuple[torch.Tensor, ...] | None:
@@ -72,6 +74,27 @@ def _probe(n: int, k: int) -> tuple[torch.Tensor, ...] | None:
     return lo.contiguous(), hi.contiguous(), byte[lo], step[lo] // 2
 
 
+def _blocks(lo: list[int], hi: list[int], offset: list[int], stride: list[int], k: int) -> torch.Tensor | None:
+    """Cut the columns (in offset order) into the fewest runs that each read and write only the bytes of
+    the rows they pair, or None where the rows are not in runs."""
+    blocks, start, rows, low, top = [], 0, set(), None, -1
+    half = k // 2
+    for c in range(len(lo)):
+        rows.update((lo[c], hi[c]))
+        low = min(rows) if low is None else min(low, lo[c], hi[c])
+        top = max(top, offset[c] + (k - 1) * stride[c])
+        if (
+            len(rows) == 2 * (c + 1 - start)
+            and max(rows) - low + 1 == len(rows)
+            and low * half <= offset[c]
+            and top < (max(rows) + 1) * half
+        ):
+            if min(offset[start : c + 1]) >= low * half:
+                blocks.append((start, c + 1, low * half, (max(rows) + 1) * half))
+                start, rows, low, top = c + 1, set(), None, -1
+    return torch.tensor(blocks, dtype=torch.int64).reshape(-1, 4) if start == len(lo) else None
+
+
 @functools.lru_cache(maxsize=64)
 def columns(n: int, k: int) -> Columns | None:
     """The column description of torch's layout for [N, K], checked against torch's packing of random codes;
@@ -80,62 +103,59 @@ def columns(n: int, k: int) -> Columns | None:
     small, large = _probe(n, 32), _probe(n, 64)
     if small is None or large is None or not all(torch.equal(a, b) for a, b in zip(small[:2] + small[3:], large[:2] + large[3:])):
         return None
-    per_input = (large[2] - small[2]) // 32  # offset = base + per_input * K
-    described = Columns(small[0], small[1], small[2] + per_input * (k - 32), small[3])
+    lo, hi, _, stride = small
+    offset = small[2] + (large[2] - small[2]) // 32 * (k - 32)  # offset = base + per_input * K
+    blocks = _blocks(lo.tolist(), hi.tolist(), offset.tolist(), stride.tolist(), k)
+    if blocks is None:
+        return None
+    described = Columns(lo, hi, offset, stride, blocks)
     codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n * 131 + k), dtype=torch.uint8)
-    out = torch.empty(n, k // 2, dtype=torch.uint8)
-    if not _run(pack_nibbles(codes), out, described) or not torch.equal(out, torch_packing(codes)):
+    got = pack_nibbles(codes)
+    if not _run(got, described) or not torch.equal(got, torch_packing(codes)):
         return None
     return described
 
 
-def _run(src: torch.Tensor, dst: torch.Tensor, described: Columns) -> bool:
-    """The C++ repack of src into dst; False without the compiled kernels."""
+def _run(nibbles: torch.Tensor, described: Columns) -> bool:
+    """The C++ repack of portable bytes into the kernel layout, in place; False without the compiled kernels."""
     from . import fused  # the compiled kernels; imported here so that quant-only users never build them
 
     ext = fused.extension()
     if ext is None:
         return False
-    ext.repack_int4(src, dst, described.lo, described.hi, described.offset, described.stride)
+    ext.repack_int4(nibbles, described.lo, described.hi, described.offset, described.stride, described.blocks)
     return True
+
+
+def repack_in_place(nibbles: torch.Tensor) -> None:
+    """Portable int4 bytes [N, K/2] (contiguous) -> torch's kernel bytes, in place."""
+    n, k = nibbles.shape[0], nibbles.shape[1] * 2
+    described = columns(n, k)
+    if described is None or not _run(nibbles, described):
+        nibbles.copy_(torch_packing(unpack_nibbles(nibbles)))  # torch's own packing: slower, the same bytes
 
 
 def kernel_layout(nibbles: torch.Tensor) -> torch.Tensor:
     """Portable int4 bytes [N, K/2] -> torch's kernel bytes [N, K/2] (a new tensor)."""
-    n, k = nibbles.shape[0], nibbles.shape[1] * 2
-    out = torch.empty_like(nibbles)
-    described = columns(n, k)
-    if described is not None and _run(nibbles.contiguous(), out, described):
-        return out
-    return torch_packing(unpack_nibbles(nibbles))
+    out = nibbles.clone()
+    repack_in_place(out)
+    return out
 
 
 class RecordPreparer:
     """Turns the int4/int3/int2 matrices of a record just read into the kernel's layout, in place; called
-    on the I/O thread (`reader.RecordReader.submit(after=...)`). One scratch buffer per thread, reused."""
+    on the I/O thread (`reader.RecordReader.submit(after=...)`)."""
 
     def __init__(self, fmt: QuantFormat, names: list[str]):
         self.fmt, self.names = fmt, names
-        self._scratch = threading.local()
 
     @torch.inference_mode()  # the slot's views may be inference tensors (made under generate's inference mode)
     def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
         for name in self.names:
             stored = tensors[name]
             if self.fmt.bits == 4:
-                stored.copy_(self._repack(stored))
+                repack_in_place(stored)
             else:  # int3/int2: compressed from the int4 bytes, so expand, repack, compress again
-                stored.copy_(compress_int4_bytes(self._repack(expand_int4_bytes(stored, self.fmt.bits)), self.fmt.bits))
-
-    def _repack(self, nibbles: torch.Tensor) -> torch.Tensor:
-        n, k = nibbles.shape[0], nibbles.shape[1] * 2
-        described = columns(n, k)
-        if described is None:
-            return torch_packing(unpack_nibbles(nibbles))
-        scratch = getattr(self._scratch, "buffer", None)
-        if scratch is None or scratch.numel() < nibbles.numel():
-            scratch = self._scratch.buffer = torch.empty(nibbles.numel(), dtype=torch.uint8)
-        out = scratch[: nibbles.numel()].view(nibbles.shape)
-        if not _run(nibbles, out, described):
-            return torch_packing(unpack_nibbles(nibbles))
-        return out
+                expanded = expand_int4_bytes(stored, self.fmt.bits)
+                repack_in_place(expanded)
+                stored.copy_(compress_int4_bytes(expanded, self.fmt.bits))
