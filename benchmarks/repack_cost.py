@@ -39,7 +39,9 @@ def main() -> None:
     hidden, width = (int(v) for v in args.shape.split("x"))
     fmt = QuantFormat.make(args.format, args.group_size)
     layout = RecordLayout.pack(
-        expert_record_specs({"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}, torch.bfloat16, fmt, False, "bench")
+        expert_record_specs(
+            {"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}, torch.bfloat16, fmt, False, "bench"
+        )
     )
     args.workdir.mkdir(parents=True, exist_ok=True)
     path = args.workdir / "records.bin"
@@ -78,11 +80,17 @@ def main() -> None:
         prepares.append(result.prepare_seconds)
     reader.close()
     read, prep = statistics.median(reads), statistics.median(prepares)
-    print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, kernel layout: {repack.columns.cache_info().currsize} shapes described")
-    print(f"record: {args.format} g{args.group_size}, {layout.stride / 2**20:.2f} MiB, {args.experts} records, direct I/O: {reader.direct}")
+    print(
+        f"cpu: {torch.backends.cpu.get_cpu_capability()}, kernel layout: {repack.columns.cache_info().currsize} shapes described"
+    )
+    print(
+        f"record: {args.format} g{args.group_size}, {layout.stride / 2**20:.2f} MiB, {args.experts} records, direct I/O: {reader.direct}"
+    )
     print(f"read    median {read * 1e3:.3f} ms ({layout.stride / read / 1e9:.2f} GB/s)")
     print(f"repack  median {prep * 1e3:.3f} ms  = {prep / read:.1%} of the read")
-    print(f"per record (read ms, repack ms): {[(round(r * 1e3, 2), round(p * 1e3, 3)) for r, p in zip(reads[:8], prepares[:8])]} ...")
+    print(
+        f"per record (read ms, repack ms): {[(round(r * 1e3, 2), round(p * 1e3, 3)) for r, p in zip(reads[:8], prepares[:8])]} ..."
+    )
 
 
 if __name__ == "__main__":
