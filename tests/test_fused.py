@@ -271,8 +271,8 @@ def int4_store(tmp_path_factory):
     return moestream.convert(save_checkpoint(model, root / "hf"), root / "store", experts_dtype="int4", progress=False)
 
 
-def _decode_step_logits(path, budget):
-    model, _ = moestream.load(path, budget, prefetch="off")
+def _decode_step_logits(path, budget, compute_dtype):
+    model, _ = moestream.load(path, budget, prefetch="off", compute_dtype=compute_dtype)
     prompt = torch.randint(0, 250, (1, 7), generator=torch.Generator().manual_seed(45))
     with torch.inference_mode():
         out = model(prompt, use_cache=True)
@@ -280,22 +280,25 @@ def _decode_step_logits(path, budget):
     return step.logits, model
 
 
-def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_numbers(ext, int4_store, monkeypatch):
+@pytest.mark.parametrize("compute_dtype", ["bf16", "fp32"])  # pinned: "auto" differs between CPUs
+def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_numbers(
+    ext, int4_store, monkeypatch, compute_dtype
+):
     from moestream.core.loading import engine_of
 
     manifest = Store(int4_store).manifest
     slot, top_k = manifest.max_record_stride, manifest.model_config["num_experts_per_tok"]
     everything = sum(layer.num_experts for layer in manifest.layers) * slot
-    full, model = _decode_step_logits(int4_store, everything)
+    full, model = _decode_step_logits(int4_store, everything, compute_dtype)
     kernels = engine_of(model)._one_token_kernels
     assert kernels and all(found is not None and found[0] is ext.experts_decode for found in kernels.values())
     # the minimum budget: misses computed one by one as their reads land, hits together
-    small, model = _decode_step_logits(int4_store, top_k * slot)
+    small, model = _decode_step_logits(int4_store, top_k * slot, compute_dtype)
     assert moestream.stats(model)["evictions"] > 0
     assert torch.equal(small, full)
     # the engine's own path (the module's gate, one op at a time) computes the same bits
     monkeypatch.setattr(fused, "experts_kernel", lambda *args: None)
-    own, model = _decode_step_logits(int4_store, everything)
+    own, model = _decode_step_logits(int4_store, everything, compute_dtype)
     assert all(found is None for found in engine_of(model)._one_token_kernels.values())
     assert torch.equal(full, own)
 
@@ -369,13 +372,14 @@ def _decode_logits(model, steps=6):
 
 
 @pytest.mark.parametrize(
-    "family, dense_dtype", [("qwen3_moe", "int8"), ("qwen3_moe", "float"), ("mixtral", "int8"), ("olmoe", "int4")]
+    "family, dense_dtype, compute_dtype",
+    [("qwen3_moe", "int8", "bf16"), ("qwen3_moe", "float", "fp32"), ("mixtral", "int8", "fp32"), ("olmoe", "int4", "bf16")],
 )
-def test_one_token_attention_takes_the_fused_step_with_the_modules_own_bits(ext, tmp_path, family, dense_dtype):
+def test_one_token_attention_takes_the_fused_step_with_the_modules_own_bits(ext, tmp_path, family, dense_dtype, compute_dtype):
     """Per-head q/k norms (Qwen3-MoE), none (Mixtral), norms over the whole projection (OLMoE); int8, int4
-    and float projections: every attention module takes the fused step, and decoding gives the bits of
-    the modules' own forwards."""
-    model, _ = moestream.load(_store_of(family, tmp_path, dense_dtype), "64MiB", prefetch="off")
+    and float projections; bf16 and float32 pinned (`auto` differs between CPUs): every attention module
+    takes the fused step, and decoding gives the bits of the modules' own forwards."""
+    model, _ = moestream.load(_store_of(family, tmp_path, dense_dtype), "64MiB", prefetch="off", compute_dtype=compute_dtype)
     attention = _attention_modules(model)
     assert attention and all(getattr(m.forward, "func", None) is fused._fused_attention for m in attention)
     fast = _decode_logits(model)
@@ -386,7 +390,7 @@ def test_one_token_attention_takes_the_fused_step_with_the_modules_own_bits(ext,
 
 
 def test_the_fused_attention_leaves_prompts_masks_and_batches_to_the_modules_own(ext, tmp_path):
-    model, _ = moestream.load(_store_of("qwen3_moe", tmp_path, "int8"), "64MiB", prefetch="off")
+    model, _ = moestream.load(_store_of("qwen3_moe", tmp_path, "int8"), "64MiB", prefetch="off", compute_dtype="bf16")
     calls = []
     for m in _attention_modules(model):
         own = m.forward.args[-1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from .errors import MoestreamError, UsageError
@@ -207,10 +208,11 @@ def engine_options(args: argparse.Namespace) -> dict:
 def load_model(args: argparse.Namespace, need_tokenizer: bool = True):
     """(model, tokenizer) of args.store under args.memory with the engine options; MoestreamError when
     the store has no tokenizer files and the verb needs them (tokenizer is None when need_tokenizer is False)."""
-    from .core.loading import close, load
+    from .core.loading import close, fast_paths, load
 
     options = engine_options(args)
     model, tokenizer = load(args.store, args.memory, **options)
+    print(fast_paths(model), file=sys.stderr)  # a slower path is never silent
     if tokenizer is None and need_tokenizer:
         close(model)
         raise MoestreamError(

@@ -25,6 +25,7 @@ def print_inspect(store: str | os.PathLike, budget: int | None, gpu_budget: int 
         ("model type", cfg.get("model_type")),
         ("experts dtype", s.manifest.experts_dtype),
         ("dense dtype", _describe_dense(s.manifest)),
+        ("format", _describe_format(s.manifest)),
         ("resident bytes", format_bytes(sizes.resident_bytes)),
         (
             "expert bytes",
@@ -66,6 +67,21 @@ def print_inspect(store: str | os.PathLike, budget: int | None, gpu_budget: int 
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     return 0
+
+
+def _describe_format(manifest) -> str:
+    """The store format, and for a version 3 store whether this machine's kernels read its int4 bytes."""
+    from .quant import torch_int4_packing
+
+    packings = {f.packing for f in [layer.quantization for layer in manifest.layers] + list(manifest.dense.values()) if f}
+    legacy = sorted(p for p in packings if p not in (None, "nibbles"))
+    if not legacy:
+        return f"version {manifest.format_version}: runs on any machine"
+    here = "runs here" if legacy == [torch_int4_packing()] else "refused here"
+    return (
+        f"version {manifest.format_version}, int4 bytes in torch's {', '.join(legacy)} layout: {here}; "
+        "`moestream upgrade` makes it run on any machine"
+    )
 
 
 def _describe_dense(manifest) -> str:

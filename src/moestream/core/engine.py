@@ -122,6 +122,7 @@ class ExpertEngine:
         self._ahead: list[Entry] = []  # reads ahead of need that may still be READING_AHEAD
         self.tier = None  # a device_tier.DeviceTier above the host cache, set by load(device="cuda")
         self._one_token_kernels: dict[tuple[int, torch.dtype], tuple | None] = {}  # `one_token_kernel`
+        self.fast_paths: list = []  # fastpaths.survey's findings, made by load()
 
     def _evicted(self, entry: Entry) -> None:
         self.layer_stats[entry.key[0]].evictions += 1
@@ -415,6 +416,7 @@ class ExpertEngine:
             "device_cached_experts": len(self.tier.cache) if self.tier is not None else 0,
             "device_waits": self.tier.waits if self.tier is not None else 0,
             "prefetch": self.prefetcher.report() if self.prefetcher is not None else None,
+            "fast_paths": [asdict(p) for p in self.fast_paths],
             "peak_rss_bytes": peak_rss_bytes(),
             "layers": layers,
         }

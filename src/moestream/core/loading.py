@@ -23,7 +23,7 @@ from ..conversion.skeleton import build_skeleton, config_from_dict, expert_param
 from ..conversion.store import DTYPES, Store, file_checksum
 from ..errors import StoreError, UsageError
 from ..units import format_bytes, parse_bytes
-from . import dense, fused, kernels
+from . import dense, fastpaths, fused, kernels
 from . import engine as engine_module
 from .device_tier import DeviceTier
 from .devices import CudaDevice, Device
@@ -158,6 +158,8 @@ def load(
         model.eval()
         if accelerator is not None:
             _attach_device_tier(model, engine, accelerator, gpu_memory, policy)
+        # Every kernel choice is made by now (the experts kernel is resolved here for the compute dtype).
+        engine.fast_paths = fastpaths.survey(model, engine, routers, dtype, on_gpu)
         tokenizer = load_tokenizer(opened.directory)
     except BaseException:
         engine.close()  # its store files are open: a load that fails must not keep them
@@ -262,6 +264,11 @@ def engine_of(model) -> ExpertEngine:
     if engine is None:
         raise UsageError("this model was not loaded with moestream.load()")
     return engine
+
+
+def fast_paths(model) -> str:
+    """One line: which fast paths the model runs, and why the others are off (core/fastpaths.py)."""
+    return fastpaths.describe(engine_of(model).fast_paths)
 
 
 def stats(model) -> dict:

@@ -127,6 +127,13 @@ def _run(nibbles: torch.Tensor, described: Columns) -> bool:
     return True
 
 
+def in_cpp(n: int, k: int) -> bool:
+    """Whether an [N, K] matrix is repacked by the C++ kernel here (else by torch's packing function)."""
+    from . import fused
+
+    return fused.extension() is not None and columns(n, k) is not None
+
+
 def repack_in_place(nibbles: torch.Tensor) -> None:
     """Portable int4 bytes [N, K/2] (contiguous) -> torch's kernel bytes, in place."""
     n, k = nibbles.shape[0], nibbles.shape[1] * 2

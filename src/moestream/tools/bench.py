@@ -70,6 +70,7 @@ class RunResult:
     decode_bytes_read: int | None = None
     decode_wait_seconds: float | None = None
     note: str = ""
+    fast_paths: str = ""  # moestream's: which fast paths ran and why others did not (core/fastpaths.py)
 
     @property
     def seconds_per_token(self) -> float:
@@ -125,6 +126,7 @@ class BenchReport:
                 else ""
             ),
             f"page cache held by the store after the run: {format_bytes(self.store_page_cache_bytes)}",
+            r.fast_paths,
             "",
             f"{'engine':<34} {'decode tok/s':>12} {'TTFT s':>8} {'peak RSS':>10}  note",
         ]
@@ -217,6 +219,7 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
     """Load the store under `memory` and time one greedy generation of exactly `new_tokens` after `ids`
     (generate.timed); returns (RunResult with the decode part's hit rate, bytes read and read waits, the
     (file, offset, length) of every decode read). `load_kwargs` go to moestream.load."""
+    from ..core.fastpaths import describe
     from ..core.loading import close, engine_of, load
     from .trace import start_recording, stop_recording
 
@@ -247,6 +250,7 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
         hit_rate=decode_hits / max(1, decode_hits + decode_misses),
         decode_bytes_read=stats["bytes_read"] - at_first.get("bytes_read", 0),
         decode_wait_seconds=stats["wait_seconds"] - at_first.get("wait_seconds", 0.0),
+        fast_paths=describe(engine.fast_paths),
     )
     return run, reads
 

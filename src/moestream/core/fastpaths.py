@@ -1,0 +1,125 @@
+"""Which fast paths a loaded model runs, and why the others are off, so a slower path is never silent.
+
+The choices themselves are made where they belong and nowhere else: the matmul for each storage format
+and device, and what a record needs where it lands, in kernels.py; each fused kernel per module, by its
+agreement check, in fused.py; the one-token experts kernel per layer and activation dtype in the engine.
+`survey` reads what they decided once `load` has made every choice (it resolves the experts kernel for
+the model's compute dtype there, rather than at the first token), and `describe` says it in one line,
+which `generate`, `chat`, `bench` and `serve` print and `stats()["fast_paths"]` carries.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..conversion.skeleton import experts_modules
+from . import fused, repack
+from .kernels import native_bf16
+
+
+@dataclass(frozen=True)
+class FastPath:
+    name: str
+    on: int  # modules (or layers) it serves
+    of: int  # modules (or layers) it could serve
+    note: str = ""  # how it runs, or why it is off where it is off
+
+    def __str__(self) -> str:
+        count = f" {self.on}/{self.of}" if self.of else ""
+        return f"{self.name}{count}" + (f" ({self.note})" if self.note else "")
+
+
+def _partial_of(function) -> object:
+    return getattr(function, "func", None)
+
+
+def survey(model, engine, routers, compute_dtype: torch.dtype, on_gpu: bool) -> list[FastPath]:
+    """What `load` decided for this model; resolves the one-token experts kernel for `compute_dtype`."""
+    paths = []
+    why_not = f"{compute_dtype}".removeprefix("torch.")
+    if compute_dtype == torch.float32 and not native_bf16():
+        why_not += ": this CPU has no bf16 arithmetic"
+    paths.append(FastPath("compute dtype", 0, 0, why_not))
+    ext = None if on_gpu else fused.extension()
+    if on_gpu:
+        paths.append(FastPath("fused CPU kernels", 0, 0, "off: the model runs on a GPU"))
+    elif ext is None:
+        reason = getattr(fused, "unavailable_reason", lambda: None)() or "MOESTREAM_FUSED=0, or no C++ compiler"
+        paths.append(FastPath("fused CPU kernels", 0, 0, f"off: {reason}; the models run their own code"))
+    else:
+        norms = fused._rms_norms(model)
+        paths.append(FastPath("RMSNorm", sum(_partial_of(m.forward) is fused._fused_forward for m in norms), len(norms)))
+        modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
+        rotary = [getattr(m, "apply_rotary_pos_emb", None) for m in modules if hasattr(m, "apply_rotary_pos_emb")]
+        paths.append(FastPath("rotary", sum(_partial_of(f) is fused._fused_rotary for f in rotary), len(rotary)))
+        present = [r for r in routers if r is not None]
+        paths.append(FastPath("routers", sum(_partial_of(r.forward) is fused._fused_router for r in present), len(present)))
+        attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+        on = sum(_partial_of(m.forward) is fused._fused_attention for m in attention)
+        paths.append(FastPath("attention (one token)", on, len(attention), "" if on == len(attention) else _kept(attention)))
+    paths.append(_experts(model, engine, compute_dtype, ext is not None))
+    records = _records(engine, on_gpu)
+    if records is not None:
+        paths.append(records)
+    return paths
+
+
+def _kept(modules) -> str:
+    kept = sorted({type(m).__name__ for m in modules if _partial_of(m.forward) is not fused._fused_attention})
+    return f"{', '.join(kept)} keep their own forward: a part the kernels do not compute, or their check disagreed"
+
+
+def _experts(model, engine, compute_dtype: torch.dtype, compiled: bool) -> FastPath:
+    """The fused one-token experts kernel, per layer, resolved here for the compute dtype."""
+    modules = [module for _, module in experts_modules(model)]
+    hidden = model.get_input_embeddings().weight.shape[-1]
+    x = torch.zeros(1, hidden, dtype=compute_dtype)
+    on, off = 0, set()
+    for layer, module in enumerate(modules):
+        fmt = engine.layers[layer].quantization
+        if compiled and engine.one_token_kernel(module, layer, x) is not None:
+            on += 1
+        elif fmt is None:
+            off.add("float records")
+        elif fmt.name in ("int3", "int2"):
+            off.add(f"{fmt.name} records")
+        elif engine.tier is not None:
+            off.add("a device tier")
+        elif compiled:
+            off.add("a gate the kernel does not compute, or int8 widths torch's bf16 kernel gets wrong")
+        else:
+            off.add("no compiled kernels")
+    note = f"off for {', '.join(sorted(off))}: the engine's own path" if off else ""
+    return FastPath("experts (one token)", on, len(modules), note)
+
+
+def _records(engine, on_gpu: bool) -> FastPath | None:
+    """How int4-family records become what their kernel reads (None: the store has none)."""
+    layers = [layer for layer in engine.layers if layer.quantization is not None and layer.quantization.name != "int8"]
+    if not layers:
+        return None
+    if on_gpu:
+        return FastPath("int4 records", len(layers), len(layers), "read by the GPU kernels as stored")
+    portable = [layer for layer in layers if layer.quantization.portable]
+    if not portable:
+        return FastPath("int4 records", len(layers), len(layers), "stored in this machine's kernel layout (format 3)")
+    fast = 0
+    for layer in portable:
+        shapes = [t.shape for t in layer.layout.tensors if t.name.endswith(".qweight")]
+        bits = layer.quantization.bits
+        fast += all(repack.in_cpp(n, width * 8 // bits) for n, width in shapes)
+    note = "repacked where they land, in C++"
+    if fast < len(portable):
+        note += f"; {len(portable) - fast} layers by torch's own packing function (several times slower): no compiled kernels"
+    return FastPath("int4 records", fast, len(portable), note)
+
+
+def describe(paths: list[FastPath]) -> str:
+    return "fast paths: " + "; ".join(str(p) for p in paths)
+
+
+def as_json(paths: list[FastPath]) -> list[dict]:
+    return [asdict(p) for p in paths]
