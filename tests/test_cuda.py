@@ -3,10 +3,11 @@ logits equal transformers' own forward on the GPU, greedy tokens equal across ti
 
 import pytest
 import torch
-from tiny import tiny_checkpoint
+from tiny import TINY, tiny_checkpoint
 
 import moestream
 from moestream.cli import main
+from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.frontends.generate import stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -69,9 +70,12 @@ def test_greedy_tokens_equal_across_tier_budgets_with_vram_bounded(case):
 
 @pytest.mark.parametrize("experts_dtype", ["int8", "int4"])
 def test_quantized_experts_on_the_gpu_match_the_cpu_kernels(experts_dtype, tmp_path):
-    """int8 and int4 records run dequantized on CUDA (kernels.int8_dequantized / int4_dequantized, the codes
-    recovered from the CPU kernel's packing); the CPU kernels run int4 with bf16 activations."""
-    _, ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", seed=6)
+    """One store on both devices: int8 and int4 records run dequantized on CUDA (kernels.int8_dequantized /
+    int4_dequantized, reading the portable nibbles as stored) and through torch's CPU kernels on the CPU
+    (repacked where they land); the CPU kernels run int4 with bf16 activations."""
+    # widths the int4 format takes (inputs a multiple of its group size)
+    model = make_model("qwen3_moe", seed=6, **dict(TINY["qwen3_moe"], hidden_size=64, moe_intermediate_size=64, head_dim=16))
+    ckpt = save_checkpoint(model, tmp_path / "hf")
     assert main(["convert", str(ckpt), str(tmp_path / "store"), "--experts-dtype", experts_dtype, "--dense-dtype", "int8"]) == 0
     ids = _prompt(3)
     cpu, _ = moestream.load(tmp_path / "store", memory=2**20)
