@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import os
 import sys
 import time
@@ -124,12 +125,22 @@ def agrees(module: nn.Module, kernel, rows: int = 64) -> bool:
     g = torch.Generator().manual_seed(0)
     dtype, hidden = module.weight.dtype, module.weight.shape[0]
     probe = copy.deepcopy(module)
+    _randomize(probe, g)  # a bias or offset the kernel does not add may be zero at init
     probe.weight = nn.Parameter((torch.rand(hidden, generator=g) + 0.5).to(dtype), requires_grad=False)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
     with torch.no_grad():
         expected = type(module).forward(probe, x)
         got = kernel(x, probe.weight, _epsilon(module))
     return _close(got, expected)
+
+
+def _randomize(probe: nn.Module, g: torch.Generator) -> None:
+    """Random values in every float parameter and buffer of `probe` (a copy), so that an agreement check
+    sees each of them: a zero or a one at init would hide a term the kernel does not compute."""
+    with torch.no_grad():
+        for tensor in [*probe.parameters(), *probe.buffers()]:
+            if tensor.is_floating_point() and tensor.device.type != "meta":
+                tensor.copy_(torch.randn(tensor.shape, generator=g).to(tensor.dtype))
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -222,11 +233,14 @@ def install_rotary(model: nn.Module, kernel) -> int:
     return replaced
 
 
-def _fused_rotary(original, kernel, q, k, cos, sin, *args, **kwargs):
+def _fused_rotary(original, kernel, *args, **kwargs):
+    """The kernel for the call `rotary_agrees` checked: (q, k, cos, sin) by position, the layout it
+    checked; any other call (keywords, unsqueeze_dim, queries alone, other shapes) goes to `original`."""
+    if len(args) != 4 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
+        return original(*args, **kwargs)
+    q, k, cos, sin = args
     if (
-        not args
-        and not kwargs  # unsqueeze_dim 1, the layout checked
-        and q.device.type == "cpu"
+        q.device.type == "cpu"
         and q.dim() == k.dim() == 4
         and cos.dim() == 3
         and q.dtype == k.dtype == cos.dtype == sin.dtype
@@ -235,25 +249,28 @@ def _fused_rotary(original, kernel, q, k, cos, sin, *args, **kwargs):
         and q.shape[0] == k.shape[0]
         and cos.shape[1] == q.shape[2] == k.shape[2]
         and cos.shape[2] == q.shape[3] == k.shape[3]
+        and q.shape[3] % 2 == 0
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
     ):
         return tuple(kernel(q, k, cos, sin))
-    return original(q, k, cos, sin, *args, **kwargs)
+    return original(*args)
 
 
 # -- routers -------------------------------------------------------------------------------------------------
 
 
 def router_variant(router: nn.Module, kernel) -> tuple[bool, bool] | None:
-    """Which (normalize, cast) of the kernel gives the bits of `router`'s forward on random rows and a
-    random weight (a copy), or None: another formula (DeepSeek's sigmoid groups, gpt-oss's top-k before
-    the softmax) keeps its own."""
+    """Which (normalize, cast) of the kernel gives the bits of `router`'s forward on random rows, with
+    random values in every float parameter and buffer of a copy (a bias or score correction the kernel
+    does not add may be zero at init), or None: another formula (DeepSeek's sigmoid groups, gpt-oss's top-k
+    before the softmax, a bias) keeps its own. The rows are [tokens, hidden], the layout `_fused_router`
+    takes."""
     weight, k = getattr(router, "weight", None), getattr(router, "top_k", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not isinstance(k, int):
         return None
     g = torch.Generator().manual_seed(0)
     probe = copy.deepcopy(router).eval()
-    probe.weight = nn.Parameter(torch.randn(weight.shape, generator=g).to(weight.dtype), requires_grad=False)
+    _randomize(probe, g)
     x = torch.randn(7, weight.shape[1], generator=g).to(weight.dtype)
     try:
         with torch.no_grad():
@@ -278,7 +295,7 @@ def install_routers(routers, kernel) -> int:
     for router in routers:
         if router is None or router.training:
             continue
-        key = (type(router), router.weight.dtype)
+        key = (type(router), router.weight.dtype, router.weight.shape, getattr(router, "top_k", None))
         if key not in verdict:
             verdict[key] = router_variant(router, kernel)
         if verdict[key] is not None:
@@ -289,8 +306,8 @@ def install_routers(routers, kernel) -> int:
 
 def _fused_router(router: nn.Module, kernel, normalize: bool, cast: bool, fallback, hidden_states: torch.Tensor, *args, **kwargs):
     x = dense.float32_input(router, hidden_states)  # the cast of the forward this one replaces (`fallback`)
-    if _kernel_takes(router.weight, x, args, kwargs):
-        return tuple(kernel(x, router.weight, router.top_k, normalize, cast))
+    if x.dim() == 2 and x.shape[1] == router.weight.shape[1] and _kernel_takes(router.weight, x, args, kwargs):
+        return tuple(kernel(x, router.weight, router.top_k, normalize, cast))  # [tokens, hidden], as checked
     return fallback(hidden_states, *args, **kwargs)
 
 
@@ -378,13 +395,17 @@ def attention_plan(module: nn.Module, ext) -> tuple | None:
     return qkv, out
 
 
-def attention_agrees(module: nn.Module, forward, own, dtype: torch.dtype) -> bool:
+def attention_agrees(module: nn.Module, forward, own, dtype: torch.dtype, rotary=None, keywords=None) -> bool:
     """Whether `forward` gives the bits of the module's own forward (`own`) on one token in `dtype` after 1
     and 9 random cached positions: its output and the keys and values it caches, for random hidden
-    states at two scales and random rotary angles."""
+    states at two scales, called as a decoder layer calls it in a decode step: with `keywords` (by default
+    the position ids and use_cache; position ids are set to the token's position). The rotary embedding
+    is the model's own where `rotary` gives it (`_rotary_of`: position -> (cos, sin), so a partial rotary
+    is what the check sees), else random angles over the whole head."""
     g = torch.Generator().manual_seed(0)
     width, head_dim = module.q_proj.in_features, module.head_dim
     kv_heads = module.k_proj.out_features // head_dim
+    keywords = {"position_ids": None, "use_cache": True} if keywords is None else dict(keywords)
     for history, scale in ((1, 1.0), (9, 30.0)):
         x = (torch.randn(1, 1, width, generator=g) * scale).to(dtype)
         angles = torch.rand(1, 1, head_dim // 2, generator=g) * 100
@@ -393,10 +414,14 @@ def attention_agrees(module: nn.Module, forward, own, dtype: torch.dtype) -> boo
         caches = DynamicCache(), DynamicCache()
         for cache in caches:  # the layers before this one's empty, as update() makes them
             cache.update(keys, values, module.layer_idx)
+        if "position_ids" in keywords:
+            keywords["position_ids"] = torch.tensor([[history]])
         try:
+            if rotary is not None:
+                cos, sin = rotary(history)
             with torch.no_grad():
-                expected = own(x, (cos, sin), None, cache=caches[0])
-                got = forward(x, (cos, sin), None, cache=caches[1])
+                expected = own(x, (cos, sin), None, cache=caches[0], **keywords)
+                got = forward(x, (cos, sin), None, cache=caches[1], **keywords)
         except Exception:  # another signature or another cache method: the module keeps its own forward
             return False
         if not (torch.equal(expected[0], got[0]) and expected[0].dtype == got[0].dtype and expected[0].shape == got[0].shape):
@@ -407,41 +432,153 @@ def attention_agrees(module: nn.Module, forward, own, dtype: torch.dtype) -> boo
     return True
 
 
+def _rotary_module(model: nn.Module) -> nn.Module | None:
+    """The model's one rotary embedding module, with real buffers (load() rebuilds the model's own inv_freq
+    after the kernels are installed: until then a copy computed as from_pretrained computes it), or None."""
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotaries) != 1:
+        return None
+    rotary = rotaries[0]
+    if any(b.is_meta for b in rotary.buffers()):
+        rotary = copy.deepcopy(rotary)
+        for name, buffer in list(rotary.named_buffers(recurse=False)):
+            if buffer.is_meta:
+                rotary._buffers[name] = torch.empty_like(buffer, device="cpu")
+        try:
+            model._init_weights(rotary)
+        except Exception:
+            return None
+    return rotary
+
+
+def _rotary_of(rotary: nn.Module | None, module: nn.Module, dtype: torch.dtype):
+    """position -> (cos, sin) for one token, as the model's forward gives `module` its position embeddings:
+    the model's rotary embedding module (`_rotary_module`), with the module's layer type where it takes one.
+    None where there is none or it cannot be called so: the check then uses random angles over the whole
+    head, and the call-time guard still sends any other width to the module's own forward."""
+    if rotary is None:
+        return None
+    keywords = {}
+    try:
+        takes = inspect.signature(rotary.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if "layer_type" in takes:
+        types, layer = getattr(getattr(module, "config", None), "layer_types", None), module.layer_idx
+        if not isinstance(types, (list, tuple)) or layer >= len(types):
+            return None
+        keywords["layer_type"] = types[layer]
+    x = torch.zeros(1, 1, module.q_proj.in_features, dtype=dtype)  # what the rotary reads of the hidden states
+
+    def embed(position: int):
+        with torch.no_grad():
+            return rotary(x, torch.tensor([[position]]), **keywords)
+
+    try:
+        cos, sin = embed(0)
+    except Exception:
+        return None
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dim() == 3 and cos.shape[:2] == (1, 1)):
+        return None
+    return embed
+
+
+class _AttentionStep:
+    """What one module's fused one-token attention runs with: its kernels (`attention_plan`), the dtype
+    and rotary width its check saw, the model's rotary embedding for further checks, and the verdicts of
+    the checks per kind of call (`_call_kind`: the keywords a decoder layer passes vary by family)."""
+
+    __slots__ = ("module", "own", "dtype", "width", "rotary", "qkv", "out", "verdicts")
+
+    def __init__(self, module, dtype, width, rotary, qkv, out):
+        self.module, self.own, self.dtype, self.width = module, module.forward, dtype, width
+        self.rotary, self.qkv, self.out = rotary, qkv, out
+        self.verdicts: dict[frozenset, bool] = {}
+
+
 def install_attention(model: nn.Module, ext, dtype: torch.dtype) -> int:
     """Give each attention module whose one-token step the fused kernels reproduce bit for bit
-    (`attention_plan`, `attention_agrees`) the fused forward; returns how many."""
-    installed = 0
+    (`attention_plan`, `attention_agrees` on the model's own rotary embedding) the fused forward; returns
+    how many. The forward takes the kernels only for the rotary width and dtype the check saw, and checks
+    each other kind of call (its keywords) once, when it first comes."""
+    installed, rotary = 0, _rotary_module(model)
     for module in model.modules():
         if not type(module).__name__.endswith("Attention") or module.training:
             continue
         plan = attention_plan(module, ext)
         if plan is None:
             continue
-        forward = functools.partial(_fused_attention, module, dtype, *plan, module.forward)
-        if attention_agrees(module, forward, module.forward, dtype):
+        embed = _rotary_of(rotary, module, dtype)
+        width = embed(0)[0].shape[-1] if embed is not None else module.head_dim
+        step = _AttentionStep(module, dtype, width, embed, *plan)
+        keywords = {"position_ids": None, "use_cache": True}  # the check's own, as a decoder layer passes them
+        step.verdicts[_call_kind(keywords)] = True  # the check's calls of the fused step take the kernels
+        forward = functools.partial(_fused_attention, step, module.forward)
+        if attention_agrees(module, forward, module.forward, dtype, embed, keywords):
             module.forward = forward
             installed += 1
     return installed
 
 
+def _call_kind(keywords: dict) -> frozenset | None:
+    """The keywords of a call as a check stands for them: names with their values (position ids by name
+    only: the check sets its own), or None where a value is a tensor or object a check cannot stand for."""
+    kind = []
+    for name, value in keywords.items():
+        if name == "position_ids":
+            kind.append((name, "ids"))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            kind.append((name, value))
+        else:
+            return None
+    return frozenset(kind)
+
+
 def _fused_attention(
-    module, dtype, qkv, out, fallback, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *args, **kwargs
+    step: _AttentionStep, fallback, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *args, **kwargs
 ):
     """One token of one sequence without a mask, on the CPU, in the dtype checked, with transformers'
-    dynamic cache: two kernel calls around the cache's own update (growing layers and the prefix cache
-    keep working). Anything else goes to the module's own forward."""
+    dynamic cache and a rotary embedding of the width checked: two kernel calls around the cache's own
+    update (growing layers and the prefix cache keep working). A call with other keywords than those
+    checked is checked once (`attention_agrees` with them) when it first comes. Anything else, and any
+    kind of call whose check disagreed, goes to the module's own forward."""
     if (
         type(cache) is not DynamicCache
         or args
         or attention_mask is not None
-        or position_embeddings is None
+        or not _rotary_takes(position_embeddings, step.width, step.dtype)
         or hidden_states.shape[0] != 1
         or hidden_states.shape[1] != 1
-        or hidden_states.dtype != dtype
+        or hidden_states.dtype != step.dtype
         or hidden_states.device.type != "cpu"
         or (torch.is_grad_enabled() and hidden_states.requires_grad)
     ):
         return fallback(hidden_states, position_embeddings, attention_mask, cache, *args, **kwargs)
-    q, k, v = qkv(hidden_states.reshape(1, -1).contiguous(), *position_embeddings)  # the kernel takes one row
-    k, v = cache.update(k, v, module.layer_idx, kwargs=kwargs)  # as the module's own forward calls it
-    return out(q, k, v), None
+    kind = _call_kind(kwargs)
+    if kind is None:
+        return fallback(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    verdict = step.verdicts.get(kind)
+    if verdict is None:
+        step.verdicts[kind] = True  # the check's own calls of the fused step take the kernels
+        forward = functools.partial(_fused_attention, step, step.own)
+        verdict = step.verdicts[kind] = attention_agrees(step.module, forward, step.own, step.dtype, step.rotary, kwargs)
+    if not verdict:
+        return fallback(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    q, k, v = step.qkv(hidden_states.reshape(1, -1).contiguous(), *position_embeddings)  # the kernel takes one row
+    k, v = cache.update(k, v, step.module.layer_idx, kwargs=kwargs)  # as the module's own forward calls it
+    return step.out(q, k, v), None
+
+
+def _rotary_takes(position_embeddings, width: int, dtype: torch.dtype) -> bool:
+    """Whether (cos, sin) are one token's, [1, 1, width] in `dtype`: what `attention_agrees` checked."""
+    if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
+        return False
+    cos, sin = position_embeddings
+    shape = (1, 1, width)
+    return (
+        isinstance(cos, torch.Tensor)
+        and isinstance(sin, torch.Tensor)
+        and cos.shape == shape == sin.shape
+        and cos.dtype == dtype == sin.dtype
+        and cos.device.type == "cpu" == sin.device.type
+    )
