@@ -24,8 +24,9 @@ BITS = (16, 8, 4, 3, 2)  # `plan --bits`: bf16 experts, int8, int4, int3, int2
 
 # Family names of the number of routed experts one token uses per MoE layer, first match wins.
 # hunyuan_v1_moe and longcat_flash say moe_topk (hunyuan's may be a per-layer list), dbrx moe_top_k,
-# ernie4_5_moe moe_k; most families num_experts_per_tok.
-TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k")
+# ernie4_5_moe moe_k, bailing_hybrid and kimi_linear num_experts_per_token, gemma4 top_k_experts; most
+# families num_experts_per_tok.
+TOP_K_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_topk", "moe_top_k", "moe_k")
 # Family names of the number of routed experts per MoE layer (shared experts are not counted).
 EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
