@@ -6,8 +6,8 @@ and cache misses whatever its size. transformers' RMSNorm is eight of them (cast
 rsqrt, mul, cast, mul) and runs two to four times per layer; one fused kernel does the same arithmetic
 in one call (docs/BENCHMARKS.md, "Fused RMSNorm"). transformers itself swaps RMSNorm forwards for
 kernels (`use_kernel_forward_from_hub("RMSNorm")`), which here would need the network; so the kernel is
-compiled from the source below with torch's C++ extension builder, once per machine (about 40 s, cached
-in torch's extensions directory), and used only where it computes what the module computes.
+compiled from core/fused_kernels.cpp by core/fused_build.py, once per source and torch build (about 30 s,
+then cached), and used only where it computes what the module computes.
 
 Which modules: every module whose class is named *RMSNorm with a 1-D `weight` and a float epsilon. A
 class's formula is not read from its source but checked by behaviour (`agrees`): on random rows and a
@@ -37,7 +37,7 @@ forward it reproduces bit for bit on random states and cached positions (`attent
 checks) cost as much as its kernels at the fixture's width. Prompts, masks, batches and other caches
 take the module's own forward.
 
-Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes.
+Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes (one line says so: `unavailable_reason`).
 """
 
 from __future__ import annotations
@@ -45,57 +45,27 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import os
 import sys
-import time
-import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from . import dense
-
-EXTENSION = "moestream_fused_v4"  # a new name for every change of the source: the build cache is by name
-STALE_LOCK_SECONDS = 600  # an older build lock belongs to a build that was killed
-
-_SOURCE = (Path(__file__).parent / "fused_kernels.cpp").read_text()  # compiled by `extension()`
+from . import dense, fused_build
 
 
 @functools.lru_cache(maxsize=1)
 def extension():
-    """The compiled kernels, or None (no compiler, a failed build, or MOESTREAM_FUSED=0)."""
-    if os.environ.get("MOESTREAM_FUSED", "1") == "0":
-        return None
-    try:
-        from torch.utils import cpp_extension
+    """The compiled kernels, or None (MOESTREAM_FUSED=0, no compiler, a failed build): core/fused_build.py
+    builds them once per source and torch build, caches them, and says in one line why they are off."""
+    return fused_build.load()
 
-        try:  # the ninja wheel's binary, which torch looks for on PATH (a venv's bin may not be on it)
-            import ninja
 
-            if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-
-        directory = cpp_extension._get_build_directory(EXTENSION, verbose=False)
-        lock = os.path.join(directory, "lock")
-        # torch waits for as long as a build's lock file exists, and a build that was killed (Ctrl-C during
-        # the first load) leaves it behind: every later load would hang. A build takes about a minute.
-        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_SECONDS:
-            os.remove(lock)
-        if not os.path.exists(os.path.join(directory, f"{EXTENSION}.so")):
-            print(
-                "moestream: compiling its fused CPU kernels, once for this machine (about a minute); "
-                "MOESTREAM_FUSED=0 skips them",
-                file=sys.stderr,
-                flush=True,
-            )
-        return cpp_extension.load_inline(EXTENSION, cpp_sources=_SOURCE, extra_cflags=["-O3", "-ffp-contract=off"])
-    except Exception as error:  # no compiler, no headers: the model runs as it would without them
-        warnings.warn(f"moestream: running without fused CPU kernels ({type(error).__name__}: {error})", stacklevel=2)
-        return None
+def unavailable_reason() -> str | None:
+    """None when the fused kernels are available, else why they are off (MOESTREAM_FUSED=0, no compiler,
+    a failed build), as one line for a user."""
+    extension()
+    return fused_build.unavailable_reason()
 
 
 def _epsilon(module: nn.Module) -> float | None:

@@ -1,10 +1,29 @@
-#include <torch/extension.h>
+// Only the headers these kernels use. <torch/extension.h> brings the whole C++ frontend (nn, optim, data)
+// and doubled the compile that a first load waits for (docs/BENCHMARKS.md, "Building the fused kernels").
+// ATen's Tensor (its methods included), then one header per ATen function called as at::NAME or torch::NAME
+// (ATen/ops/NAME.h: a new function needs its line here), then torch's pybind11 casters for tensors.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/topk.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <algorithm>
 #include <cstring>
 #include <vector>
+
+namespace torch {  // as <torch/extension.h> has it (torch/types.h)
+using namespace at;  // torch::Tensor, torch::empty
+}
 
 // transformers' RMSNorm on rows of x [..., H], in its rounding: the mean of squares and the scaling in
 // float32, the normalized row rounded to x's dtype, then multiplied by the weight (in float32, rounded).
