@@ -30,7 +30,7 @@ from ..conversion.sizes import ModelSizes
 from ..conversion.store import DTYPES, Store
 from ..errors import ExpertReadError, UsageError
 from ..units import format_bytes
-from . import fused, kernels, scheduler
+from . import kernels, scheduler
 from .cache import Entry, ExpertCache, State
 from .kernels import expert_linear
 from .memory import peak_rss_bytes
@@ -324,29 +324,12 @@ class ExpertEngine:
         }
 
     def one_token_kernel(self, module, layer: int, x: torch.Tensor) -> tuple | None:
-        """The fused one-token experts kernel for this layer (core/fused.py's `experts_decode`) and the
-        record tensors' names it takes, or None where it does not apply: a device tier, float or int3/int2
-        records, int8 in bf16 at widths torch's kernel gets wrong (kernels.py), or a module whose gate
-        differs from the kernel's. int4 with float32 activations casts them to bf16 and back, as kernels.py."""
+        """The fused one-token experts kernel for this layer and activation dtype (kernels.one_token_experts
+        decides; remembered per layer and dtype), or None."""
         key = (layer, x.dtype)
         if key not in self._one_token_kernels:
-            self._one_token_kernels[key] = self._find_one_token_kernel(module, layer, x)
+            self._one_token_kernels[key] = kernels.one_token_experts(module, self.layers[layer], x, self.tier is not None)
         return self._one_token_kernels[key]
-
-    def _find_one_token_kernel(self, module, layer: int, x: torch.Tensor) -> tuple | None:
-        fmt = self.layers[layer].quantization
-        if self.tier is not None or x.device.type != "cpu" or fmt is None or fmt.name not in ("int4", "int8"):
-            return None
-        first = "gate_up_proj" if module.has_gate else "up_proj"
-        shapes = {t.name: t.shape for t in self.layers[layer].layout.tensors}
-        width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
-        if fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
-            return None
-        kernel = fused.experts_kernel(module, width, x.dtype)
-        if kernel is None:
-            return None
-        names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
-        return kernel, names, fmt.bits, fmt.group_size or 0
 
     def _compute(self, call: _LayerCall, experts: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         """Experts (id, record tensors) on the tokens routed to them, with the module's own gate/activation

@@ -65,6 +65,29 @@ def int4_dequantized(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch
     return F.linear(x, ((groups - 8) * scales + zeros).view(n, k))
 
 
+def one_token_experts(module, layer, x: torch.Tensor, tiered: bool) -> tuple | None:
+    """The fused kernel for one token through a layer's experts (core/fused.py's `experts_decode`) with the
+    record tensors' names it takes, its bits and group size; or None where it does not apply: a device
+    tier, float or int3/int2 records, int8 in bf16 at widths torch's kernel gets wrong (`_int8`), or a
+    module whose gate differs from the kernel's. int4 with float32 activations casts them to bf16 and back,
+    as `_int4` does, so both compute the same numbers."""
+    from . import fused  # fused imports dense, which imports this module
+
+    fmt = layer.quantization
+    if tiered or x.device.type != "cpu" or fmt is None or fmt.name not in ("int4", "int8"):
+        return None
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    shapes = {t.name: t.shape for t in layer.layout.tensors}
+    width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
+    if fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
+        return None
+    kernel = fused.experts_kernel(module, width, x.dtype)
+    if kernel is None:
+        return None
+    names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
+    return kernel, names, fmt.bits, fmt.group_size or 0
+
+
 def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool):
     """What makes a layer's records, as read, into the bytes its kernels take (called on the I/O thread
     with the record's tensors), or None where they take them as stored: float and int8 records, a GPU,
