@@ -37,6 +37,14 @@ forward it reproduces bit for bit on random states and cached positions (`attent
 checks) cost as much as its kernels at the fixture's width. Prompts, masks, batches and other caches
 take the module's own forward.
 
+Every check runs on what the module will meet: the attention's on the model's own rotary embedding (a
+partial rotary, whose width the kernel does not take, keeps the module's own forward) and with the
+keywords its decoder layer passes (a call with others is checked once when it first comes); the norms'
+and routers' on probes whose every parameter and buffer is random (a bias zero at init hides nothing).
+At call time anything else than what was checked (another width, dtype, layout, keyword) goes to the
+module's own code, and a check that fails, or raises, leaves the module as it was: a fast path never
+breaks a model.
+
 Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes (one line says so: `unavailable_reason`).
 """
 
@@ -98,10 +106,13 @@ def agrees(module: nn.Module, kernel, rows: int = 64) -> bool:
     _randomize(probe, g)  # a bias or offset the kernel does not add may be zero at init
     probe.weight = nn.Parameter((torch.rand(hidden, generator=g) + 0.5).to(dtype), requires_grad=False)
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
-    with torch.no_grad():
-        expected = type(module).forward(probe, x)
-        got = kernel(x, probe.weight, _epsilon(module))
-    return _close(got, expected)
+    try:
+        with torch.no_grad():
+            expected = type(module).forward(probe, x)
+            got = kernel(x, probe.weight, _epsilon(module))
+    except Exception:  # a forward that takes other inputs: the module keeps it
+        return False
+    return isinstance(expected, torch.Tensor) and _close(got, expected)
 
 
 def _randomize(probe: nn.Module, g: torch.Generator) -> None:
@@ -139,10 +150,10 @@ def install(model: nn.Module, routers=()) -> int:
     install_rotary(model, ext.rotary)
     install_routers(routers, ext.softmax_topk_router)
     norms = _rms_norms(model)
-    verdict: dict[tuple[type, torch.dtype], bool] = {}
+    verdict: dict[tuple, bool] = {}
     installed = 0
     for module in norms:
-        key = (type(module), module.weight.dtype)
+        key = (type(module), module.weight.dtype, module.weight.shape[0], _settings(module))
         if key not in verdict:
             verdict[key] = agrees(module, ext.rms_norm)
         if verdict[key]:
@@ -150,6 +161,13 @@ def install(model: nn.Module, routers=()) -> int:
             installed += 1
     install_attention(model, ext, model.get_input_embeddings().weight.dtype)  # after the norms: it runs theirs
     return installed
+
+
+def _settings(module: nn.Module) -> tuple:
+    """A module's plain attributes (flags, sizes, names): instances of one class that differ in them get a
+    check of their own."""
+    plain = (bool, int, float, str, type(None))
+    return tuple(sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, plain)))
 
 
 def _kernel_takes(weight: torch.Tensor, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -160,8 +178,8 @@ def _kernel_takes(weight: torch.Tensor, x: torch.Tensor, args: tuple, kwargs: di
 
 
 def _fused_forward(module: nn.Module, kernel, eps: float, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if _kernel_takes(module.weight, hidden_states, args, kwargs):
-        return kernel(hidden_states, module.weight, eps)
+    if hidden_states.shape[-1:] == module.weight.shape and _kernel_takes(module.weight, hidden_states, args, kwargs):
+        return kernel(hidden_states, module.weight, eps)  # rows of the width checked
     return type(module).forward(module, hidden_states, *args, **kwargs)
 
 
@@ -250,7 +268,10 @@ def router_variant(router: nn.Module, kernel) -> tuple[bool, bool] | None:
     if not isinstance(expected, tuple) or len(expected) != 3:
         return None
     for variant in ((True, True), (True, False), (False, True), (False, False)):
-        got = kernel(x, probe.weight, k, *variant)
+        try:
+            got = kernel(x, probe.weight, k, *variant)
+        except Exception:  # a top-k beyond the experts, a weight the kernel does not take
+            return None
         if all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected)):
             return variant
     return None
@@ -258,14 +279,14 @@ def router_variant(router: nn.Module, kernel) -> tuple[bool, bool] | None:
 
 def install_routers(routers, kernel) -> int:
     """Give each router whose forward the kernel reproduces (`router_variant`) the fused forward; returns
-    how many. The forward falls back to the router's own for another input dtype or device, or with
-    autograd recording."""
-    verdict: dict[tuple[type, torch.dtype], tuple[bool, bool] | None] = {}
+    how many. The forward falls back to the router's own for another input layout, dtype or device, or with
+    autograd recording. Routers that differ in their plain attributes (`_settings`) are checked apart."""
+    verdict: dict[tuple, tuple[bool, bool] | None] = {}
     installed = 0
     for router in routers:
-        if router is None or router.training:
+        if router is None or router.training or not isinstance(getattr(router, "weight", None), torch.Tensor):
             continue
-        key = (type(router), router.weight.dtype, router.weight.shape, getattr(router, "top_k", None))
+        key = (type(router), router.weight.dtype, router.weight.shape, _settings(router))
         if key not in verdict:
             verdict[key] = router_variant(router, kernel)
         if verdict[key] is not None:
@@ -348,11 +369,13 @@ def attention_plan(module: nn.Module, ext) -> tuple | None:
     if getattr(module, "sliding_window", None) is not None:
         return None
     projections = [_projection(getattr(module, n)) for n in names]
+    if None in projections:  # before reading their widths: another linear class may not say them
+        return None
     norms = [
         _norm(getattr(module, n, None), head_dim, getattr(module, p).out_features)
         for n, p in (("q_norm", "q_proj"), ("k_norm", "k_proj"))
     ]
-    if None in projections or None in norms or norms[0][2] != norms[1][2]:
+    if None in norms or norms[0][2] != norms[1][2]:
         return None
     (qn, q_eps, per_head), (kn, k_eps, _) = norms
     grouped = getattr(module, "num_key_value_groups", 1) > 1
@@ -475,16 +498,20 @@ def install_attention(model: nn.Module, ext, dtype: torch.dtype) -> int:
     for module in model.modules():
         if not type(module).__name__.endswith("Attention") or module.training:
             continue
-        plan = attention_plan(module, ext)
-        if plan is None:
+        try:
+            plan = attention_plan(module, ext)
+            if plan is None:
+                continue
+            embed = _rotary_of(rotary, module, dtype)
+            width = embed(0)[0].shape[-1] if embed is not None else module.head_dim
+            step = _AttentionStep(module, dtype, width, embed, *plan)
+            keywords = {"position_ids": None, "use_cache": True}  # the check's own, as a decoder layer passes them
+            step.verdicts[_call_kind(keywords)] = True  # the check's calls of the fused step take the kernels
+            forward = functools.partial(_fused_attention, step, module.forward)
+            agreed = attention_agrees(module, forward, module.forward, dtype, embed, keywords)
+        except Exception:  # a module the plan misread: it keeps its own forward rather than failing the load
             continue
-        embed = _rotary_of(rotary, module, dtype)
-        width = embed(0)[0].shape[-1] if embed is not None else module.head_dim
-        step = _AttentionStep(module, dtype, width, embed, *plan)
-        keywords = {"position_ids": None, "use_cache": True}  # the check's own, as a decoder layer passes them
-        step.verdicts[_call_kind(keywords)] = True  # the check's calls of the fused step take the kernels
-        forward = functools.partial(_fused_attention, step, module.forward)
-        if attention_agrees(module, forward, module.forward, dtype, embed, keywords):
+        if agreed:
             module.forward = forward
             installed += 1
     return installed
