@@ -5,13 +5,24 @@
         --store tiny-code-int4.moe --store tiny-code-bf16.moe --memory 8MiB --text heldout.txt
     python benchmarks/decode_ab.py --tree lfu=.@lfu --tree forecast=.@forecast --store tiny-code.moe \
         --memory 8MiB --text heldout.txt --prefetch off       # two cache policies of one tree
+    python benchmarks/decode_ab.py --tree old=/tmp/moestream-old --tree new=. --tree new-v3=. \
+        --store-for old=store-v3 --store-for new=store-v4 --store-for new-v3=store-v3 \
+        --memory 6GiB --text README.md --prefetch off --warmup-tokens same   # each tree its own store; all hits
 
 Each measurement is a fresh process that imports moestream from its tree's src/, loads the store through
 the public API only (`moestream.load`, which every version has), decodes a warm-up pass, then times a greedy
 generation of --tokens tokens after the first --prompt-tokens tokens of the text. Decode tokens/s is
 (tokens - 1) / (time of the last token - time of the first), so the prompt is not in it. Rounds alternate
 the trees (A B, B A, A B, ...) so that a noisy neighbour slows both alike; it prints the ratio of the
-medians, the median of the per-round ratios and the ratio of the best runs.
+medians, the median of the per-round ratios and the ratio of the best runs (with more than two trees, of
+each against the first).
+
+A tree decodes every --store in turn, or, given --store-for NAME=STORE, that store instead (a tree whose
+code cannot read the other's store format: an old commit's store against the new one's). A NAME may repeat
+a PATH (one tree on two stores). --warmup-tokens same makes the warm-up the timed generation itself, so
+that with a --memory that holds every expert the timed pass is all hits (greedy decoding routes the same
+way twice); it prints the hit rate of the whole run and of the timed pass, and, with --store-for, each
+tree's store and the moestream it imported.
 """
 
 import argparse
@@ -30,6 +41,7 @@ from transformers.generation.streamers import BaseStreamer
 store, memory, text, prompt_tokens, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(int(sys.argv[6]))
 options = {"policy": sys.argv[8]} if sys.argv[8] else {}  # NAME=PATH@POLICY; else the tree's default
+warmup = tokens if sys.argv[9] == "same" else int(sys.argv[9])
 model, tokenizer = moestream.load(store, memory, prefetch=sys.argv[7], **options)
 ids = tokenizer(open(text).read(), return_tensors="pt").input_ids[:, :prompt_tokens]
 
@@ -48,9 +60,13 @@ def decode(n):
     first, last = times.at[1], times.at[-1]  # put 0 is the prompt, put 1 the first new token
     return (n - 1) / (last - first)
 
-decode(16)  # warm-up: the first pass pays for lazy initialisation
+decode(warmup)  # warm-up: the first pass pays for lazy initialisation (and, "same", reads what the timed one needs)
+before = moestream.stats(model)
 rate = decode(tokens)
-print(json.dumps({"rate": rate, "hit_rate": moestream.stats(model)["hit_rate"]}))
+after = moestream.stats(model)
+hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+timed = hits / (hits + misses) if hits + misses else 0.0
+print(json.dumps({"rate": rate, "hit_rate": after["hit_rate"], "timed_hit_rate": timed, "module": moestream.__file__}))
 """
 
 
@@ -69,6 +85,7 @@ def measure(tree: str, store: str, args) -> dict:
         str(args.threads),
         args.prefetch,
         policy,
+        str(args.warmup_tokens),
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -83,9 +100,16 @@ def main() -> None:
         action="append",
         required=True,
         metavar="NAME=PATH[@POLICY]",
-        help="a source tree (give two), with a cache policy if given",
+        help="a source tree (give two or more), with a cache policy if given",
     )
-    parser.add_argument("--store", action="append", required=True, help="a store to decode (repeatable)")
+    parser.add_argument("--store", action="append", default=[], help="a store to decode (repeatable)")
+    parser.add_argument(
+        "--store-for",
+        action="append",
+        default=[],
+        metavar="NAME=STORE",
+        help="the store tree NAME decodes instead of each --store (repeatable)",
+    )
     parser.add_argument("--memory", default="8MiB")
     parser.add_argument("--text", required=True, help="the prompt's text (its first --prompt-tokens tokens)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
@@ -93,35 +117,57 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefetch", default="auto", help="auto (the default users get), on or off (hit rates then equal)")
+    parser.add_argument(
+        "--warmup-tokens",
+        default="16",
+        help="tokens of the warm-up generation (default 16), or `same`: the timed generation itself",
+    )
     args = parser.parse_args()
+    if args.warmup_tokens != "same" and not args.warmup_tokens.isdigit():
+        parser.error("--warmup-tokens takes a number or `same`")
     trees = [t.split("=", 1) for t in args.tree]
-    for store in args.store:
-        rates: dict[str, list[float]] = {name: [] for name, _ in trees}
-        hit_rates = {}
+    names = [name for name, _ in trees]
+    if len(trees) < 2 or len(set(names)) != len(names):
+        parser.error("give two or more --tree NAME=PATH with distinct names")
+    own = dict(s.split("=", 1) for s in args.store_for)
+    if set(own) - set(names):
+        parser.error(f"--store-for names no --tree: {', '.join(sorted(set(own) - set(names)))}")
+    if not args.store and set(own) != set(names):
+        parser.error("give --store, or a --store-for for every tree")
+    for store in args.store or [None]:
+        stores = {name: own.get(name, store) for name in names}
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        hit_rates, timed_hit_rates, modules = {}, {}, {}
         for r in range(args.rounds):
             order = trees if r % 2 == 0 else trees[::-1]
             for name, path in order:
-                result = measure(path, store, args)
+                result = measure(path, stores[name], args)
                 rates[name].append(result["rate"])
                 hit_rates[name] = result["hit_rate"]
+                timed_hit_rates[name] = result["timed_hit_rate"]
+                modules[name] = result.get("module", "?")
         medians = {name: statistics.median(v) for name, v in rates.items()}
+        what = stores[names[0]] if len(set(stores.values())) == 1 else "each tree's own store"
         print(
-            f"{store} at {args.memory}, prefetch {args.prefetch}, {args.tokens} greedy tokens, {args.rounds} alternating rounds:"
+            f"{what} at {args.memory}, prefetch {args.prefetch}, {args.tokens} greedy tokens, {args.rounds} alternating rounds:"
         )
-        for name, _ in trees:
+        for name in names:
             values = " ".join(f"{v:.1f}" for v in rates[name])
             print(
                 f"  {name:>6}: median {medians[name]:6.2f} tok/s, best {max(rates[name]):6.2f}  (rounds: {values})  "
-                f"hit rate {hit_rates[name]:.1%}"
+                f"hit rate {hit_rates[name]:.1%} (timed pass {timed_hit_rates[name]:.1%})"
             )
-        (a, _), (b, _) = trees[0], trees[1]
-        # A neighbour's load comes in bursts that slow both runs of a round alike: the ratio within each round
-        # is steadier than the ratio of medians; the best run is the least disturbed one.
-        per_round = statistics.median(y / x for x, y in zip(rates[a], rates[b]))
-        print(
-            f"  {b} / {a}: {medians[b] / medians[a]:.3f} (medians), {per_round:.3f} (median of per-round ratios), "
-            f"{max(rates[b]) / max(rates[a]):.3f} (best runs)"
-        )
+            if own:
+                print(f"          store {stores[name]}, moestream from {modules[name]}")
+        a = names[0]
+        for b in names[1:]:
+            # A neighbour's load comes in bursts that slow both runs of a round alike: the ratio within each
+            # round is steadier than the ratio of medians; the best run is the least disturbed one.
+            ratios = [y / x for x, y in zip(rates[a], rates[b])]
+            print(
+                f"  {b} / {a}: {medians[b] / medians[a]:.3f} (medians), {statistics.median(ratios):.3f} (median of "
+                f"per-round ratios: {' '.join(f'{v:.3f}' for v in ratios)}), {max(rates[b]) / max(rates[a]):.3f} (best runs)"
+            )
 
 
 if __name__ == "__main__":
