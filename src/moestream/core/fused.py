@@ -186,21 +186,24 @@ def _fused_forward(module: nn.Module, kernel, eps: float, hidden_states: torch.T
 # -- rotary ------------------------------------------------------------------------------------------------
 
 
-def rotary_agrees(function, kernel) -> bool:
+def rotary_agrees(function, kernel, dtypes=(torch.bfloat16, torch.float16, torch.float32), head_dim=32, heads=(4, 2)) -> bool:
     """Whether `kernel(q, k, cos, sin)` gives the same bits as `function` (a modeling module's
     apply_rotary_pos_emb) on random queries and keys laid out as attention lays them out (heads
-    transposed out of the projection's rows), in bf16, float16 and float32."""
+    transposed out of the projection's rows) and random angles over the whole head, in each of `dtypes`,
+    for `head_dim` and (query, key) `heads`."""
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        q = torch.randn(2, 3, 4, 32, generator=g).to(dtype).transpose(1, 2)
-        k = torch.randn(2, 3, 2, 32, generator=g).to(dtype).transpose(1, 2)
-        cos, sin = (torch.randn(2, 3, 32, generator=g).to(dtype) for _ in range(2))
+    for dtype in dtypes:
+        q = torch.randn(2, 3, heads[0], head_dim, generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(2, 3, heads[1], head_dim, generator=g).to(dtype).transpose(1, 2)
+        cos, sin = (torch.randn(2, 3, head_dim, generator=g).to(dtype) for _ in range(2))
         try:
             with torch.no_grad():
                 expected, got = function(q, k, cos, sin), kernel(q, k, cos, sin)
         except Exception:  # another layout or signature (gpt-oss rotates with half-width cos and sin)
             return False
-        if not all(e.dtype == r.dtype and torch.equal(e, r) for e, r in zip(expected, got)):
+        if not (isinstance(expected, tuple) and len(expected) == len(got) == 2):
+            return False
+        if not all(e.dtype == r.dtype and e.shape == r.shape and torch.equal(e, r) for e, r in zip(expected, got)):
             return False
     return True
 
@@ -208,7 +211,8 @@ def rotary_agrees(function, kernel) -> bool:
 def install_rotary(model: nn.Module, kernel) -> int:
     """Replace `apply_rotary_pos_emb` in each modeling module that defines the model's classes, where the
     kernel agrees with it (`rotary_agrees`); returns how many modules. The replacement serves every model
-    of that module in this process, and hands anything it does not take to the original."""
+    of that module in this process: it checks each head size and dtype it meets once, when it first comes
+    (`_fused_rotary`), and hands anything it does not take to the original."""
     replaced = 0
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
@@ -216,14 +220,16 @@ def install_rotary(model: nn.Module, kernel) -> int:
         if function is None or isinstance(function, functools.partial):
             continue  # none here, or already ours
         if rotary_agrees(function, kernel):
-            module.apply_rotary_pos_emb = functools.partial(_fused_rotary, function, kernel)
+            module.apply_rotary_pos_emb = functools.partial(_fused_rotary, function, kernel, {})
             replaced += 1
     return replaced
 
 
-def _fused_rotary(original, kernel, *args, **kwargs):
-    """The kernel for the call `rotary_agrees` checked: (q, k, cos, sin) by position, the layout it
-    checked; any other call (keywords, unsqueeze_dim, queries alone, other shapes) goes to `original`."""
+def _fused_rotary(original, kernel, verdicts: dict, *args, **kwargs):
+    """The kernel for the call `rotary_agrees` checks: (q, k, cos, sin) by position, cos and sin over the
+    whole head, in the layout it checked, for a head size, head counts and dtype checked when they first
+    came (`verdicts`); any other call (keywords, unsqueeze_dim, queries alone, a partial rotary, another
+    shape, a kind whose check disagreed) goes to `original`."""
     if len(args) != 4 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
         return original(*args, **kwargs)
     q, k, cos, sin = args
@@ -240,7 +246,11 @@ def _fused_rotary(original, kernel, *args, **kwargs):
         and q.shape[3] % 2 == 0
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
     ):
-        return tuple(kernel(q, k, cos, sin))
+        kind = (q.dtype, q.shape[3], q.shape[1], k.shape[1])
+        if kind not in verdicts:
+            verdicts[kind] = rotary_agrees(original, kernel, (q.dtype,), q.shape[3], (q.shape[1], k.shape[1]))
+        if verdicts[kind]:
+            return tuple(kernel(q, k, cos, sin))
     return original(*args)
 
 
