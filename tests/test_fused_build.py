@@ -145,14 +145,19 @@ def test_a_damaged_cached_module_is_built_again(monkeypatch, tmp_path, built, fr
 
 
 @needs_compiler
-def test_two_processes_building_at_once_both_load(tmp_path, built, fresh):
-    """No lock: both build (the stand-in compiler takes a second), both rename, both import."""
-    env = dict(os.environ, CXX=_stand_in_compiler(tmp_path, built, delay=1.0))
+def test_two_processes_building_at_once_both_load(monkeypatch, tmp_path, built, fresh):
+    """No lock: while another process builds (its stand-in compiler takes two seconds), this one builds
+    too; both rename, both import."""
+    monkeypatch.setenv("CXX", _stand_in_compiler(tmp_path, built, delay=2.0))
     code = "from moestream.core import fused_build; assert fused_build.load() is not None"
-    runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    for run in runs:
-        assert run.wait(timeout=120) == 0, run.stderr.read()
-    assert len((tmp_path / "args.txt").read_text().splitlines()) == 2
+    other = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ), stderr=subprocess.PIPE, text=True)
+    args = tmp_path / "args.txt"
+    deadline = time.monotonic() + 120
+    while not args.exists() and other.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the other's compiler runs
+    assert fused_build.load() is not None
+    assert other.wait(timeout=120) == 0, other.stderr.read()
+    assert len(args.read_text().splitlines()) == 2
     assert [p.name for p in fresh.iterdir()] == [built.name]
 
 
