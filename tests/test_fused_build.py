@@ -103,26 +103,20 @@ def test_a_build_renames_its_module_into_the_cache_and_leaves_nothing_else(monke
     assert f"-DTORCH_EXTENSION_NAME={Path(module.__file__).stem}" in args
 
 
-def _dead_pid() -> int:
-    process = subprocess.Popen(["true"])
-    process.wait()
-    return process.pid
-
-
 @needs_compiler
-def test_what_a_killed_build_left_makes_nothing_wait_and_is_removed(monkeypatch, tmp_path, built, fresh):
-    host = socket.gethostname()
+def test_what_a_killed_build_left_makes_nothing_wait_and_is_removed_once_old(monkeypatch, tmp_path, built, fresh):
+    """Build directories left by killed processes, each with the lock file torch's builder would have
+    waited on: a build goes ahead at once, and removes those older than any build runs."""
     fresh.mkdir(parents=True)
-    name = f"moestream_fused_{'0' * 20}"
-    killed = fresh / f".build-{name}-{_dead_pid()}-abc@{host}"  # its process is gone
-    running = fresh / f".build-{name}-{os.getppid()}-def@{host}"  # its process lives: left alone
-    elsewhere = fresh / f".build-{name}-1-ghi@another-host"  # another machine's, young: left alone
-    abandoned = fresh / f".build-{name}-1-jkl@another-host"  # another machine's, a day old
-    for directory in (killed, running, elsewhere, abandoned):
+    name = built.stem
+    killed_now = fresh / f".build-{name}-{2**22 + 1}-abc@{socket.gethostname()}"  # killed a moment ago
+    killed_long_ago = fresh / f".build-{name}-{2**22 + 2}-def@another-host"
+    for directory in (killed_now, killed_long_ago):
         directory.mkdir()
-        (directory / "lock").write_text("")  # what torch's builder would have waited on
-    old = time.time() - fused_build.STALE_SECONDS - 60
-    os.utime(abandoned, (old, old))
+        (directory / "lock").write_text("")
+        (directory / f"{name}.so").write_bytes(b"half written")
+    old = time.time() - fused_build.ABANDONED_SECONDS - 60
+    os.utime(killed_long_ago, (old, old))
     monkeypatch.setenv("CXX", _stand_in_compiler(tmp_path, built))
 
     result = []
@@ -131,8 +125,8 @@ def test_what_a_killed_build_left_makes_nothing_wait_and_is_removed(monkeypatch,
     loading.join(timeout=30)
     assert not loading.is_alive(), "a build waited on what a killed build left"
     assert result[0] is not None
-    assert not killed.exists() and not abandoned.exists()
-    assert running.exists() and elsewhere.exists()
+    assert (fresh / built.name).read_bytes() == built.read_bytes()
+    assert killed_now.exists() and not killed_long_ago.exists()
 
 
 @needs_compiler
