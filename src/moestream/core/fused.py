@@ -72,8 +72,9 @@ def extension():
 def unavailable_reason() -> str | None:
     """None when the fused kernels are available, else why they are off (MOESTREAM_FUSED=0, no compiler,
     a failed build), as one line for a user."""
-    extension()
-    return fused_build.unavailable_reason()
+    if extension() is not None:
+        return None
+    return fused_build.unavailable_reason() or "the fused kernels are turned off in this process"
 
 
 def _epsilon(module: nn.Module) -> float | None:
