@@ -16,7 +16,7 @@ def _deterministic_threads():
 
 @pytest.fixture(scope="session", autouse=True)
 def _fused_kernels_built():
-    # On a fresh machine the first load compiles core/fused.py's kernels (about 40 s): do it here, once,
+    # On a fresh machine the first load compiles core/fused.py's kernels (about 30 s of one core): do it here, once,
     # rather than inside whichever test (or CLI subprocess under a timeout) loads a model first.
     from moestream.core import fused
 

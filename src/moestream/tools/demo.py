@@ -20,6 +20,7 @@ from ..conversion.convert import convert
 from ..conversion.sizes import ModelSizes
 from ..conversion.store import Store
 from ..conversion.synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
+from ..core import fused_build
 from ..core.loading import close, load, stats
 from ..core.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from ..frontends.generate import encode, stream
@@ -102,6 +103,7 @@ def run_demo(workdir: str | None = None, tokens: int = 24, quick: bool = False) 
         root.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         print("moestream demo: a synthetic Qwen3-MoE with RANDOM weights (the generated text is noise).")
+        fused_build.start()  # a first run's kernel compile goes on while the checkpoint is built and converted
         uniform, skewed = _build_stores(root, quick)
         manifest = Store(uniform).manifest
         sizes = ModelSizes.of_store(manifest)
