@@ -22,7 +22,7 @@ code cannot read the other's store format: an old commit's store against the new
 a PATH (one tree on two stores). --warmup-tokens same makes the warm-up the timed generation itself, so
 that with a --memory that holds every expert the timed pass is all hits (greedy decoding routes the same
 way twice); it prints the hit rate of the whole run and of the timed pass, and, with --store-for, each
-tree's store and the moestream it imported.
+tree's store and the moestream it imported; and the machine's load average as each run started.
 """
 
 import argparse
@@ -137,10 +137,11 @@ def main() -> None:
     for store in args.store or [None]:
         stores = {name: own.get(name, store) for name in names}
         rates: dict[str, list[float]] = {name: [] for name in names}
-        hit_rates, timed_hit_rates, modules = {}, {}, {}
+        hit_rates, timed_hit_rates, modules, loads = {}, {}, {}, {name: [] for name in names}
         for r in range(args.rounds):
             order = trees if r % 2 == 0 else trees[::-1]
             for name, path in order:
+                loads[name].append(os.getloadavg()[0])  # a neighbour's share of the CPUs, as this run starts
                 result = measure(path, stores[name], args)
                 rates[name].append(result["rate"])
                 hit_rates[name] = result["hit_rate"]
@@ -159,6 +160,7 @@ def main() -> None:
             )
             if own:
                 print(f"          store {stores[name]}, moestream from {modules[name]}")
+            print(f"          load average (1 min) at each run's start: {' '.join(f'{v:.1f}' for v in loads[name])}")
         a = names[0]
         for b in names[1:]:
             # A neighbour's load comes in bursts that slow both runs of a round alike: the ratio within each
