@@ -23,6 +23,7 @@ that kernels and packing are compared against.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -173,6 +174,7 @@ def stored_codes(qweight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 # -- version 3 stores: torch's CPU kernel layouts ------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=8)
 def legacy_nibble_index(packing: str, n: int, k: int) -> torch.Tensor:
     """Where torch's CPU int4 kernel layout `packing` keeps weight i of an [N, K] matrix (row-major): the
     index of its nibble among the bytes' nibbles (low, then high, of each byte in order).
@@ -202,8 +204,7 @@ def legacy_nibble_index(packing: str, n: int, k: int) -> torch.Tensor:
 def legacy_codes(kernel_bytes: torch.Tensor, packing: str) -> torch.Tensor:
     """The [N, K] codes (uint8) of int4 kernel bytes [N, K/2] stored in a version 3 `packing`."""
     n, k = kernel_bytes.shape[0], kernel_bytes.shape[1] * 2
-    nibbles = torch.stack([kernel_bytes & 15, kernel_bytes >> 4], dim=-1).reshape(-1)
-    return nibbles[legacy_nibble_index(packing, n, k).reshape(-1)].view(n, k)
+    return unpack_nibbles(kernel_bytes).reshape(-1)[legacy_nibble_index(packing, n, k).reshape(-1)].view(n, k)
 
 
 # Each int4 byte holds two nibbles. With codes below 4 only bits 0,1,4,5 are used (mask 0x33); below 8,

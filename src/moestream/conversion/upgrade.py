@@ -16,7 +16,6 @@ killed upgrade leaves the old store as it was.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shutil
 from dataclasses import replace
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..errors import StoreError, UsageError
 from .convert import _cleanup_stale, _move_into_place
-from .quant import PORTABLE_PACKING, QuantFormat, compress_int4_bytes, expand_int4_bytes, legacy_nibble_index, pack_nibbles
+from .quant import PORTABLE_PACKING, QuantFormat, compress_int4_bytes, expand_int4_bytes, legacy_codes, pack_nibbles
 from .store import DTYPES, MANIFEST, FileEntry, Store, checksum, file_checksum
 
 DESCRIPTION = (
@@ -40,18 +39,11 @@ DESCRIPTION = (
 )
 
 
-@functools.lru_cache(maxsize=8)
-def _legacy_index(packing: str, n: int, k: int) -> torch.Tensor:
-    return legacy_nibble_index(packing, n, k).reshape(-1)
-
-
 def portable_bytes(stored: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """A version 3 `qweight` (torch's kernel layout `fmt.packing`, int3/int2 compressed from it) -> the
     version 4 `qweight` of the same codes."""
     kernel = stored if fmt.bits == 4 else expand_int4_bytes(stored, fmt.bits)
-    n, k = kernel.shape[0], kernel.shape[1] * 2
-    nibbles = torch.stack([kernel & 15, kernel >> 4], dim=-1).reshape(-1)
-    nibbles = pack_nibbles(nibbles[_legacy_index(fmt.packing, n, k)].view(n, k))
+    nibbles = pack_nibbles(legacy_codes(kernel, fmt.packing))
     return nibbles if fmt.bits == 4 else compress_int4_bytes(nibbles, fmt.bits)
 
 

@@ -38,8 +38,8 @@ def kernel_nibble_index(n: int, k: int) -> torch.Tensor:
     holder = torch.zeros(n * k, dtype=torch.int64)  # nibble position -> the weight it holds
     shift = 0
     while (1 << shift) < n * k:
-        packed = torch_packing(((index >> shift) & 15).view(n, k)).reshape(-1).to(torch.int64)
-        holder |= torch.stack([packed & 15, packed >> 4], dim=-1).reshape(-1) << shift
+        packed = torch_packing(((index >> shift) & 15).view(n, k))
+        holder |= unpack_nibbles(packed).reshape(-1).to(torch.int64) << shift
         shift += 4
     return torch.argsort(holder)
 
