@@ -14,6 +14,19 @@ def _deterministic_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _float_activations_unless_asked():
+    # Most tests compare streamed models with transformers' own forward on the same weights, to float
+    # rounding. The int8-activation kernels round each activation to 8 bits (as llama.cpp does), so load()
+    # takes float activations here unless a test passes activations= (tests/test_int8_activations.py does,
+    # against the float64 reference of exactly that arithmetic and against the float path).
+    from moestream.core import kernels
+
+    kernels.DEFAULT_ACTIVATIONS = "float"
+    yield
+    kernels.DEFAULT_ACTIVATIONS = "auto"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _fused_kernels_built():
     # On a fresh machine the first load compiles core/fused.py's kernels (about 30 s of one core): do it here, once,

@@ -12,13 +12,15 @@ import moestream
 from moestream.conversion.quant import QuantFormat, pack, quantize, reference_dequantize, torch_int4_packing
 from moestream.conversion.store import MANIFEST, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.dense import QuantizedLinear, align_weights, to_kernel_layout
+from moestream.core.dense import QuantizedLinear, align_weights, prepare_for_cpu
+from moestream.core.kernels import int8_activations_reference
 from moestream.errors import StoreError, UsageError
 
 
+@pytest.mark.parametrize("int8_activations", [False, True])
 @pytest.mark.parametrize("name,group", [("int8", None), ("int4", 32), ("int4", 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_linear_matches_the_float64_definition(name, group, dtype):
+def test_quantized_linear_matches_the_float64_definition(name, group, dtype, int8_activations):
     fmt = QuantFormat.make(name, group or 32)
     g = torch.Generator().manual_seed(11)
     w = torch.randn(96, 256, generator=g) * 0.02
@@ -26,14 +28,22 @@ def test_quantized_linear_matches_the_float64_definition(name, group, dtype):
     q = quantize(w, fmt)
     layer = QuantizedLinear(256, 96, torch.nn.Parameter(bias.to(dtype)), fmt)
     layer.load_state_dict({k.removeprefix("w."): v for k, v in pack(q, fmt, "w").items()} | {"bias": bias.to(dtype)}, assign=True)
-    to_kernel_layout(layer)  # as load() does on the CPU
+    packed = {k: v.clone() for k, v in layer.state_dict().items()}
+    prepare_for_cpu(layer, int8_activations)  # as load() does on the CPU
+    assert layer.int8_activations == int8_activations
     x = torch.randn(2, 5, 256, generator=g)
     expected = x.double() @ reference_dequantize(q, fmt).T + bias.double()
     got = layer(x.to(dtype))
     assert got.shape == (2, 5, 96) and got.dtype == dtype
     relative = ((got.double() - expected).norm() / expected.norm()).item()
-    # bf16 activations keep 8 bits of mantissa; fp32 int8 is exact up to float32 rounding.
-    assert relative <= (1e-5 if dtype == torch.float32 and name == "int8" else 1e-2), relative
+    # bf16 activations keep 8 bits of mantissa; fp32 int8 is exact up to float32 rounding; int8 activations
+    # round each input to 1/254 of its block's largest.
+    assert relative <= (1e-5 if dtype == torch.float32 and name == "int8" and not int8_activations else 1e-2), relative
+    if int8_activations:  # exactly the kernels' arithmetic, up to float32 sums (and bf16's rounding of the output)
+        x2 = x.to(dtype).reshape(10, 256)
+        exact = int8_activations_reference(x2, packed["qweight"], packed[fmt.params], fmt) + bias.to(dtype).double()
+        tolerance = 1e-5 if dtype == torch.float32 else 4e-3
+        assert ((got.reshape(10, 96).double() - exact).abs().max() / exact.abs().max()).item() <= tolerance
 
 
 def _dequantized_reference(ckpt, formats: dict[str, QuantFormat]):

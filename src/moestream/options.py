@@ -131,7 +131,7 @@ def apply_threads(args: argparse.Namespace) -> None:
 def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "4GiB") -> None:
     """The store positional, --memory and the engine options of load(): for every verb that loads a model."""
     from .core.engine import VERIFY_MODES
-    from .core.kernels import COMPUTE_DTYPES
+    from .core.kernels import ACTIVATIONS, COMPUTE_DTYPES
     from .core.prefetch import PREFETCH_MODES
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
@@ -161,6 +161,15 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
         help="dtype of the float weights and activations: auto (default: the model's; a bf16 model computes in "
         "fp32 on a CPU without bf16 arithmetic, where bf16 matmuls are slower, holding its float resident "
         "weights at twice their size), bf16 or fp32",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default=ACTIVATIONS[0],
+        help="what the CPU's low-bit (int8/int4/int3/int2) matmuls take: auto (default: int8 where the compiled "
+        "kernels are measured faster on the model's shapes, which the fast-paths line says), int8 (each "
+        "activation row quantized to int8 and the dot products kept in integers, as llama.cpp does: a little "
+        "rounding, priced by `moestream eval --activations`) or float (the activations as they are)",
     )
     parser.add_argument(
         "--prefetch",
@@ -201,6 +210,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         policy=args.policy,
         prefetch=args.prefetch,
         compute_dtype=args.compute_dtype,
+        activations=args.activations,
         route_to_cached=args.route_to_cached,
     )
 

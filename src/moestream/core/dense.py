@@ -15,7 +15,7 @@ from torch import nn
 
 from ..conversion.quant import QuantFormat
 from ..errors import StoreError
-from .kernels import quantized_matmul
+from .kernels import int8_activations_fit, quantized_matmul
 from .repack import kernel_layout
 
 
@@ -29,9 +29,11 @@ class QuantizedLinear(nn.Module):
         for name, dtype, shape in fmt.record_specs("w", out_features, in_features):
             self.register_buffer(name.removeprefix("w."), torch.empty(shape, dtype=dtype, device="meta"))
         self.bias = bias
+        self.int8_activations = False  # set by `prepare_for_cpu`: the matmul takes int8 activations (kernels.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = quantized_matmul(x.reshape(-1, self.in_features), self.qweight, getattr(self, self.fmt.params), self.fmt)
+        rows = x.reshape(-1, self.in_features)
+        y = quantized_matmul(rows, self.qweight, getattr(self, self.fmt.params), self.fmt, self.int8_activations)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -55,11 +57,16 @@ def install(model: nn.Module, formats: dict[str, QuantFormat]) -> None:
         setattr(model.get_submodule(parent) if parent else model, child, quantized)
 
 
-def to_kernel_layout(model: nn.Module) -> None:
-    """On the CPU: the portable int4 weights become the layout of torch's CPU int4 kernel, once at load
-    (repack.py). A version 3 store's weights are in it already."""
+def prepare_for_cpu(model: nn.Module, int8_activations: bool) -> None:
+    """On the CPU, once at load: with `int8_activations`, the linears whose matrices fit them run the
+    int8-activation kernels on their weights as stored; the other portable int4 weights become the layout
+    of torch's CPU int4 kernel (repack.py). A version 3 store's weights are in it already."""
     for module in model.modules():
-        if isinstance(module, QuantizedLinear) and module.fmt.bits == 4 and module.fmt.portable:
+        if not isinstance(module, QuantizedLinear):
+            continue
+        if int8_activations and int8_activations_fit(module.fmt, module.out_features, module.in_features):
+            module.int8_activations = True
+        elif module.fmt.bits == 4 and module.fmt.portable:
             module.qweight = kernel_layout(module.qweight)
 
 

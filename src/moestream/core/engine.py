@@ -87,10 +87,12 @@ class ExpertEngine:
         read_timeout: float = READ_TIMEOUT_SECONDS,
         policy: str = DEFAULT_POLICY,
         cpu_kernels: bool = True,
+        int8_activations: bool = False,
     ):
-        """cpu_kernels: the experts compute with torch's CPU kernels (the CPU, or a CPU stand-in device), so
-        int4-family records are repacked into their layout as they land; False on a GPU, whose kernels read
-        the stored layout."""
+        """cpu_kernels: the experts compute with the CPU's kernels (the CPU, or a CPU stand-in device); False
+        on a GPU, whose kernels read the stored layout. int8_activations: quantized layers whose matrices
+        the int8-activation kernels take run them (kernels.py), reading records as stored; the others'
+        int4-family records are repacked into torch's CPU layout as they land."""
         if verify not in VERIFY_MODES:
             raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.store = store
@@ -112,8 +114,15 @@ class ExpertEngine:
         self.layer_stats = [LayerStats() for _ in self.layers]
         # Each layer's record tensors' dtypes by name (float records compute in their own dtype).
         self.record_dtypes = [{t.name: DTYPES[t.dtype] for t in layer.layout.tensors} for layer in self.layers]
-        # What turns each layer's records into its kernels' layout as they land, or None (kernels.py).
-        self.preparers = [kernels.record_preparer(layer.quantization, layer.layout, cpu_kernels) for layer in self.layers]
+        # Per layer: whether its experts' matmuls take int8 activations, and what turns its records into its
+        # kernels' layout as they land, or None (kernels.py).
+        self.int8_activations = [
+            int8_activations and cpu_kernels and _takes_int8_activations(layer) for layer in self.layers
+        ]  # fmt: skip
+        self.preparers = [
+            kernels.record_preparer(layer.quantization, layer.layout, cpu_kernels, integer)
+            for layer, integer in zip(self.layers, self.int8_activations)
+        ]
         self.trace = None  # a trace.TraceRecorder while routing is being recorded
         self.prefetcher = None  # a prefetch.Prefetcher, set by load()
         # Told when a forward pass starts (`start_step(tokens)`) and when an experts call ends
@@ -328,7 +337,9 @@ class ExpertEngine:
         decides; remembered per layer and dtype), or None."""
         key = (layer, x.dtype)
         if key not in self._one_token_kernels:
-            self._one_token_kernels[key] = kernels.one_token_experts(module, self.layers[layer], x, self.tier is not None)
+            self._one_token_kernels[key] = kernels.one_token_experts(
+                module, self.layers[layer], x, self.tier is not None, self.int8_activations[layer]
+            )
         return self._one_token_kernels[key]
 
     def _compute(self, call: _LayerCall, experts: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
@@ -338,11 +349,11 @@ class ExpertEngine:
         over their stacked rows where that gives the same bits (`SHARED_GATE_WIDTH`): the gate is row-wise,
         and at decode the small ops between the matmuls cost as much as the matmuls (docs/BENCHMARKS.md)."""
         if call.single and call.fused is not None:
-            kernel, (q1, p1, q2, p2), bits, group = call.fused
+            kernel, (q1, p1, q2, p2), bits, group, integer = call.fused
             experts = sorted(experts, key=lambda item: call.rows[item[0]])  # in k order
             whole = len(experts) == call.k  # every choice at once: the kernel also sums them, as `result` would
             out = kernel(call.x, [w[q1] for _, w in experts], [w[p1] for _, w in experts],
-                         [w[q2] for _, w in experts], [w[p2] for _, w in experts], bits, group,
+                         [w[q2] for _, w in experts], [w[p2] for _, w in experts], bits, group, integer,
                          call.weights if whole else None)  # fmt: skip
             if whole:
                 call.total = out
@@ -423,8 +434,8 @@ class _LayerCall:
     writes its weighted output into rows t*k + j of `out` [T*k, H]."""
 
     __slots__ = (
-        "engine", "module", "layer", "hidden", "rows", "weights", "k", "single", "x", "fmt", "first", "ys", "out",
-        "fused", "total",
+        "engine", "module", "layer", "hidden", "rows", "weights", "k", "single", "x", "fmt", "int8", "first", "ys",
+        "out", "fused", "total",
     )  # fmt: skip
 
     def __init__(self, engine: ExpertEngine, module, layer: int, hidden, rows, top_k_weights, tokens: int, k: int, single: bool):
@@ -432,6 +443,7 @@ class _LayerCall:
         self.single = single
         spec = engine.layers[layer]
         self.fmt = spec.quantization
+        self.int8 = engine.int8_activations[layer]  # the matmuls take int8 activations (kernels.py)
         self.first = "gate_up_proj" if module.has_gate else "up_proj"
         # Float records compute in their own dtype, quantized ones in the model's activation dtype: cast once
         # per call, not per expert.
@@ -508,7 +520,7 @@ class PrefillProgress:
 
 
 def _first_matmul(call: _LayerCall, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    h = expert_linear(x, w, call.first, call.fmt, call.module.is_transposed)
+    h = expert_linear(x, w, call.first, call.fmt, call.module.is_transposed, call.int8)
     return h + w[call.first + "_bias"] if call.module.has_bias else h
 
 
@@ -518,10 +530,19 @@ def _gate(module, h: torch.Tensor) -> torch.Tensor:
 
 def _second_matmul(call: _LayerCall, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     module = call.module
-    y = expert_linear(h, w, "down_proj", call.fmt, module.is_transposed)
+    y = expert_linear(h, w, "down_proj", call.fmt, module.is_transposed, call.int8)
     if module.has_bias:
         y = y + w["down_proj_bias"]
     return module.post_expert_norm(y) if module.has_post_expert_norm else y
+
+
+def _takes_int8_activations(layer) -> bool:
+    """Whether every quantized matrix of a layer's records fits the int8-activation kernels."""
+    fmt = layer.quantization
+    if fmt is None:
+        return False
+    shapes = [t.shape for t in layer.layout.tensors if t.name.endswith(".qweight")]
+    return all(kernels.int8_activations_fit(fmt, n, width * 8 // fmt.bits) for n, width in shapes)
 
 
 def streaming_experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -36,13 +36,16 @@ def _partial_of(function) -> object:
     return getattr(function, "func", None)
 
 
-def survey(model, engine, routers, compute_dtype: torch.dtype, on_gpu: bool) -> list[FastPath]:
-    """What `load` decided for this model; resolves the one-token experts kernel for `compute_dtype`."""
+def survey(model, engine, routers, compute_dtype: torch.dtype, on_gpu: bool, activations: str = "") -> list[FastPath]:
+    """What `load` decided for this model; resolves the one-token experts kernel for `compute_dtype`.
+    `activations`: what kernels.choose_activations said of the low-bit matmuls' activations."""
     paths = []
     why_not = f"{compute_dtype}".removeprefix("torch.")
     if compute_dtype == torch.float32 and not native_bf16():
         why_not += ": this CPU has no bf16 arithmetic"
     paths.append(FastPath("compute dtype", 0, 0, why_not))
+    if activations:
+        paths.append(FastPath("low-bit matmuls", 0, 0, activations))
     ext = None if on_gpu else fused.extension()
     if on_gpu:
         paths.append(FastPath("fused CPU kernels", 0, 0, "off: the model runs on a GPU"))
@@ -98,11 +101,15 @@ def _experts(model, engine, compute_dtype: torch.dtype, compiled: bool) -> FastP
 
 def _records(engine, on_gpu: bool) -> FastPath | None:
     """How int4-family records become what their kernel reads (None: the store has none)."""
-    layers = [layer for layer in engine.layers if layer.quantization is not None and layer.quantization.name != "int8"]
-    if not layers:
+    indices = [i for i, layer in enumerate(engine.layers) if layer.quantization is not None and layer.quantization.name != "int8"]
+    if not indices:
         return None
+    layers = [engine.layers[i] for i in indices]
     if on_gpu:
         return FastPath("int4 records", len(layers), len(layers), "read by the GPU kernels as stored")
+    as_stored = sum(engine.int8_activations[i] for i in indices)
+    if as_stored == len(layers):
+        return FastPath("int4 records", len(layers), len(layers), "read as stored by the int8-activation kernels")
     portable = [layer for layer in layers if layer.quantization.portable]
     if not portable:
         return FastPath("int4 records", len(layers), len(layers), "stored in this machine's kernel layout (format 3)")

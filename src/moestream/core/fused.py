@@ -345,11 +345,13 @@ def experts_kernel(module: nn.Module, width: int, dtype: torch.dtype):
 
 
 def _projection(linear: nn.Module) -> tuple | None:
-    """(weight, params, bits, group) of a bias-free resident linear as the kernel takes it, or None."""
+    """(weight, params, bits, group, int8 activations) of a bias-free resident linear as the kernel takes
+    it, or None."""
     if isinstance(linear, dense.QuantizedLinear) and linear.bias is None and linear.fmt.name in ("int8", "int4"):
-        return linear.qweight, getattr(linear, linear.fmt.params), linear.fmt.bits, linear.fmt.group_size or 0
+        fmt = linear.fmt
+        return linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, linear.int8_activations
     if type(linear) is nn.Linear and linear.bias is None:
-        return linear.weight, linear.weight, 0, 0
+        return linear.weight, linear.weight, 0, 0, False
     return None
 
 

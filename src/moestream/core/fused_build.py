@@ -46,7 +46,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "fused_kernels.cpp"
-FLAGS = ("-std=c++20", "-O3", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden", "-shared")
+# -fopenmp: at::parallel_for is OpenMP inside ATen's headers, so without it every kernel here ran on one
+# thread. The module then needs libgomp.so.1, which torch's own libraries have loaded already.
+FLAGS = ("-std=c++20", "-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-fvisibility=hidden", "-shared")
 LIBRARIES = ("c10", "torch_cpu", "torch", "torch_python")
 EXPECTED_SECONDS = 30  # one build: 32-37 s of one core of a busy 2-core AMD EPYC (docs/BENCHMARKS.md)
 BUILD_TIMEOUT_SECONDS = 900  # a compiler that has not finished by then has hung
@@ -61,9 +63,18 @@ _told: set[str] = set()  # reasons already printed
 _background: threading.Thread | None = None
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "(\w+\.h)"$', re.MULTILINE)
+
+
+def read_source() -> str:
+    """The source as compiled: fused_kernels.cpp with the headers of this directory it includes written in
+    place, so that one text is hashed (`cache_key`) and compiled."""
+    return _LOCAL_INCLUDE.sub(lambda m: (SOURCE.parent / m.group(1)).read_text(), SOURCE.read_text())
+
+
 def kernel_names(source: str | None = None) -> list[str]:
     """The kernels the module exports, as its PYBIND11_MODULE block names them (`m.def("name", ...)`)."""
-    text = SOURCE.read_text() if source is None else source
+    text = read_source() if source is None else source
     return re.findall(r'\bm\.def\(\s*"(\w+)"', text)
 
 
@@ -209,7 +220,7 @@ def _load():
         raise Unavailable("MOESTREAM_FUSED=0")
     if sys.platform == "win32":
         raise Unavailable("built on Linux and macOS only")
-    source = SOURCE.read_text()
+    source = read_source()
     key = cache_key(source, FLAGS + tuple(_abi_defines()), *torch_build(), python_abi())
     if key in _loaded:
         return _loaded[key]

@@ -21,6 +21,8 @@
 #include <cstring>
 #include <vector>
 
+#include "lowbit_dot.h"
+
 namespace torch {  // as <torch/extension.h> has it (torch/types.h)
 using namespace at;  // torch::Tensor, torch::empty
 }
@@ -135,9 +137,80 @@ std::vector<torch::Tensor> softmax_topk_router(torch::Tensor x, torch::Tensor we
   return {logits, values, std::get<1>(top)};
 }
 
-// An expert's matmul as kernels.py runs it on the CPU: the int4 kernel in bf16 (other activations cast in
-// and the result cast back), the int8 kernel in the activations' dtype.
-static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group) {
+// ---- int8 activations against low-bit weights (lowbit_dot.h), as torch tensors ----------------------------
+
+// x [M, K], float32 or bf16 -> its rows quantized for weights of `group` (0: int8 weights).
+static void quantize_rows(const torch::Tensor& x, int64_t group, lowbit::Activations& a) {
+  TORCH_CHECK(x.dim() == 2, "int8 activations: x must be [M, K]");
+  auto in = x.contiguous();
+  const int64_t rows = in.size(0), k = in.size(1);
+  TORCH_CHECK(k % (group ? lowbit::kSuper : lowbit::kBlock) == 0, "int8 activations: K must be a multiple of ",
+              group ? lowbit::kSuper : lowbit::kBlock);
+  if (in.scalar_type() == at::kBFloat16)
+    lowbit::quantize(reinterpret_cast<const uint16_t*>(in.data_ptr()), rows, k, group, a);
+  else if (in.scalar_type() == at::kFloat)
+    lowbit::quantize(in.data_ptr<float>(), rows, k, group, a);
+  else {  // float16 and others: through float32 (exact for float16)
+    auto wide = in.to(at::kFloat);
+    lowbit::quantize(wide.data_ptr<float>(), rows, k, group, a);
+  }
+}
+
+// Output rows split across torch's threads in units of `unit` rows, each task at least ~32 KB of weights.
+template <typename F>
+static torch::Tensor over_rows(const lowbit::Activations& a, int64_t n, int64_t unit, int64_t row_bytes, at::ScalarType dtype, F rows) {
+  auto y = torch::empty({a.rows, n}, at::TensorOptions().dtype(at::kFloat));
+  float* out = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes * unit, 1));
+  at::parallel_for(0, n / unit, grain, [&](int64_t begin, int64_t end) { rows(begin * unit, end * unit, out); });
+  return dtype == at::kFloat ? y : y.to(dtype);
+}
+
+// int4 codes in the store's portable nibbles, w [N, K/2] uint8, with scales and zeros [K/G, N, 2] bf16.
+static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& sz, at::ScalarType dtype) {
+  const int64_t n = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) * 2 == a.k && n % 8 == 0,
+              "int4 x int8: the codes must be contiguous uint8 [N, K/2], N a multiple of 8");
+  TORCH_CHECK(sz.dim() == 3 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.size(0) * a.group == a.k && sz.size(1) == n &&
+                  sz.size(2) == 2,
+              "int4 x int8: scales and zeros must be contiguous bf16 [K/G, N, 2]");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
+  return over_rows(a, n, 8, a.k / 2, dtype, [&](int64_t b, int64_t e, float* y) { lowbit::int4_rows(a, wp, sp, n, b, e, y); });
+}
+
+// int8 codes w [N, K] with per-channel scales [N] (float32 or bf16).
+static torch::Tensor int8_rows(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& scales, at::ScalarType dtype) {
+  const int64_t n = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(1) == a.k, "int8 x int8: codes must be contiguous int8 [N, K]");
+  TORCH_CHECK(scales.numel() == n && scales.is_contiguous() && (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kBFloat16),
+              "int8 x int8: scales must be contiguous float32 or bf16 [N]");
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const void* sp = scales.data_ptr();
+  const bool bf16 = scales.scalar_type() == at::kBFloat16;
+  return over_rows(a, n, 1, a.k, dtype, [&](int64_t b, int64_t e, float* y) { lowbit::int8_rows(a, wp, sp, bf16, n, b, e, y); });
+}
+
+// x [M, K] @ W.T for an int4 (portable nibbles) or int8 matrix, in int8 activations -> [M, N] in x's dtype.
+torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales_zeros, int64_t group) {
+  TORCH_CHECK(group > 0 && group % lowbit::kBlock == 0, "int4_matmul: the group size must be a multiple of 32");
+  thread_local lowbit::Activations a;
+  quantize_rows(x, group, a);
+  return int4_rows(a, w, scales_zeros, x.scalar_type());
+}
+
+torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+  thread_local lowbit::Activations a;
+  quantize_rows(x, 0, a);
+  return int8_rows(a, w, scales, x.scalar_type());
+}
+
+// An expert's matmul as kernels.py runs it on the CPU. With `integer`, the int8-activation kernels above on
+// portable bytes; else the int4 kernel in bf16 (other activations cast in and the result cast back) on
+// torch's layout, the int8 kernel in the activations' dtype.
+static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group,
+                               bool integer) {
+  if (integer) return bits == 4 ? int4_matmul(x, q, params, group) : int8_matmul(x, q, params);
   if (bits == 4) {
     if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
     return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), q, group, params).to(x.scalar_type());
@@ -153,18 +226,22 @@ static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, c
 // rows multiplied in place, then summed), one call for a whole one-token experts call.
 torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, std::vector<torch::Tensor> first_params,
                              std::vector<torch::Tensor> second, std::vector<torch::Tensor> second_params, int64_t bits, int64_t group,
-                             c10::optional<torch::Tensor> weights) {
+                             bool integer, c10::optional<torch::Tensor> weights) {
   const int64_t n = static_cast<int64_t>(first.size());
   TORCH_CHECK(n > 0 && first_params.size() == first.size() && second.size() == first.size() && second_params.size() == first.size(),
               "experts_decode: one first and one second matrix per expert");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "experts_decode: x must be one contiguous row [1, H]");
   TORCH_CHECK(bits == 4 || bits == 8, "experts_decode: 4 or 8 bits");
   torch::Tensor out;
+  thread_local lowbit::Activations shared;  // with `integer`: x quantized once for every expert's first matrix
+  if (integer) quantize_rows(x, bits == 4 ? group : 0, shared);
   for (int64_t j = 0; j < n; ++j) {
-    auto h = quantized(x, first[j], first_params[j], bits, group);
+    auto h = !integer ? quantized(x, first[j], first_params[j], bits, group, false)
+             : bits == 4 ? int4_rows(shared, first[j], first_params[j], x.scalar_type())
+                         : int8_rows(shared, first[j], first_params[j], x.scalar_type());
     auto a = torch::empty({1, h.size(1) / 2}, h.options());
     silu_gate_into(h, a);
-    auto y = quantized(a, second[j], second_params[j], bits, group);
+    auto y = quantized(a, second[j], second_params[j], bits, group, integer);
     if (j == 0) out = torch::empty({n, y.size(1)}, y.options());
     std::memcpy(static_cast<char*>(out.data_ptr()) + j * y.nbytes(), y.data_ptr(), y.nbytes());
   }
@@ -173,10 +250,12 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
 }
 
 // A resident linear without bias as kernels.py runs it on the CPU, x [M, K] -> [M, N]: bits 0 a float
-// weight (at::linear), 8 torch's int8 kernel (in float32 for bf16 activations whose width is not a
-// multiple of 16, where its bf16 path is wrong), 4 the int4 kernel (in bf16, cast back).
-static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group) {
+// weight (at::linear); with `integer` the int8-activation kernels (portable int4 bytes, or int8); else 8
+// torch's int8 kernel (in float32 for bf16 activations whose width is not a multiple of 16, where its bf16
+// path is wrong), 4 the int4 kernel (in bf16, cast back).
+static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group, bool integer) {
   if (bits == 0) return at::linear(x, w);
+  if (integer) return quantized(x, w, params, bits, group, true);
   if (bits == 8) {
     if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16)
       return at::_weight_int8pack_mm(x.to(at::kFloat), w, params.to(at::kFloat)).to(x.scalar_type());
@@ -192,15 +271,16 @@ static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, con
 // q, k, v), the optional RMSNorms of q and k (over each head, or over the whole projection before it is
 // split into heads), then the rotary embedding of q and k.
 std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> params,
-                                                std::vector<int64_t> bits, std::vector<int64_t> groups,
+                                                std::vector<int64_t> bits, std::vector<int64_t> groups, std::vector<bool> integer,
                                                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
                                                 double q_eps, double k_eps, bool norm_per_head, int64_t head_dim,
                                                 torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(weights.size() == 3 && params.size() == 3 && bits.size() == 3 && groups.size() == 3, "attention_decode_qkv: q, k, v");
+  TORCH_CHECK(weights.size() == 3 && params.size() == 3 && bits.size() == 3 && groups.size() == 3 && integer.size() == 3,
+              "attention_decode_qkv: q, k, v");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "attention_decode_qkv: x must be one contiguous row [1, H]");
   torch::Tensor states[3];
   for (int i = 0; i < 3; ++i) {
-    auto y = project(x, weights[i], params[i], bits[i], groups[i]);
+    auto y = project(x, weights[i], params[i], bits[i], groups[i], integer[i]);
     const c10::optional<torch::Tensor>& norm = i == 0 ? q_norm : k_norm;
     const double eps = i == 0 ? q_eps : k_eps;
     if (i < 2 && norm.has_value() && !norm_per_head) y = rms_norm(y, *norm, eps);
@@ -215,10 +295,10 @@ std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weigh
 // The rest of one token's attention: sdpa over the cached keys and values as transformers calls it for
 // one query without a mask (no causal flag; grouped heads in sdpa itself), heads joined, then the output
 // projection -> [1, 1, H].
-torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, double scale,
+torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, bool integer, double scale,
                                    bool grouped, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
   auto o = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
-  return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group).view({1, 1, -1});
+  return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group, integer).view({1, 1, -1});
 }
 
 // ---- int4 codes from the store's portable layout to torch's CPU kernel layout ----------------------------
@@ -363,5 +443,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_topk_router", &softmax_topk_router);
   m.def("attention_decode_qkv", &attention_decode_qkv);
   m.def("attention_decode_out", &attention_decode_out);
+  m.def("int4_matmul", &int4_matmul);
+  m.def("int8_matmul", &int8_matmul);
   m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
 }

@@ -3,7 +3,13 @@
 Expert records go through `expert_linear`, resident quantized linears (dense.py) through
 `quantized_matmul`; which kernel runs is decided here and nowhere else.
 
-CPU kernels:
+CPU kernels with int8 activations (`load(activations=...)`, the default where they are measured faster,
+`choose_activations`): the compiled kernels of core/lowbit_dot.h quantize each activation row to int8 (a
+scale per 32 inputs) and keep the dot products in integers, as llama.cpp does; they read the int4 family's
+portable bytes as stored (no repack) and int8 weights as they are. Their arithmetic is defined in
+lowbit_dot.h and computed in float64 by `int8_activations_reference`.
+
+CPU kernels with float activations:
 - int4: `torch._weight_int4pack_mm_for_cpu`, bf16 activations (fp32 activations would make the AVX2
   kernel ~10x slower, so we cast in and out).
 - int8: `torch._weight_int8pack_mm`, in the activation dtype. Its bf16 path gives wrong results when
@@ -24,7 +30,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..conversion.quant import QuantFormat, expand_int4_bytes, torch_int4_packing, unpack_nibbles
+import functools
+import time
+
+from ..conversion.quant import QuantFormat, expand_int4_bytes, quantize, pack, torch_int4_packing, unpack_nibbles
 from ..errors import StoreError, UsageError
 from .repack import RecordPreparer
 
@@ -47,6 +56,22 @@ def _int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fm
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qweight, fmt.group_size, scales_zeros).to(x.dtype)
 
 
+def _int8_activations_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    return _compiled().int8_matmul(x, qweight, scales)
+
+
+def _int8_activations_int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    if fmt.bits < 4:
+        qweight = expand_int4_bytes(qweight, fmt.bits)
+    return _compiled().int4_matmul(x, qweight, scales_zeros, fmt.group_size)
+
+
+def _compiled():
+    from . import fused  # fused imports dense, which imports this module
+
+    return fused.extension()
+
+
 def int8_dequantized(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 on a device without torch's int8 kernel (CUDA): the matrix dequantized to the activations'
     dtype for this call (W = q * s), then one matmul."""
@@ -65,7 +90,7 @@ def int4_dequantized(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch
     return F.linear(x, ((groups - 8) * scales + zeros).view(n, k))
 
 
-def one_token_experts(module, layer, x: torch.Tensor, tiered: bool) -> tuple | None:
+def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activations: bool = False) -> tuple | None:
     """The fused kernel for one token through a layer's experts (core/fused.py's `experts_decode`) with the
     record tensors' names it takes, its bits and group size; or None where it does not apply: a device
     tier, float or int3/int2 records, int8 in bf16 at widths torch's kernel gets wrong (`_int8`), or a
@@ -79,20 +104,21 @@ def one_token_experts(module, layer, x: torch.Tensor, tiered: bool) -> tuple | N
     first = "gate_up_proj" if module.has_gate else "up_proj"
     shapes = {t.name: t.shape for t in layer.layout.tensors}
     width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
-    if fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
+    if not int8_activations and fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
         return None
     kernel = fused.experts_kernel(module, width, x.dtype)
     if kernel is None:
         return None
     names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
-    return kernel, names, fmt.bits, fmt.group_size or 0
+    return kernel, names, fmt.bits, fmt.group_size or 0, int8_activations
 
 
-def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool):
+def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_activations: bool = False):
     """What makes a layer's records, as read, into the bytes its kernels take (called on the I/O thread
     with the record's tensors), or None where they take them as stored: float and int8 records, a GPU,
-    and a version 3 store's records (already in this machine's kernel layout, `check_packing`)."""
-    if fmt is None or fmt.name == "int8" or not cpu_kernels or not fmt.portable:
+    int8-activation kernels, and a version 3 store's records (already in this machine's kernel layout,
+    `check_packing`)."""
+    if fmt is None or fmt.name == "int8" or not cpu_kernels or int8_activations or not fmt.portable:
         return None
     return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
 
@@ -121,14 +147,19 @@ def check_packing(fmt: QuantFormat | None, where: str, on_gpu: bool) -> None:
 
 
 _KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4}
+_INT8_ACTIVATION_KERNELS = {"int8": _int8_activations_int8, "int4": _int8_activations_int4, "int3": _int8_activations_int4,
+                            "int2": _int8_activations_int4}  # fmt: skip
 
 
-def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """x [M, K] -> [M, N] with a quantized matrix: `qweight` and its `fmt.params` tensor."""
-    return _KERNELS[fmt.name](x, qweight, params, fmt)
+def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, fmt: QuantFormat, int8_activations: bool = False) -> torch.Tensor:
+    """x [M, K] -> [M, N] with a quantized matrix: `qweight` and its `fmt.params` tensor; with
+    `int8_activations` (a matrix that `int8_activations_fit`, on the CPU) the integer kernels."""
+    return (_INT8_ACTIVATION_KERNELS if int8_activations else _KERNELS)[fmt.name](x, qweight, params, fmt)
 
 
-def expert_linear(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat | None, transposed: bool) -> torch.Tensor:
+def expert_linear(
+    x: torch.Tensor, w: dict, name: str, fmt: QuantFormat | None, transposed: bool, int8_activations: bool = False
+) -> torch.Tensor:
     """x [M, K] -> [M, N] with the record's matrix `name`.
 
     Float records keep the module's own orientation (`transposed`: stored [K, N], as gpt-oss does);
@@ -136,7 +167,106 @@ def expert_linear(x: torch.Tensor, w: dict, name: str, fmt: QuantFormat | None, 
     if fmt is None:
         weight = w[name]
         return x @ weight if transposed else F.linear(x, weight)
-    return _KERNELS[fmt.name](x, w[f"{name}.qweight"], w[f"{name}.{fmt.params}"], fmt)
+    return quantized_matmul(x, w[f"{name}.qweight"], w[f"{name}.{fmt.params}"], fmt, int8_activations)
+
+
+# -- int8 activations ------------------------------------------------------------------------------------
+
+#: `load(activations=...)` / `--activations`: what the CPU's low-bit matmuls take. "auto": int8 where the
+#: compiled kernels exist and are measured faster on the model's shapes (`choose_activations`).
+ACTIVATIONS = ("auto", "int8", "float")
+#: What `load` takes when not told (the test suite's exactness tests set "float").
+DEFAULT_ACTIVATIONS = "auto"
+#: "auto" takes int8 activations only when they are at least this much faster: a near tie is not worth
+#: their rounding, and keeps the choice from flipping between runs on a noisy machine.
+INT8_ACTIVATIONS_MARGIN = 1.2
+
+
+def int8_activations_fit(fmt: QuantFormat | None, n: int, k: int) -> bool:
+    """Whether a quantized [N, K] matrix of `fmt` can run the int8-activation kernels: int8 weights with K a
+    multiple of 32, or the int4 family in the portable layout with K a multiple of 64 and N of 8 (every
+    real model's widths are)."""
+    if fmt is None or not fmt.portable:
+        return False
+    if fmt.name == "int8":
+        return k % 32 == 0
+    return k % 64 == 0 and n % 8 == 0
+
+
+@functools.lru_cache(maxsize=16)
+def measure_activations(fmt: QuantFormat, n: int, k: int, repeats: int = 20) -> tuple[float, float]:
+    """(int8-activation ms, float-activation ms) of one token through a random [N, K] matrix of `fmt` on this
+    machine, with the threads the model will use: what "auto" decides by (a few ms, once per shape)."""
+    g = torch.Generator().manual_seed(0)
+    record = pack(quantize(torch.randn(n, k, generator=g), fmt), fmt, "w")
+    qweight, params = record["w.qweight"], record[f"w.{fmt.params}"]
+    fast = cpu_record(record, fmt)["w.qweight"]  # torch's layout for the float-activation kernel
+    x = torch.randn(1, k, generator=g)
+
+    def best(run) -> float:
+        run()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+    return (
+        best(lambda: quantized_matmul(x, qweight, params, fmt, True)),
+        best(lambda: quantized_matmul(x, fast, params, fmt, False)),
+    )
+
+
+def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, int]], on_gpu: bool) -> tuple[bool, str]:
+    """(int8 activations or not, why) for a model whose quantized matrices are `shapes` (format, N, K), from
+    the user's `choice` (ACTIVATIONS; None: DEFAULT_ACTIVATIONS). "auto" measures the largest one
+    (`measure_activations`)."""
+    choice = DEFAULT_ACTIVATIONS if choice is None else choice
+    if choice not in ACTIVATIONS:
+        raise UsageError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {choice!r}")
+    fitting = [(fmt, n, k) for fmt, n, k in shapes if int8_activations_fit(fmt, n, k)]
+    if choice == "float":
+        return False, "float activations, as chosen"
+    if on_gpu:
+        return False, "float activations: the model runs on a GPU"
+    if not fitting:
+        return False, "float activations: no quantized matrix here that the int8-activation kernels take"
+    if _compiled() is None:
+        from . import fused
+
+        if choice == "int8":
+            raise UsageError(f"--activations int8 needs the compiled kernels, which are off: {fused.unavailable_reason()}")
+        return False, "float activations: no compiled kernels"
+    if choice == "int8":
+        return True, "int8 activations, as chosen"
+    fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
+    integer, floating = measure_activations(fmt, n, k)
+    ratio = floating / integer
+    if ratio >= INT8_ACTIVATIONS_MARGIN:
+        return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here"
+    return False, f"float activations: int8 ones measured {ratio:.2f}x their speed here (under {INT8_ACTIVATIONS_MARGIN}x)"
+
+
+def int8_activations_reference(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """What the int8-activation kernels compute (lowbit_dot.h), in float64: x [M, K] quantized in blocks of
+    32 with float32 operations, exact integer sums per block, then the scales -> [M, N]."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    d = blocks.abs().amax(-1) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse[..., None]).double()  # round half to even, as the kernels
+    d = d.double()
+    if fmt.name == "int8":
+        codes = qweight.double().view(qweight.shape[0], k // 32, 32)
+        return (torch.einsum("mbi,nbi->mnb", q, codes) * d[:, None, :]).sum(-1) * params.double()[None, :]
+    codes = unpack_nibbles(qweight if fmt.bits == 4 else expand_int4_bytes(qweight, fmt.bits)).double() - 8
+    n, g = codes.shape[0], fmt.group_size
+    per_block = torch.einsum("mbi,nbi->mnb", q, codes.view(n, k // 32, 32)) * d[:, None, :]
+    per_group = per_block.view(m, n, k // g, g // 32).sum(-1)
+    scales, zeros = params[..., 0].t().double(), params[..., 1].t().double()  # [N, K/G]
+    sums = x.double().view(m, k // g, g).sum(-1)  # the zero's term takes the float activations
+    return (per_group * scales[None] + zeros[None] * sums[:, None, :]).sum(-1)
 
 
 # -- the activations' dtype ------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def load(
     policy: str = DEFAULT_POLICY,
     prefetch: str = "auto",
     compute_dtype: str = "auto",
+    activations: str | None = None,
     route_to_cached: float = 0.0,
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
@@ -81,6 +82,10 @@ def load(
     compute_dtype: "auto" (default: the model's dtype, except a bf16 model on a CPU without bf16
         arithmetic computes in float32, its float resident weights then held at twice their stored
         size), "bf16" or "fp32" (kernels.compute_dtype).
+    activations: what the CPU's low-bit matmuls take: "auto" (the default, kernels.DEFAULT_ACTIVATIONS: int8 where the compiled kernels are
+        measured faster on this model's shapes here, else float), "int8" (llama.cpp's arithmetic: each
+        activation row quantized to int8, the dot products in integers; `moestream eval --activations`
+        prices it) or "float" (the activations as they are: torch's kernels).
     route_to_cached: a margin in (0, 1) turns cache-aware routing on (routing.py): in a decode step a
         chosen expert that is not cached gives way to a cached one whose router probability is at least
         (1 - margin) times its own. It changes the model's output; 0 (the default) is off.
@@ -107,7 +112,11 @@ def load(
         )
     for layer, (_, module) in zip(manifest.layers, modules):
         _check_record_layout(layer, module)
-    engine = ExpertEngine(opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy, cpu_kernels=not on_gpu)
+    int8_activations, activations_note = kernels.choose_activations(activations, _quantized_shapes(model, manifest), on_gpu)
+    engine = ExpertEngine(
+        opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy, cpu_kernels=not on_gpu,
+        int8_activations=int8_activations,
+    )  # fmt: skip
     try:
         for index, (_, module) in enumerate(modules):
             for pname, _ in expert_parameters(module):
@@ -139,7 +148,7 @@ def load(
         del state
         model.tie_weights()
         if not on_gpu:
-            dense.to_kernel_layout(model)
+            dense.prepare_for_cpu(model, int8_activations)
         dense.align_weights(model)
         dense.set_compute_dtype(model, stored, dtype)
         if not on_gpu:
@@ -159,7 +168,7 @@ def load(
         if accelerator is not None:
             _attach_device_tier(model, engine, accelerator, gpu_memory, policy)
         # Every kernel choice is made by now (the experts kernel is resolved here for the compute dtype).
-        engine.fast_paths = fastpaths.survey(model, engine, routers, dtype, on_gpu)
+        engine.fast_paths = fastpaths.survey(model, engine, routers, dtype, on_gpu, activations_note)
         tokenizer = load_tokenizer(opened.directory)
     except BaseException:
         engine.close()  # its store files are open: a load that fails must not keep them
@@ -218,6 +227,17 @@ def _attach_device_tier(model, engine: ExpertEngine, device: Device, gpu_memory,
         )
     device.pin(engine.cache._arena_tensor)
     engine.tier = DeviceTier(device, budget, sizes.stride_bytes, make_policy(policy, sizes.layer_experts), engine.record_views)
+
+
+def _quantized_shapes(model, manifest) -> list[tuple]:
+    """(format, N, K) of every distinct quantized matrix shape: the expert records' and the resident linears'."""
+    shapes = set()
+    for layer in manifest.layers:
+        fmt = layer.quantization
+        if fmt is not None:
+            shapes.update((fmt, t.shape[0], t.shape[1] * 8 // fmt.bits) for t in layer.layout.tensors if t.name.endswith(".qweight"))
+    shapes.update((m.fmt, m.out_features, m.in_features) for m in model.modules() if isinstance(m, dense.QuantizedLinear))
+    return sorted(shapes, key=lambda shape: (shape[0].name, shape[1], shape[2]))
 
 
 def _check_record_layout(layer, module) -> None:

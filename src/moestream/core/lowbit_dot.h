@@ -1,0 +1,315 @@
+// Matmuls of low-bit weights against int8 activations, the arithmetic llama.cpp uses on CPUs: each row of
+// activations is quantized to int8 once per call (one scale per block of 32 inputs, as llama.cpp's Q8_0),
+// the dot products run in integers (AVX2: maddubs then madd, 32 products per instruction pair), and the two
+// scales are applied per block at the end. torch's CPU int4 kernel instead dequantizes every weight to a
+// float and multiplies; on a CPU without native bf16 that runs at half the memory bus (docs/BENCHMARKS.md).
+//
+// The arithmetic, exactly (kernels.py `int8_activation_reference` computes it in float64):
+//   activations, per row and block b of 32 inputs: d_b = max|x| / 127, q_i = round_half_even(x_i * (1 / d_b))
+//     (float32 operations; q = 0 where d_b = 0)
+//   int4 family, W = (c - 8) s_g + z_g per group g of G inputs (quant.py), c the 0..15 codes:
+//     y = sum_g [ s_g sum_{b in g} d_b sum_{i in b} (c_i - 8) q_i  +  z_g sum_{i in g} x_i ]
+//     (the zero's term takes the float activations: it costs nothing and drops that term's error)
+//   int8, W = c s per output channel: y = s sum_b d_b sum_{i in b} c_i q_i
+// Sums over a block are exact integers; the sums over blocks and groups are float32, as is the result.
+//
+// Pure C++ on raw pointers: fused_kernels.cpp wraps these in torch tensors and splits the output rows
+// across threads. Runtime dispatch: AVX2 where the CPU has it, else a portable loop with the same result.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace lowbit {
+
+constexpr int64_t kBlock = 32;     // inputs per activation scale
+constexpr int64_t kSuper = 64;     // inputs per 32 bytes of int4 codes: two blocks
+constexpr int64_t kRowTile = 4;    // activation rows computed against one weight row while it is in registers
+constexpr int64_t kWeightRows = 16;  // weight rows done for every activation row before the next ones
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// Rows of activations quantized for one weight format. In nibble order (for the int4 family's portable
+// bytes, where byte j of a row holds inputs 2j, low nibble, and 2j+1, high) each 64 inputs are stored as
+// their 32 even inputs, then their 32 odd ones: the low nibbles of 32 weight bytes then meet the first
+// half and the high nibbles the second.
+struct Activations {
+  int64_t rows = 0, k = 0, group = 0;  // group: the weights' group size (int4 family), 0 for int8 weights
+  std::vector<int8_t> q;               // [rows, K]
+  std::vector<float> scale;            // int4: [rows, K/64, 8] (first block's d four times, second's four); int8: [rows, K/32]
+  std::vector<float> sums;             // int4: [rows, K/G], the float activations summed over each group
+  std::vector<float> centre;           // int4: [rows, K/G], 8 * sum_{b in g} d_b sum_{i in b} q_i (the codes' -8)
+};
+
+// x [rows, K] (float or bf16 bits as uint16_t) -> a; `group` 0 for int8 weights (natural order).
+template <typename T>
+void quantize(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a) {
+  a.rows = rows, a.k = k, a.group = group;
+  a.q.resize(rows * k);
+  const int64_t blocks = k / kBlock, groups = group ? k / group : 0;
+  a.scale.resize(group ? rows * (k / kSuper) * 8 : rows * blocks);
+  a.sums.assign(rows * groups, 0.f);
+  a.centre.assign(rows * groups, 0.f);
+  float v[kBlock];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* in = x + r * k + b * kBlock;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        if constexpr (sizeof(T) == 2)
+          v[i] = bf16_to_float(in[i]);
+        else
+          v[i] = static_cast<float>(in[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float d = amax / 127.f;
+      const float inverse = d != 0.f ? 1.f / d : 0.f;
+      int32_t total = 0;
+      int8_t* out = a.q.data() + r * k + b * kBlock;
+      if (group) out = a.q.data() + r * k + (b / 2) * kSuper;  // a 64-input chunk: evens, then odds
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int8_t c = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
+        total += c;
+        if (group) {
+          const int64_t at = (b % 2) * kBlock + i;  // the input's place in its 64-input chunk
+          out[(at % 2) * kBlock + at / 2] = c;
+        } else {
+          out[i] = c;
+        }
+      }
+      if (group) {
+        float* s = a.scale.data() + (r * (k / kSuper) + b / 2) * 8 + (b % 2) * 4;
+        for (int t = 0; t < 4; ++t) s[t] = d;
+        const int64_t g = b * kBlock / group;
+        float sum = 0.f;
+        for (int64_t i = 0; i < kBlock; ++i) sum += v[i];
+        a.sums[r * groups + g] += sum;
+        a.centre[r * groups + g] += 8.f * (d * static_cast<float>(total));
+      } else {
+        a.scale[r * blocks + b] = d;
+      }
+    }
+  }
+}
+
+// ---- the portable loops (any CPU) ----------------------------------------------------------------------
+
+// int4 codes, portable nibbles w [N, K/2]; scales and zeros bf16 [K/G, N, 2]; rows n0..n1 of y [rows, N].
+inline void int4_rows_portable(const Activations& a, const uint8_t* w, const uint16_t* sz, int64_t n, int64_t n0, int64_t n1, float* y) {
+  const int64_t k = a.k, groups = k / a.group, supers = k / kSuper;
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t o = n0; o < n1; ++o) {
+      const uint8_t* row = w + o * (k / 2);
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = bf16_to_float(sz[(g * n + o) * 2]), z = bf16_to_float(sz[(g * n + o) * 2 + 1]);
+        float in_group = 0.f;
+        for (int64_t b = g * a.group / kBlock; b < (g + 1) * a.group / kBlock; ++b) {
+          const int64_t j = b / 2, half = b % 2;  // the block's 64-input chunk, and which half of it
+          const int8_t* q = a.q.data() + r * k + j * kSuper;
+          int32_t dot = 0;
+          for (int64_t t = half * 16; t < half * 16 + 16; ++t) {  // 16 bytes: 32 inputs of this block
+            const uint8_t byte = row[j * 32 + t];
+            dot += static_cast<int32_t>(byte & 0x0F) * q[t] + static_cast<int32_t>(byte >> 4) * q[kBlock + t];
+          }
+          in_group += a.scale[(r * supers + j) * 8 + half * 4] * static_cast<float>(dot);
+        }
+        total += s * in_group + (z * a.sums[r * groups + g] - s * a.centre[r * groups + g]);
+      }
+      y[r * n + o] = total;
+    }
+}
+
+// int8 codes w [N, K], per-channel scales (float, or bf16 bits when `bf16_scales`); rows n0..n1 of y.
+inline void int8_rows_portable(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0, int64_t n1,
+                               float* y) {
+  const int64_t k = a.k, blocks = k / kBlock;
+  for (int64_t r = 0; r < a.rows; ++r)
+    for (int64_t o = n0; o < n1; ++o) {
+      float total = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kBlock; ++i) dot += static_cast<int32_t>(w[o * k + b * kBlock + i]) * a.q[r * k + b * kBlock + i];
+        total += a.scale[r * blocks + b] * static_cast<float>(dot);
+      }
+      const float s = bf16_scales ? bf16_to_float(static_cast<const uint16_t*>(scales)[o]) : static_cast<const float*>(scales)[o];
+      y[r * n + o] = s * total;
+    }
+}
+
+}  // namespace lowbit
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+namespace lowbit {
+#define LOWBIT_AVX2 __attribute__((target("avx2,fma")))
+
+LOWBIT_AVX2 inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// As int4_rows_portable. Per 64 inputs: 32 weight bytes split into low and high nibbles (unsigned 0..15),
+// maddubs against the even and odd activations (signed), summed into 16-bit pairs (at most 4 * 15 * 127,
+// no saturation), madd into eight int32 (four per block), then scaled by d * s into a float accumulator.
+// The -8 of the codes and the zero's term are applied once per group at the end (Activations::centre, sums).
+// 64 inputs of one weight row (32 bytes) against kTile activation rows, their weight scale(s) in sv.
+template <int64_t kTile>
+__attribute__((target("avx2,fma"), always_inline)) inline void int4_chunk(const uint8_t* row, const int8_t* q0, const float* d0, int64_t k,
+                                                                         int64_t supers, int64_t j, __m256 sv, __m256* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 32));
+  const __m256i lo = _mm256_and_si256(bytes, low);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  for (int64_t t = 0; t < kTile; ++t) {
+    const int8_t* q = q0 + t * k + j * kSuper;
+    const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBlock));
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
+    const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+    const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps(d0 + (t * supers + j) * 8), sv);
+    acc[t] = _mm256_fmadd_ps(dots, ds, acc[t]);
+  }
+}
+
+// Weight rows n0..n1 (multiples of 8) against activation rows r0..r0+kTile. Per 8 weight rows, their scales
+// and zeros are one 32-byte load per group ([K/G, N, 2] keeps them side by side), so the zero's and the
+// centre's terms are done for the 8 rows at once, and the scales are kept as floats for the main loop.
+template <int64_t kTile>  // activation rows per pass, a constant so that the accumulators stay in registers
+LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int64_t n, int64_t n0,
+                                       int64_t n1, float* scales, float* y) {
+  const int64_t k = a.k, group = a.group, groups = k / group, supers = k / kSuper;
+  const int8_t* q0 = a.q.data() + r0 * k;
+  const float* d0 = a.scale.data() + r0 * supers * 8;
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  alignas(32) float rest[kTile][8];
+  for (int64_t o8 = n0; o8 < n1; o8 += 8) {
+    __m256 terms[kTile];
+    for (int64_t t = 0; t < kTile; ++t) terms[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + (g * n + o8) * 2));  // (s, z) of 8 rows
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
+      _mm256_storeu_ps(scales + g * 8, s);
+      for (int64_t t = 0; t < kTile; ++t) {
+        terms[t] = _mm256_fmadd_ps(z, _mm256_broadcast_ss(a.sums.data() + (r0 + t) * groups + g), terms[t]);
+        terms[t] = _mm256_fnmadd_ps(s, _mm256_broadcast_ss(a.centre.data() + (r0 + t) * groups + g), terms[t]);
+      }
+    }
+    for (int64_t t = 0; t < kTile; ++t) _mm256_store_ps(rest[t], terms[t]);
+    for (int64_t i = 0; i < 8; ++i) {
+      const float* s = scales + i;  // s[8 g]: this row's scale of group g
+      __m256 acc[kTile];
+      for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm256_setzero_ps();
+      const uint8_t* row = w + (o8 + i) * (k / 2);
+      if (group == kBlock) {  // two groups per 64 inputs
+        for (int64_t j = 0; j < supers; ++j)
+          int4_chunk<kTile>(row, q0, d0, k, supers, j, _mm256_set_m128(_mm_set1_ps(s[8 * (2 * j + 1)]), _mm_set1_ps(s[8 * 2 * j])), acc);
+      } else {
+        const int64_t per = group / kSuper;
+        for (int64_t g = 0; g < groups; ++g) {
+          const __m256 sv = _mm256_set1_ps(s[8 * g]);
+          for (int64_t j = g * per; j < (g + 1) * per; ++j) int4_chunk<kTile>(row, q0, d0, k, supers, j, sv, acc);
+        }
+      }
+      for (int64_t t = 0; t < kTile; ++t) y[(r0 + t) * n + o8 + i] = horizontal_sum(acc[t]) + rest[t][i];
+    }
+  }
+}
+
+// Weight rows n0..n1, multiples of 8 (kWeightRows at a time, for every activation row).
+LOWBIT_AVX2 inline void int4_rows_avx2(const Activations& a, const uint8_t* w, const uint16_t* sz, int64_t n, int64_t n0, int64_t n1, float* y) {
+  std::vector<float> s(a.k / a.group * 8);  // 8 rows' scales per group, as float
+  for (int64_t b = n0; b < n1; b += kWeightRows) {  // these weight rows stay in cache for every activation row
+    const int64_t e = std::min(b + kWeightRows, n1);
+    int64_t r0 = 0;
+    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int4_tile_avx2<kRowTile>(a, r0, w, sz, n, b, e, s.data(), y);
+    switch (a.rows - r0) {
+      case 3: int4_tile_avx2<3>(a, r0, w, sz, n, b, e, s.data(), y); break;
+      case 2: int4_tile_avx2<2>(a, r0, w, sz, n, b, e, s.data(), y); break;
+      case 1: int4_tile_avx2<1>(a, r0, w, sz, n, b, e, s.data(), y); break;
+    }
+  }
+}
+
+// As int8_rows_portable. Signed codes against signed activations: maddubs takes |c| (unsigned; -128 reads
+// as 128) and q with c's sign (the products at most 2 * 128 * 127 per pair, no saturation).
+template <int64_t kTile>
+LOWBIT_AVX2 inline void int8_tile_avx2(const Activations& a, int64_t r0, const int8_t* w, const void* scales, bool bf16_scales, int64_t n,
+                                       int64_t n0, int64_t n1, float* y) {
+  const int64_t k = a.k, blocks = k / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* q0 = a.q.data() + r0 * k;
+  const float* d0 = a.scale.data() + r0 * blocks;
+  for (int64_t o = n0; o < n1; ++o) {
+    __m256 acc[kTile];
+    for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm256_setzero_ps();
+    const int8_t* row = w + o * k;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
+      const __m256i magnitude = _mm256_sign_epi8(codes, codes);
+      for (int64_t t = 0; t < kTile; ++t) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + t * k + b * kBlock));
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q, codes));
+        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[t] = _mm256_fmadd_ps(dots, _mm256_broadcast_ss(d0 + t * blocks + b), acc[t]);
+      }
+    }
+    const float s = bf16_scales ? bf16_to_float(static_cast<const uint16_t*>(scales)[o]) : static_cast<const float*>(scales)[o];
+    for (int64_t t = 0; t < kTile; ++t) y[(r0 + t) * n + o] = s * horizontal_sum(acc[t]);
+  }
+}
+
+LOWBIT_AVX2 inline void int8_rows_avx2(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0,
+                                       int64_t n1, float* y) {
+  for (int64_t b = n0; b < n1; b += kWeightRows) {
+    const int64_t e = std::min(b + kWeightRows, n1);
+    int64_t r0 = 0;
+    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int8_tile_avx2<kRowTile>(a, r0, w, scales, bf16_scales, n, b, e, y);
+    switch (a.rows - r0) {
+      case 3: int8_tile_avx2<3>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
+      case 2: int8_tile_avx2<2>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
+      case 1: int8_tile_avx2<1>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
+    }
+  }
+}
+
+inline bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+}  // namespace lowbit
+#else
+namespace lowbit {
+inline bool has_avx2() { return false; }
+}  // namespace lowbit
+#endif
+
+namespace lowbit {
+// The dispatch: AVX2 where this CPU has it (AVX-512 CPUs included), else the portable loops.
+inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int64_t n, int64_t n0, int64_t n1, float* y) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_avx2()) return int4_rows_avx2(a, w, sz, n, n0, n1, y);
+#endif
+  int4_rows_portable(a, w, sz, n, n0, n1, y);
+}
+
+inline void int8_rows(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0, int64_t n1, float* y) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_avx2()) return int8_rows_avx2(a, w, scales, bf16_scales, n, n0, n1, y);
+#endif
+  int8_rows_portable(a, w, scales, bf16_scales, n, n0, n1, y);
+}
+}  // namespace lowbit
