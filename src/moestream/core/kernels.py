@@ -27,13 +27,13 @@ call, then one matmul (`int8_dequantized`, `int4_dequantized`, which unpacks the
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 import functools
 import time
 
-from ..conversion.quant import QuantFormat, expand_int4_bytes, quantize, pack, torch_int4_packing, unpack_nibbles
+import torch
+import torch.nn.functional as F
+
+from ..conversion.quant import QuantFormat, expand_int4_bytes, pack, quantize, torch_int4_packing, unpack_nibbles
 from ..errors import StoreError, UsageError
 from .repack import RecordPreparer
 
@@ -151,7 +151,9 @@ _INT8_ACTIVATION_KERNELS = {"int8": _int8_activations_int8, "int4": _int8_activa
                             "int2": _int8_activations_int4}  # fmt: skip
 
 
-def quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, fmt: QuantFormat, int8_activations: bool = False) -> torch.Tensor:
+def quantized_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, fmt: QuantFormat, int8_activations: bool = False
+) -> torch.Tensor:
     """x [M, K] -> [M, N] with a quantized matrix: `qweight` and its `fmt.params` tensor; with
     `int8_activations` (a matrix that `int8_activations_fit`, on the CPU) the integer kernels."""
     return (_INT8_ACTIVATION_KERNELS if int8_activations else _KERNELS)[fmt.name](x, qweight, params, fmt)

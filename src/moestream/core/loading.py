@@ -235,7 +235,9 @@ def _quantized_shapes(model, manifest) -> list[tuple]:
     for layer in manifest.layers:
         fmt = layer.quantization
         if fmt is not None:
-            shapes.update((fmt, t.shape[0], t.shape[1] * 8 // fmt.bits) for t in layer.layout.tensors if t.name.endswith(".qweight"))
+            shapes.update(
+                (fmt, t.shape[0], t.shape[1] * 8 // fmt.bits) for t in layer.layout.tensors if t.name.endswith(".qweight")
+            )
     shapes.update((m.fmt, m.out_features, m.in_features) for m in model.modules() if isinstance(m, dense.QuantizedLinear))
     return sorted(shapes, key=lambda shape: (shape[0].name, shape[1], shape[2]))
 
