@@ -167,7 +167,8 @@ static torch::Tensor over_rows(const lowbit::Activations& a, int64_t n, int64_t 
 }
 
 // int4 codes in the store's portable nibbles, w [N, K/2] uint8, with scales and zeros [K/G, N, 2] bf16.
-static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& sz, at::ScalarType dtype) {
+static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& sz, int64_t bits, at::ScalarType dtype) {
+  TORCH_CHECK(bits >= 2 && bits <= 4, "int4 x int8: 2, 3 or 4 bits");
   const int64_t n = w.size(0);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) * 2 == a.k && n % 8 == 0,
               "int4 x int8: the codes must be contiguous uint8 [N, K/2], N a multiple of 8");
@@ -176,7 +177,7 @@ static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor
               "int4 x int8: scales and zeros must be contiguous bf16 [K/G, N, 2]");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
-  return over_rows(a, n, 8, a.k / 2, dtype, [&](int64_t b, int64_t e, float* y) { lowbit::int4_rows(a, wp, sp, n, b, e, y); });
+  return over_rows(a, n, 8, a.k / 2, dtype, [&](int64_t b, int64_t e, float* y) { lowbit::int4_rows(a, wp, sp, static_cast<int>(bits), n, b, e, y); });
 }
 
 // int8 codes w [N, K] with per-channel scales [N] (float32 or bf16).
@@ -192,11 +193,12 @@ static torch::Tensor int8_rows(const lowbit::Activations& a, const torch::Tensor
 }
 
 // x [M, K] @ W.T for an int4 (portable nibbles) or int8 matrix, in int8 activations -> [M, N] in x's dtype.
-torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales_zeros, int64_t group) {
+// int3/int2 come as their int4 bytes (quant.expand_int4_bytes) with their `bits`.
+torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales_zeros, int64_t group, int64_t bits) {
   TORCH_CHECK(group > 0 && group % lowbit::kBlock == 0, "int4_matmul: the group size must be a multiple of 32");
   thread_local lowbit::Activations a;
   quantize_rows(x, group, a);
-  return int4_rows(a, w, scales_zeros, x.scalar_type());
+  return int4_rows(a, w, scales_zeros, bits, x.scalar_type());
 }
 
 torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
@@ -205,12 +207,19 @@ torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   return int8_rows(a, w, scales, x.scalar_type());
 }
 
+// The portable loops on any CPU (on) or the CPU's SIMD ones where it has them (off); returns the previous.
+bool lowbit_portable(bool on) {
+  const bool previous = lowbit::portable_only();
+  lowbit::portable_only() = on;
+  return previous;
+}
+
 // An expert's matmul as kernels.py runs it on the CPU. With `integer`, the int8-activation kernels above on
 // portable bytes; else the int4 kernel in bf16 (other activations cast in and the result cast back) on
 // torch's layout, the int8 kernel in the activations' dtype.
 static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group,
                                bool integer) {
-  if (integer) return bits == 4 ? int4_matmul(x, q, params, group) : int8_matmul(x, q, params);
+  if (integer) return bits == 4 ? int4_matmul(x, q, params, group, 4) : int8_matmul(x, q, params);
   if (bits == 4) {
     if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
     return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), q, group, params).to(x.scalar_type());
@@ -237,7 +246,7 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   if (integer) quantize_rows(x, bits == 4 ? group : 0, shared);
   for (int64_t j = 0; j < n; ++j) {
     auto h = !integer ? quantized(x, first[j], first_params[j], bits, group, false)
-             : bits == 4 ? int4_rows(shared, first[j], first_params[j], x.scalar_type())
+             : bits == 4 ? int4_rows(shared, first[j], first_params[j], 4, x.scalar_type())
                          : int8_rows(shared, first[j], first_params[j], x.scalar_type());
     auto a = torch::empty({1, h.size(1) / 2}, h.options());
     silu_gate_into(h, a);
@@ -445,5 +454,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_decode_out", &attention_decode_out);
   m.def("int4_matmul", &int4_matmul);
   m.def("int8_matmul", &int8_matmul);
+  m.def("lowbit_portable", &lowbit_portable);
   m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
 }

@@ -63,7 +63,7 @@ def _int8_activations_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch
 def _int8_activations_int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits < 4:
         qweight = expand_int4_bytes(qweight, fmt.bits)
-    return _compiled().int4_matmul(x, qweight, scales_zeros, fmt.group_size)
+    return _compiled().int4_matmul(x, qweight, scales_zeros, fmt.group_size, fmt.bits)
 
 
 def _compiled():
@@ -262,13 +262,14 @@ def int8_activations_reference(x: torch.Tensor, qweight: torch.Tensor, params: t
     if fmt.name == "int8":
         codes = qweight.double().view(qweight.shape[0], k // 32, 32)
         return (torch.einsum("mbi,nbi->mnb", q, codes) * d[:, None, :]).sum(-1) * params.double()[None, :]
-    codes = unpack_nibbles(qweight if fmt.bits == 4 else expand_int4_bytes(qweight, fmt.bits)).double() - 8
+    middle = 2 ** (fmt.bits - 1)  # W = (c - C) s + (z - (8 - C) s): codes centred on C
+    codes = unpack_nibbles(qweight if fmt.bits == 4 else expand_int4_bytes(qweight, fmt.bits)).double() - middle
     n, g = codes.shape[0], fmt.group_size
     per_block = torch.einsum("mbi,nbi->mnb", q, codes.view(n, k // 32, 32)) * d[:, None, :]
     per_group = per_block.view(m, n, k // g, g // 32).sum(-1)
     scales, zeros = params[..., 0].t().double(), params[..., 1].t().double()  # [N, K/G]
-    sums = x.double().view(m, k // g, g).sum(-1)  # the zero's term takes the float activations
-    return (per_group * scales[None] + zeros[None] * sums[:, None, :]).sum(-1)
+    sums = x.double().view(m, k // g, g).sum(-1)  # the second term takes the float activations
+    return (per_group * scales[None] + (zeros - (8 - middle) * scales)[None] * sums[:, None, :]).sum(-1)
 
 
 # -- the activations' dtype ------------------------------------------------------------------------------

@@ -7,9 +7,11 @@
 // The arithmetic, exactly (kernels.py `int8_activation_reference` computes it in float64):
 //   activations, per row and block b of 32 inputs: d_b = max|x| / 127, q_i = round_half_even(x_i * (1 / d_b))
 //     (float32 operations; q = 0 where d_b = 0)
-//   int4 family, W = (c - 8) s_g + z_g per group g of G inputs (quant.py), c the 0..15 codes:
-//     y = sum_g [ s_g sum_{b in g} d_b sum_{i in b} (c_i - 8) q_i  +  z_g sum_{i in g} x_i ]
-//     (the zero's term takes the float activations: it costs nothing and drops that term's error)
+//   int4 family of b bits, W = (c - 8) s_g + z_g per group g of G inputs (quant.py), c the 0..2^b-1 codes,
+//   written W = (c - C) s_g + (z_g - (8 - C) s_g) with C = 2^(b-1), the middle code:
+//     y = sum_g [ s_g sum_{b in g} d_b sum_{i in b} (c_i - C) q_i  +  (z_g - (8 - C) s_g) sum_{i in g} x_i ]
+//   (the second term takes the float activations: it costs nothing and drops that term's rounding; centred
+//   codes keep the first term's small, so int2 and int3 lose no more to the activations' rounding than int4)
 //   int8, W = c s per output channel: y = s sum_b d_b sum_{i in b} c_i q_i
 // Sums over a block are exact integers; the sums over blocks and groups are float32, as is the result.
 //
@@ -46,7 +48,7 @@ struct Activations {
   std::vector<int8_t> q;               // [rows, K]
   std::vector<float> scale;            // int4: [rows, K/64, 8] (first block's d four times, second's four); int8: [rows, K/32]
   std::vector<float> sums;             // int4: [rows, K/G], the float activations summed over each group
-  std::vector<float> centre;           // int4: [rows, K/G], 8 * sum_{b in g} d_b sum_{i in b} q_i (the codes' -8)
+  std::vector<float> centre;           // int4: [rows, K/G], sum_{b in g} d_b sum_{i in b} q_i (times C: the codes' -C)
 };
 
 // x [rows, K] (float or bf16 bits as uint16_t) -> a; `group` 0 for int8 weights (natural order).
@@ -92,7 +94,7 @@ void quantize(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a
         float sum = 0.f;
         for (int64_t i = 0; i < kBlock; ++i) sum += v[i];
         a.sums[r * groups + g] += sum;
-        a.centre[r * groups + g] += 8.f * (d * static_cast<float>(total));
+        a.centre[r * groups + g] += d * static_cast<float>(total);
       } else {
         a.scale[r * blocks + b] = d;
       }
@@ -102,8 +104,11 @@ void quantize(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a
 
 // ---- the portable loops (any CPU) ----------------------------------------------------------------------
 
-// int4 codes, portable nibbles w [N, K/2]; scales and zeros bf16 [K/G, N, 2]; rows n0..n1 of y [rows, N].
-inline void int4_rows_portable(const Activations& a, const uint8_t* w, const uint16_t* sz, int64_t n, int64_t n0, int64_t n1, float* y) {
+// int4-family codes of `bits` bits (int3/int2 expanded to int4 bytes), portable nibbles w [N, K/2]; scales and
+// zeros bf16 [K/G, N, 2]; rows n0..n1 of y [rows, N].
+inline void int4_rows_portable(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
+                               float* y) {
+  const float middle = static_cast<float>(1 << (bits - 1));
   const int64_t k = a.k, groups = k / a.group, supers = k / kSuper;
   for (int64_t r = 0; r < a.rows; ++r)
     for (int64_t o = n0; o < n1; ++o) {
@@ -122,7 +127,7 @@ inline void int4_rows_portable(const Activations& a, const uint8_t* w, const uin
           }
           in_group += a.scale[(r * supers + j) * 8 + half * 4] * static_cast<float>(dot);
         }
-        total += s * in_group + (z * a.sums[r * groups + g] - s * a.centre[r * groups + g]);
+        total += s * in_group + ((z - (8.f - middle) * s) * a.sums[r * groups + g] - middle * s * a.centre[r * groups + g]);
       }
       y[r * n + o] = total;
     }
@@ -163,7 +168,7 @@ LOWBIT_AVX2 inline float horizontal_sum(__m256 v) {
 // As int4_rows_portable. Per 64 inputs: 32 weight bytes split into low and high nibbles (unsigned 0..15),
 // maddubs against the even and odd activations (signed), summed into 16-bit pairs (at most 4 * 15 * 127,
 // no saturation), madd into eight int32 (four per block), then scaled by d * s into a float accumulator.
-// The -8 of the codes and the zero's term are applied once per group at the end (Activations::centre, sums).
+// The codes' -C and the second term are applied once per group at the end (Activations::centre, sums).
 // 64 inputs of one weight row (32 bytes) against kTile activation rows, their weight scale(s) in sv.
 template <int64_t kTile>
 __attribute__((target("avx2,fma"), always_inline)) inline void int4_chunk(const uint8_t* row, const int8_t* q0, const float* d0, int64_t k,
@@ -188,12 +193,14 @@ __attribute__((target("avx2,fma"), always_inline)) inline void int4_chunk(const 
 // and zeros are one 32-byte load per group ([K/G, N, 2] keeps them side by side), so the zero's and the
 // centre's terms are done for the 8 rows at once, and the scales are kept as floats for the main loop.
 template <int64_t kTile>  // activation rows per pass, a constant so that the accumulators stay in registers
-LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int64_t n, int64_t n0,
-                                       int64_t n1, float* scales, float* y) {
+LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int bits, int64_t n,
+                                       int64_t n0, int64_t n1, float* scales, float* y) {
   const int64_t k = a.k, group = a.group, groups = k / group, supers = k / kSuper;
   const int8_t* q0 = a.q.data() + r0 * k;
   const float* d0 = a.scale.data() + r0 * supers * 8;
   const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256 middle = _mm256_set1_ps(static_cast<float>(1 << (bits - 1)));
+  const __m256 shift = _mm256_set1_ps(static_cast<float>(1 << (bits - 1)) - 8.f);
   alignas(32) float rest[kTile][8];
   for (int64_t o8 = n0; o8 < n1; o8 += 8) {
     __m256 terms[kTile];
@@ -203,9 +210,11 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
       const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
       const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
       _mm256_storeu_ps(scales + g * 8, s);
+      const __m256 offset = _mm256_fmadd_ps(s, shift, z);  // z - (8 - C) s
+      const __m256 centred = _mm256_mul_ps(s, middle);     // C s
       for (int64_t t = 0; t < kTile; ++t) {
-        terms[t] = _mm256_fmadd_ps(z, _mm256_broadcast_ss(a.sums.data() + (r0 + t) * groups + g), terms[t]);
-        terms[t] = _mm256_fnmadd_ps(s, _mm256_broadcast_ss(a.centre.data() + (r0 + t) * groups + g), terms[t]);
+        terms[t] = _mm256_fmadd_ps(offset, _mm256_broadcast_ss(a.sums.data() + (r0 + t) * groups + g), terms[t]);
+        terms[t] = _mm256_fnmadd_ps(centred, _mm256_broadcast_ss(a.centre.data() + (r0 + t) * groups + g), terms[t]);
       }
     }
     for (int64_t t = 0; t < kTile; ++t) _mm256_store_ps(rest[t], terms[t]);
@@ -230,16 +239,17 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
 }
 
 // Weight rows n0..n1, multiples of 8 (kWeightRows at a time, for every activation row).
-LOWBIT_AVX2 inline void int4_rows_avx2(const Activations& a, const uint8_t* w, const uint16_t* sz, int64_t n, int64_t n0, int64_t n1, float* y) {
+LOWBIT_AVX2 inline void int4_rows_avx2(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
+                                       float* y) {
   std::vector<float> s(a.k / a.group * 8);  // 8 rows' scales per group, as float
   for (int64_t b = n0; b < n1; b += kWeightRows) {  // these weight rows stay in cache for every activation row
     const int64_t e = std::min(b + kWeightRows, n1);
     int64_t r0 = 0;
-    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int4_tile_avx2<kRowTile>(a, r0, w, sz, n, b, e, s.data(), y);
+    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int4_tile_avx2<kRowTile>(a, r0, w, sz, bits, n, b, e, s.data(), y);
     switch (a.rows - r0) {
-      case 3: int4_tile_avx2<3>(a, r0, w, sz, n, b, e, s.data(), y); break;
-      case 2: int4_tile_avx2<2>(a, r0, w, sz, n, b, e, s.data(), y); break;
-      case 1: int4_tile_avx2<1>(a, r0, w, sz, n, b, e, s.data(), y); break;
+      case 3: int4_tile_avx2<3>(a, r0, w, sz, bits, n, b, e, s.data(), y); break;
+      case 2: int4_tile_avx2<2>(a, r0, w, sz, bits, n, b, e, s.data(), y); break;
+      case 1: int4_tile_avx2<1>(a, r0, w, sz, bits, n, b, e, s.data(), y); break;
     }
   }
 }
@@ -298,17 +308,23 @@ inline bool has_avx2() { return false; }
 #endif
 
 namespace lowbit {
+// Set to run the portable loops on any CPU (the tests compare both).
+inline bool& portable_only() {
+  static bool only = false;
+  return only;
+}
+
 // The dispatch: AVX2 where this CPU has it (AVX-512 CPUs included), else the portable loops.
-inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int64_t n, int64_t n0, int64_t n1, float* y) {
+inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1, float* y) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx2()) return int4_rows_avx2(a, w, sz, n, n0, n1, y);
+  if (has_avx2() && !portable_only()) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y);
 #endif
-  int4_rows_portable(a, w, sz, n, n0, n1, y);
+  int4_rows_portable(a, w, sz, bits, n, n0, n1, y);
 }
 
 inline void int8_rows(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0, int64_t n1, float* y) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx2()) return int8_rows_avx2(a, w, scales, bf16_scales, n, n0, n1, y);
+  if (has_avx2() && !portable_only()) return int8_rows_avx2(a, w, scales, bf16_scales, n, n0, n1, y);
 #endif
   int8_rows_portable(a, w, scales, bf16_scales, n, n0, n1, y);
 }

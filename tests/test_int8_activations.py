@@ -1,0 +1,155 @@
+"""The int8-activation kernels (core/lowbit_dot.h): against the float64 reference of exactly their arithmetic
+(kernels.int8_activations_reference), with the AVX2 and the portable loops, and a whole model run with them
+against the same model with float activations."""
+
+import pytest
+import torch
+
+import moestream
+from moestream.conversion.quant import QuantFormat, pack, quantize, reference_dequantize
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import make_model, save_checkpoint
+from moestream.core import fused, kernels, loading
+from moestream.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def ext():
+    extension = fused.extension()
+    if extension is None:
+        pytest.skip(f"no compiled kernels: {fused.unavailable_reason()}")
+    return extension
+
+
+@pytest.fixture(params=["simd", "portable"])
+def loop(request, ext):
+    """Each test once with the CPU's SIMD loop (AVX2 where it has it) and once with the portable one."""
+    previous = ext.lowbit_portable(request.param == "portable")
+    yield request.param
+    ext.lowbit_portable(previous)
+
+
+def _matrix(fmt: QuantFormat, n: int, k: int, g: torch.Generator):
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
+    q = quantize(w, fmt)
+    record = pack(q, fmt, "w")
+    return q, record["w.qweight"], record[f"w.{fmt.params}"]
+
+
+def _activations(m: int, k: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, k // 32, 1, generator=g)).repeat_interleave(32, 1).view(m, k)
+    x[0, 32:64] = 0  # a block of zeros: its scale is 0, its codes 0
+    return x.to(dtype)
+
+
+FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int3", 64), ("int2", 32), ("int8", None)]
+
+
+@pytest.mark.parametrize("name,group", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 8, 64), (3, 24, 128), (4, 16, 256), (9, 136, 384)])
+def test_kernels_compute_exactly_the_defined_arithmetic(loop, name, group, dtype, m, n, k):
+    fmt = QuantFormat.make(name, group or 32)
+    if group and k % group:
+        pytest.skip("K is not a multiple of the group")
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    q, qweight, params = _matrix(fmt, n, k, g)
+    x = _activations(m, k, dtype, g)
+    assert kernels.int8_activations_fit(fmt, n, k)
+    got = kernels.quantized_matmul(x, qweight, params, fmt, int8_activations=True)
+    assert got.shape == (m, n) and got.dtype == dtype
+    exact = kernels.int8_activations_reference(x, qweight, params, fmt)
+    # float32 sums over blocks and groups, whose terms are larger than their sum (a mistake in the arithmetic
+    # is 1e-3 and more), then the output's own rounding
+    tolerance = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    scale = exact.abs().amax(dim=1, keepdim=True)
+    assert ((got.double() - exact).abs() / scale).max().item() <= tolerance
+    # and close to the float activations' result: int8 rounds each input to 1/254 of its block's largest
+    floating = x.double() @ reference_dequantize(q, fmt).T
+    assert ((got.double() - floating).norm() / floating.norm()).item() < 2e-2
+
+
+def test_each_row_gets_the_same_bits_alone_or_with_others(ext):
+    """Rows are quantized and summed on their own, in one order, whatever the tile they fall in: a token
+    computes the same numbers in a batch as alone."""
+    g = torch.Generator().manual_seed(5)
+    for name, group in (("int4", 64), ("int8", None)):
+        fmt = QuantFormat.make(name, group or 32)
+        _, qweight, params = _matrix(fmt, 64, 256, g)
+        x = _activations(7, 256, torch.float32, g)
+        together = kernels.quantized_matmul(x, qweight, params, fmt, True)
+        for row in range(7):
+            assert torch.equal(together[row : row + 1], kernels.quantized_matmul(x[row : row + 1], qweight, params, fmt, True))
+
+
+def test_simd_and_portable_loops_agree(ext):
+    g = torch.Generator().manual_seed(8)
+    for name, group in FORMATS:
+        fmt = QuantFormat.make(name, group or 32)
+        _, qweight, params = _matrix(fmt, 48, 256, g)
+        x = _activations(5, 256, torch.float32, g)
+        simd = kernels.quantized_matmul(x, qweight, params, fmt, True)
+        previous = ext.lowbit_portable(True)
+        try:
+            portable = kernels.quantized_matmul(x, qweight, params, fmt, True)
+        finally:
+            ext.lowbit_portable(previous)
+        assert torch.allclose(simd, portable, rtol=1e-5, atol=1e-6 * simd.abs().max().item())
+
+
+def test_the_choice_of_activations(ext, monkeypatch):
+    int4 = QuantFormat.make("int4", 64)
+    shapes = [(int4, 128, 256), (int4, 256, 128)]
+    assert kernels.choose_activations("float", shapes, False) == (False, "float activations, as chosen")
+    assert kernels.choose_activations("int8", shapes, True)[0] is False  # a GPU takes float activations
+    assert kernels.choose_activations("int8", shapes, False) == (True, "int8 activations, as chosen")
+    narrow = [(QuantFormat.make("int4", 32), 16, 32)]  # K = 32: not a multiple of 64
+    assert kernels.choose_activations("int8", narrow, False)[0] is False
+    used, why = kernels.choose_activations("auto", shapes, False)
+    integer, floating = kernels.measure_activations(int4, 128, 256)
+    assert integer > 0 and floating > 0
+    assert used == (floating / integer >= kernels.INT8_ACTIVATIONS_MARGIN) and f"{floating / integer:.1f}x"[:3] in why
+    with pytest.raises(UsageError, match="activations must be one of"):
+        kernels.choose_activations("int4", shapes, False)
+    monkeypatch.setattr(fused, "extension", lambda: None)
+    with pytest.raises(UsageError, match="needs the compiled kernels"):
+        kernels.choose_activations("int8", shapes, False)
+    assert kernels.choose_activations("auto", shapes, False) == (False, "float activations: no compiled kernels")
+
+
+@pytest.fixture(scope="module")
+def wide_store(tmp_path_factory):
+    """A qwen3_moe wide enough for the kernels (K a multiple of 64), int4 experts and attention."""
+    root = tmp_path_factory.mktemp("int8act")
+    config = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    ckpt = save_checkpoint(make_model("qwen3_moe", seed=3, **config), root / "hf")
+    store = moestream.convert(ckpt, root / "store", experts_dtype="int4", group_size=64, dense_dtype="int4", progress=False)
+    return store
+
+
+def test_a_model_with_int8_activations_stays_close_to_float_ones(ext, wide_store):
+    stride = Store(wide_store).manifest.max_record_stride
+    integer, _ = moestream.load(wide_store, stride * 2, activations="int8")  # two experts: evicts all the time
+    floating, _ = moestream.load(wide_store, stride * 16, activations="float")
+    engine = loading.engine_of(integer)
+    assert all(engine.int8_activations) and all(p is None for p in engine.preparers)  # records read as stored
+    assert not any(loading.engine_of(floating).int8_activations)
+    line = loading.fast_paths(integer)
+    assert "low-bit matmuls (int8 activations, as chosen)" in line and "read as stored" in line
+    assert "attention (one token) 2/2" in line  # the fused attention agrees with the int8 linears' own forward
+    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        got, expected = integer(ids).logits, floating(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() < 3e-2
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), expected.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert kl.item() < 1e-2
+    # greedy decoding, one token at a time through the fused kernels, is the same under any budget
+    prompt = ids[:1, :5]
+    small = integer.generate(prompt, max_new_tokens=8, do_sample=False)
+    large, _ = moestream.load(wide_store, stride * 16, activations="int8")
+    assert torch.equal(small, large.generate(prompt, max_new_tokens=8, do_sample=False))
+    for model in (integer, floating, large):
+        loading.close(model)
