@@ -183,7 +183,7 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure_moestream(store: str, memory: str, new_tokens: int, threads: int, prefetch: str) -> dict:
+def measure_moestream(store: str, memory: str, new_tokens: int, threads: int, prefetch: str, activations: str = "auto") -> dict:
     import torch
 
     import moestream
@@ -192,8 +192,9 @@ def measure_moestream(store: str, memory: str, new_tokens: int, threads: int, pr
     torch.set_num_threads(threads)
     long, short = torch.tensor([prompt_ids(LONG_PROMPT)]), torch.tensor([prompt_ids(SHORT_PROMPT)])
     start = time.perf_counter()
-    model, _ = moestream.load(store, memory, prefetch=prefetch)
+    model, _ = moestream.load(store, memory, prefetch=prefetch, activations=activations)
     load_seconds = time.perf_counter() - start
+    paths = moestream.stats(model)["fast_paths"]
     timed(model, long, 2)  # reads every expert a 512-token prompt routes to: all of them, in practice
     timed(model, short, new_tokens)  # and any the decode needs besides
     before = moestream.stats(model)
@@ -210,6 +211,7 @@ def measure_moestream(store: str, memory: str, new_tokens: int, threads: int, pr
         misses_while_measured=misses,
         cached_experts=after["cached_experts"],
         peak_rss_bytes=peak_rss(),
+        low_bit_matmuls=next((p["note"] for p in paths if p["name"] == "low-bit matmuls"), ""),
     )
 
 
@@ -278,41 +280,54 @@ def side_by_side(args, store: Path, q4: Path) -> dict:
         f"{'round':>5} {'engine':<10} {'decode tok/s':>12} {'prefill tok/s':>13} {'TTFT s':>7} {'peak RSS':>10} {'load s':>7}"
     )
     print(header, flush=True)
+    modes = args.activations.split(",")
+    ours_names = ["moestream" if len(modes) == 1 else f"ms:{mode}" for mode in modes]
     for i in range(args.rounds):
-        ours = worker_call("moestream", str(store), args.memory, str(args.new_tokens), threads, args.prefetch)
-        theirs = worker_call("llama.cpp", str(q4), str(args.new_tokens), threads)
-        for name, r in (("moestream", ours), ("llama.cpp", theirs)):
+        runs = {}
+        for name, mode in zip(ours_names, modes):
+            runs[name] = worker_call("moestream", str(store), args.memory, str(args.new_tokens), threads, args.prefetch, mode)
+        runs["llama.cpp"] = theirs = worker_call("llama.cpp", str(q4), str(args.new_tokens), threads)
+        for name, r in runs.items():
             print(
                 f"{i + 1:>5} {name:<10} {r['decode_tokens_per_second']:>12.2f} {r['prefill_tokens_per_second']:>13.1f} "
                 f"{r['ttft_seconds']:>7.2f} {gib(r['peak_rss_bytes']):>10} {r['load_seconds']:>7.1f}"
-                + (f"  ({r['misses_while_measured']} misses while measured)" if r.get("misses_while_measured") else ""),
+                + (f"  ({r['misses_while_measured']} misses while measured)" if r.get("misses_while_measured") else "")
+                + (f"  [{r['low_bit_matmuls']}]" if r.get("low_bit_matmuls") else ""),
                 flush=True,
             )
         ratio = {
-            "decode": ours["decode_tokens_per_second"] / theirs["decode_tokens_per_second"],
-            "prefill": ours["prefill_tokens_per_second"] / theirs["prefill_tokens_per_second"],
+            name: {
+                "decode": runs[name]["decode_tokens_per_second"] / theirs["decode_tokens_per_second"],
+                "prefill": runs[name]["prefill_tokens_per_second"] / theirs["prefill_tokens_per_second"],
+            }
+            for name in ours_names
         }
-        print(f"{'':>5} ratio moestream / llama.cpp: decode {ratio['decode']:.2f}x, prefill {ratio['prefill']:.2f}x")
-        rounds.append({"moestream": ours, "llama.cpp": theirs, "ratio": ratio})
+        for name in ours_names:
+            print(f"{'':>5} ratio {name} / llama.cpp: decode {ratio[name]['decode']:.2f}x, prefill {ratio[name]['prefill']:.2f}x")
+        rounds.append({**runs, "ratio": ratio})
     summary = {}
     for key in ("decode", "prefill"):
-        summary[f"{key}_ratio_median"] = statistics.median(r["ratio"][key] for r in rounds)
-        for engine in ("moestream", "llama.cpp"):
+        for name in ours_names:
+            summary[f"{name}_{key}_ratio_median"] = statistics.median(r["ratio"][name][key] for r in rounds)
+        for engine in ours_names + ["llama.cpp"]:
             summary[f"{engine}_{key}_median"] = statistics.median(r[engine][f"{key}_tokens_per_second"] for r in rounds)
-    print(
-        f"medians over {len(rounds)} rounds: decode moestream {summary['moestream_decode_median']:.2f} / llama.cpp "
-        f"{summary['llama.cpp_decode_median']:.2f} tok/s, per-round ratio {summary['decode_ratio_median']:.2f}x; prefill "
-        f"moestream {summary['moestream_prefill_median']:.1f} / llama.cpp {summary['llama.cpp_prefill_median']:.1f} tok/s, "
-        f"per-round ratio {summary['prefill_ratio_median']:.2f}x",
-        flush=True,
-    )
+    for name in ours_names:
+        print(
+            f"medians over {len(rounds)} rounds: decode {name} {summary[f'{name}_decode_median']:.2f} / llama.cpp "
+            f"{summary['llama.cpp_decode_median']:.2f} tok/s, per-round ratio {summary[f'{name}_decode_ratio_median']:.2f}x; "
+            f"prefill {name} {summary[f'{name}_prefill_median']:.1f} / llama.cpp {summary['llama.cpp_prefill_median']:.1f} "
+            f"tok/s, per-round ratio {summary[f'{name}_prefill_ratio_median']:.2f}x",
+            flush=True,
+        )
     return {"rounds": rounds, "summary": summary}
 
 
 # ---- per-op profile of all-hits decode ----
 
 
-def profile_moestream(store: str, memory: str, new_tokens: int, threads: int, prefetch: str, top: int) -> dict:
+def profile_moestream(
+    store: str, memory: str, new_tokens: int, threads: int, prefetch: str, top: int, activations: str = "auto"
+) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -321,7 +336,7 @@ def profile_moestream(store: str, memory: str, new_tokens: int, threads: int, pr
 
     torch.set_num_threads(threads)
     long, short = torch.tensor([prompt_ids(LONG_PROMPT)]), torch.tensor([prompt_ids(SHORT_PROMPT)])
-    model, _ = moestream.load(store, memory, prefetch=prefetch)
+    model, _ = moestream.load(store, memory, prefetch=prefetch, activations=activations)
     timed(model, long, 2)
     timed(model, short, new_tokens)
     plain = timed(model, short, new_tokens).timing.decode_tokens_per_second
@@ -408,11 +423,11 @@ def main() -> None:
         if kind == "check-llama.cpp":
             result = check_llama_cpp(argv[0], int(argv[1]))
         elif kind == "moestream":
-            result = measure_moestream(argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4])
+            result = measure_moestream(argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4], argv[5])
         elif kind == "llama.cpp":
             result = measure_llama_cpp(argv[0], int(argv[1]), int(argv[2]))
         else:
-            result = profile_moestream(argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4], int(argv[5]))
+            result = profile_moestream(argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4], int(argv[5]), argv[6])
         print(json.dumps(result))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -429,6 +444,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="warm side-by-side rounds (0: none)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--prefetch", default="off", help="moestream --prefetch in the warm runs and the profile")
+    parser.add_argument(
+        "--activations",
+        default="auto",
+        help="moestream's --activations in the warm runs; several, comma-separated (int8,float), run side by side "
+        "in each round (the profile takes the first)",
+    )
     parser.add_argument("--no-bench", action="store_true", help="skip the two `moestream bench` runs")
     parser.add_argument("--profile", action="store_true", help="also profile moestream's all-hits decode")
     parser.add_argument("--profile-only", action="store_true", help="build if needed, then only the profile")
@@ -465,6 +486,7 @@ def main() -> None:
     if args.profile or args.profile_only:
         start = time.perf_counter()
         argv = [str(store), args.memory, str(args.new_tokens), str(args.threads), args.prefetch, str(args.top)]
+        argv.append(args.activations.split(",")[0])
         report["profile"] = worker_call("profile", *argv)
         timings["profile"] = time.perf_counter() - start
         print_profile(report["profile"])

@@ -153,3 +153,15 @@ def test_a_model_with_int8_activations_stays_close_to_float_ones(ext, wide_store
     assert torch.equal(small, large.generate(prompt, max_new_tokens=8, do_sample=False))
     for model in (integer, floating, large):
         loading.close(model)
+
+
+def test_eval_prices_int8_activations_against_float_ones_on_the_same_store(ext, wide_store):
+    from moestream.tools.quality import compare
+
+    text = "".join(chr(c) for c in torch.randint(97, 123, (300,), generator=torch.Generator().manual_seed(4)).tolist())
+    report = compare(wide_store, wide_store, text, max_tokens=200, context=64, activations="int8")
+    assert report.activations == "int8 activations, as chosen" and report.reference_activations == "float activations, as chosen"
+    assert 0 < report.kl_mean < 1e-2 and report.top1_agreement > 0.8
+    assert "low-bit matmuls" in report.table()
+    same = compare(wide_store, wide_store, text, max_tokens=200, context=64, activations="float")
+    assert same.kl_mean == 0 and same.top1_agreement == 1.0  # the check can tell: equal paths, equal numbers

@@ -131,7 +131,7 @@ def apply_threads(args: argparse.Namespace) -> None:
 def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "4GiB") -> None:
     """The store positional, --memory and the engine options of load(): for every verb that loads a model."""
     from .core.engine import VERIFY_MODES
-    from .core.kernels import ACTIVATIONS, COMPUTE_DTYPES
+    from .core.kernels import COMPUTE_DTYPES
     from .core.prefetch import PREFETCH_MODES
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
@@ -162,15 +162,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
         "fp32 on a CPU without bf16 arithmetic, where bf16 matmuls are slower, holding its float resident "
         "weights at twice their size), bf16 or fp32",
     )
-    parser.add_argument(
-        "--activations",
-        choices=ACTIVATIONS,
-        default=ACTIVATIONS[0],
-        help="what the CPU's low-bit (int8/int4/int3/int2) matmuls take: auto (default: int8 where the compiled "
-        "kernels are measured faster on the model's shapes, which the fast-paths line says), int8 (each "
-        "activation row quantized to int8 and the dot products kept in integers, as llama.cpp does: a little "
-        "rounding, priced by `moestream eval --activations`) or float (the activations as they are)",
-    )
+    add_activations_argument(parser)
     parser.add_argument(
         "--prefetch",
         choices=PREFETCH_MODES,
@@ -182,6 +174,21 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
         "reads ahead of need)",
     )
     add_route_to_cached_argument(parser)
+
+
+def add_activations_argument(parser: argparse.ArgumentParser) -> None:
+    from .core.kernels import ACTIVATIONS
+
+    parser.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default=ACTIVATIONS[0],
+        help="what the CPU's low-bit (int8/int4/int3/int2) matmuls take: auto (default: int8 where the compiled "
+        "kernels are measured faster on the model's shapes, as the fast-paths line says), int8 (each "
+        "activation row quantized to int8 and the dot products kept in integers, as llama.cpp does: a little "
+        "rounding, priced by `moestream eval STORE --reference STORE --activations int8`) or float (the "
+        "activations as they are)",
+    )
 
 
 def add_route_to_cached_argument(parser: argparse.ArgumentParser) -> None:

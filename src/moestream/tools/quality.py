@@ -70,6 +70,8 @@ class QualityReport:
     store_cache: dict = field(default_factory=dict)  # hit rate, bytes read, rerouted choices during the forwards
     decode: bool = False  # the store decoded token by token (--decode)
     route_to_cached: float = 0.0  # the store's cache-aware routing margin (0: off)
+    activations: str = ""  # what the store's low-bit matmuls took (kernels.choose_activations' note)
+    reference_activations: str = ""  # the same of a store reference
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,6 +100,14 @@ class QualityReport:
             ),
             ("load seconds", f"store {self.store_load_seconds:.2f} s | reference {self.reference_load_seconds:.2f} s"),
         ]
+        if self.activations:
+            rows.append(
+                (
+                    "low-bit matmuls",
+                    f"store {self.activations}"
+                    + (f" | reference {self.reference_activations}" if self.reference_activations else ""),
+                )
+            )
         if self.store_cache:
             c = self.store_cache
             rows.append(("store cache", f"hit rate {c['hit_rate']:.1%}, read {c['bytes_read'] / 2**20:.1f} MiB"))
@@ -309,6 +319,8 @@ def compare(
     gpu_memory: str | int | None = None,
     decode: bool = False,
     route_to_cached: float = 0.0,
+    activations: str | None = None,
+    reference_activations: str = "float",
 ) -> QualityReport:
     """Compare a store with a reference (a Hugging Face checkpoint directory or another store) on `text`.
 
@@ -319,8 +331,10 @@ def compare(
         instead of its own; stores always compute in their own dtype.
     decode: the store decodes each window token by token (`compare_models`).
     route_to_cached: the store's cache-aware routing margin (`moestream.load`), 0 for off.
+    activations, reference_activations: what the low-bit matmuls of the store and of a store reference take
+        (`moestream.load`); the store against itself with "int8" and "float" prices int8 activations.
     """
-    from ..core.loading import engine_of, load
+    from ..core.loading import engine_of, load, stats
 
     if max_tokens < 2:
         raise UsageError(f"--max-tokens must be at least 2 (one to condition on, one to predict), not {max_tokens}")
@@ -334,7 +348,9 @@ def compare(
         )
 
     start = time.perf_counter()
-    store_model, tokenizer = load(store, memory, device=device, gpu_memory=gpu_memory, route_to_cached=route_to_cached)
+    store_model, tokenizer = load(
+        store, memory, device=device, gpu_memory=gpu_memory, route_to_cached=route_to_cached, activations=activations
+    )
     store_load = time.perf_counter() - start
     if tokenizer is None:
         raise UsageError(
@@ -353,7 +369,9 @@ def compare(
 
     start = time.perf_counter()
     if kind == "store":
-        reference_model, ref_tokenizer = load(reference, memory, device=device, gpu_memory=gpu_memory)
+        reference_model, ref_tokenizer = load(
+            reference, memory, device=device, gpu_memory=gpu_memory, activations=reference_activations
+        )
         reference_dtype = engine_of(reference_model).store.manifest.experts_dtype
     else:
         reference_model, reference_dtype = _load_checkpoint(reference, progress, reference_dtype)
@@ -380,8 +398,14 @@ def compare(
         store_cache={"hit_rate": cache["hit_rate"], "bytes_read": cache["bytes_read"], "rerouted": cache["rerouted"]},
         decode=decode,
         route_to_cached=route_to_cached,
+        activations=_low_bit_note(stats(store_model)),
+        reference_activations=_low_bit_note(stats(reference_model)) if kind == "store" else "",
         **metrics,
     )
+
+
+def _low_bit_note(model_stats: dict) -> str:
+    return next((p["note"] for p in model_stats.get("fast_paths", []) if p["name"] == "low-bit matmuls"), "")
 
 
 # ---- CLI: `moestream eval` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
@@ -396,7 +420,8 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..options import add_device_arguments, add_route_to_cached_argument, add_threads_argument
+    from ..core.kernels import ACTIVATIONS
+    from ..options import add_activations_argument, add_device_arguments, add_route_to_cached_argument, add_threads_argument
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_threads_argument(parser)
@@ -446,6 +471,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "what decode-time behaviour costs, e.g. --route-to-cached under a small --memory",
     )
     add_route_to_cached_argument(parser)
+    add_activations_argument(parser)
+    parser.add_argument(
+        "--reference-activations",
+        choices=list(ACTIVATIONS),
+        default="float",
+        help="what the low-bit matmuls of a store REF take (default float): `moestream eval STORE --reference STORE "
+        "--activations int8` prices int8 activations alone",
+    )
     add_device_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -473,6 +506,8 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory=args.gpu_memory,
         decode=args.decode,
         route_to_cached=args.route_to_cached,
+        activations=args.activations,
+        reference_activations=args.reference_activations,
     )
     print(json.dumps(report.to_json()) if args.json else report.table())
     return 0
