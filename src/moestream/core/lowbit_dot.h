@@ -31,6 +31,13 @@ constexpr int64_t kBlock = 32;     // inputs per activation scale
 constexpr int64_t kSuper = 64;     // inputs per 32 bytes of int4 codes: two blocks
 constexpr int64_t kRowTile = 4;    // activation rows computed against one weight row while it is in registers
 constexpr int64_t kWeightRows = 16;  // weight rows done for every activation row before the next ones
+// Reads asked for ahead of use (a prefetch past a matrix's end never faults). The hardware's own prefetch
+// follows the codes' one stream but not the scales' (one cache line per group, N * 4 bytes apart): asking
+// for both made a DRAM-bound int4 g64 matrix 12-30% faster (docs/BENCHMARKS.md, "int8 activations").
+constexpr int64_t kPrefetchRows = 4;        // weight rows ahead of the one being computed
+constexpr int64_t kPrefetchScaleRows = 32;  // rows ahead in the scales, two cache lines of each group
+
+constexpr float kRound = 12582912.f;  // 1.5 * 2^23
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -78,7 +85,9 @@ void quantize(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a
       int8_t* out = a.q.data() + r * k + b * kBlock;
       if (group) out = a.q.data() + r * k + (b / 2) * kSuper;  // a 64-input chunk: evens, then odds
       for (int64_t i = 0; i < kBlock; ++i) {
-        const int8_t c = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
+        // Round half to even (as nearbyint in the default rounding mode), without a libm call per input:
+        // adding and subtracting 1.5 * 2^23 leaves the float rounded to an integer (|v / d| <= 127).
+        const int8_t c = static_cast<int8_t>((v[i] * inverse + kRound) - kRound);
         total += c;
         if (group) {
           const int64_t at = (b % 2) * kBlock + i;  // the input's place in its 64-input chunk
@@ -207,6 +216,7 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
     for (int64_t t = 0; t < kTile; ++t) terms[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + (g * n + o8) * 2));  // (s, z) of 8 rows
+      _mm_prefetch(reinterpret_cast<const char*>(sz + (g * n + o8 + kPrefetchScaleRows) * 2), _MM_HINT_T0);
       const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
       const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
       _mm256_storeu_ps(scales + g * 8, s);
@@ -223,6 +233,8 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
       __m256 acc[kTile];
       for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm256_setzero_ps();
       const uint8_t* row = w + (o8 + i) * (k / 2);
+      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * (k / 2));
+      for (int64_t at = 0; at < k / 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
       if (group == kBlock) {  // two groups per 64 inputs
         for (int64_t j = 0; j < supers; ++j)
           int4_chunk<kTile>(row, q0, d0, k, supers, j, _mm256_set_m128(_mm_set1_ps(s[8 * (2 * j + 1)]), _mm_set1_ps(s[8 * 2 * j])), acc);
@@ -267,6 +279,8 @@ LOWBIT_AVX2 inline void int8_tile_avx2(const Activations& a, int64_t r0, const i
     __m256 acc[kTile];
     for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm256_setzero_ps();
     const int8_t* row = w + o * k;
+    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * k);
+    for (int64_t at = 0; at < k; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
     for (int64_t b = 0; b < blocks; ++b) {
       const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBlock));
       const __m256i magnitude = _mm256_sign_epi8(codes, codes);
