@@ -241,19 +241,29 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
               "experts_decode: one first and one second matrix per expert");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "experts_decode: x must be one contiguous row [1, H]");
   TORCH_CHECK(bits == 4 || bits == 8, "experts_decode: 4 or 8 bits");
-  torch::Tensor out;
   thread_local lowbit::Activations shared;  // with `integer`: x quantized once for every expert's first matrix
-  if (integer) quantize_rows(x, bits == 4 ? group : 0, shared);
-  for (int64_t j = 0; j < n; ++j) {
+  lowbit::Activations& xq = shared;           // (this thread's: the lambda below may run on others)
+  if (integer) quantize_rows(x, bits == 4 ? group : 0, xq);
+  std::vector<torch::Tensor> ys(n);
+  auto expert = [&](int64_t j) {
     auto h = !integer ? quantized(x, first[j], first_params[j], bits, group, false)
-             : bits == 4 ? int4_rows(shared, first[j], first_params[j], 4, x.scalar_type())
-                         : int8_rows(shared, first[j], first_params[j], x.scalar_type());
+             : bits == 4 ? int4_rows(xq, first[j], first_params[j], 4, x.scalar_type())
+                         : int8_rows(xq, first[j], first_params[j], x.scalar_type());
     auto a = torch::empty({1, h.size(1) / 2}, h.options());
     silu_gate_into(h, a);
-    auto y = quantized(a, second[j], second_params[j], bits, group, integer);
-    if (j == 0) out = torch::empty({n, y.size(1)}, y.options());
-    std::memcpy(static_cast<char*>(out.data_ptr()) + j * y.nbytes(), y.data_ptr(), y.nbytes());
-  }
+    ys[j] = quantized(a, second[j], second_params[j], bits, group, integer);
+  };
+  // With int8 activations and at least two experts per thread, each thread takes whole experts: one fork
+  // and join per call instead of two per expert (inside, the matmuls and torch's ops run on that thread).
+  // Every row is computed alone, so the numbers are the same either way.
+  if (integer && n >= 2 * at::get_num_threads())
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) expert(j);
+    });
+  else
+    for (int64_t j = 0; j < n; ++j) expert(j);
+  auto out = torch::empty({n, ys[0].size(1)}, ys[0].options());
+  for (int64_t j = 0; j < n; ++j) std::memcpy(static_cast<char*>(out.data_ptr()) + j * ys[j].nbytes(), ys[j].data_ptr(), ys[j].nbytes());
   if (weights.has_value()) return out.mul_(*weights).view({1, n, -1}).sum(1);
   return out;
 }
