@@ -92,7 +92,8 @@ def int4_dequantized(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch
 
 def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activations: bool = False) -> tuple | None:
     """The fused kernel for one token through a layer's experts (core/fused.py's `experts_decode`) with the
-    record tensors' names it takes, its bits and group size; or None where it does not apply: a device
+    record tensors' names it takes, its bits, group size and whether it takes int8 activations (the
+    layer's `int8_activations`, whose records are then as stored); or None where it does not apply: a device
     tier, float or int3/int2 records, int8 in bf16 at widths torch's kernel gets wrong (`_int8`), or a
     module whose gate differs from the kernel's. int4 with float32 activations casts them to bf16 and back,
     as `_int4` does, so both compute the same numbers."""
@@ -243,6 +244,10 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
     if choice == "int8":
         return True, "int8 activations, as chosen"
     fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
+    # At most 4096 x 8192 (32 MiB of float32 to quantize from): an LM head of 129k rows would take
+    # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
+    # of every group size.
+    n, k = min(n, 4096), min(k, 8192)
     integer, floating = measure_activations(fmt, n, k)
     ratio = floating / integer
     if ratio >= INT8_ACTIVATIONS_MARGIN:
