@@ -46,9 +46,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "fused_kernels.cpp"
-# -fopenmp: at::parallel_for is OpenMP inside ATen's headers, so without it every kernel here ran on one
-# thread. The module then needs libgomp.so.1, which torch's own libraries have loaded already.
-FLAGS = ("-std=c++20", "-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-fvisibility=hidden", "-shared")
+# -fopenmp (Linux): at::parallel_for is OpenMP inside ATen's headers, so without it every kernel here ran on
+# one thread. The module then needs libgomp.so.1, which torch's own libraries have loaded already. Apple's
+# clang has no -fopenmp: there the kernels keep to the calling thread, as before.
+_OPENMP = ("-fopenmp",) if sys.platform.startswith("linux") else ()
+FLAGS = ("-std=c++20", "-O3", "-ffp-contract=off", *_OPENMP, "-fPIC", "-fvisibility=hidden", "-shared")
 LIBRARIES = ("c10", "torch_cpu", "torch", "torch_python")
 EXPECTED_SECONDS = 30  # one build: 32-37 s of one core of a busy 2-core AMD EPYC (docs/BENCHMARKS.md)
 BUILD_TIMEOUT_SECONDS = 900  # a compiler that has not finished by then has hung
