@@ -298,8 +298,15 @@ std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weigh
               "attention_decode_qkv: q, k, v");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "attention_decode_qkv: x must be one contiguous row [1, H]");
   torch::Tensor states[3];
+  // With int8 activations and one format for all three, x is quantized once for them (as each would).
+  const bool shared = integer[0] && integer[1] && integer[2] && bits[0] == bits[1] && bits[1] == bits[2] && groups[0] == groups[1] &&
+                      groups[1] == groups[2] && (bits[0] == 4 || bits[0] == 8);
+  thread_local lowbit::Activations xq;
+  if (shared) quantize_rows(x, bits[0] == 4 ? groups[0] : 0, xq);
   for (int i = 0; i < 3; ++i) {
-    auto y = project(x, weights[i], params[i], bits[i], groups[i], integer[i]);
+    auto y = !shared ? project(x, weights[i], params[i], bits[i], groups[i], integer[i])
+             : bits[i] == 4 ? int4_rows(xq, weights[i], params[i], 4, x.scalar_type())
+                            : int8_rows(xq, weights[i], params[i], x.scalar_type());
     const c10::optional<torch::Tensor>& norm = i == 0 ? q_norm : k_norm;
     const double eps = i == 0 ? q_eps : k_eps;
     if (i < 2 && norm.has_value() && !norm_per_head) y = rms_norm(y, *norm, eps);

@@ -58,55 +58,63 @@ struct Activations {
   std::vector<float> centre;           // int4: [rows, K/G], sum_{b in g} d_b sum_{i in b} q_i (times C: the codes' -C)
 };
 
-// x [rows, K] (float or bf16 bits as uint16_t) -> a; `group` 0 for int8 weights (natural order).
+// One block of 32 activations (float, or bf16 bits as uint16_t) -> its int8 codes in natural order, its
+// scale d, the sum of its codes and the float sum of its inputs.
 template <typename T>
-void quantize(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a) {
+inline void quantize_block_portable(const T* in, int8_t* q, float& d_out, int32_t& total, float& sum) {
+  float v[kBlock];
+  float amax = 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    if constexpr (sizeof(T) == 2)
+      v[i] = bf16_to_float(in[i]);
+    else
+      v[i] = static_cast<float>(in[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  const float d = amax / 127.f;
+  const float inverse = d != 0.f ? 1.f / d : 0.f;
+  total = 0, sum = 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    // Round half to even (as nearbyint in the default rounding mode), without a libm call per input:
+    // adding and subtracting 1.5 * 2^23 leaves the float rounded to an integer (|v / d| <= 127).
+    q[i] = static_cast<int8_t>((v[i] * inverse + kRound) - kRound);
+    total += q[i];
+    sum += v[i];
+  }
+  d_out = d;
+}
+
+// A 64-input chunk's codes, natural order -> nibble order (its 32 even inputs, then its 32 odd ones).
+inline void to_nibble_order_portable(const int8_t* natural, int8_t* out) {
+  for (int64_t i = 0; i < kSuper; ++i) out[(i % 2) * kBlock + i / 2] = natural[i];
+}
+
+template <typename T>
+void quantize_blocks(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a,
+                     void (*block)(const T*, int8_t*, float&, int32_t&, float&), void (*reorder)(const int8_t*, int8_t*)) {
   a.rows = rows, a.k = k, a.group = group;
   a.q.resize(rows * k);
   const int64_t blocks = k / kBlock, groups = group ? k / group : 0;
   a.scale.resize(group ? rows * (k / kSuper) * 8 : rows * blocks);
   a.sums.assign(rows * groups, 0.f);
   a.centre.assign(rows * groups, 0.f);
-  float v[kBlock];
+  alignas(32) int8_t natural[kSuper];
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const T* in = x + r * k + b * kBlock;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        if constexpr (sizeof(T) == 2)
-          v[i] = bf16_to_float(in[i]);
-        else
-          v[i] = static_cast<float>(in[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const float d = amax / 127.f;
-      const float inverse = d != 0.f ? 1.f / d : 0.f;
-      int32_t total = 0;
-      int8_t* out = a.q.data() + r * k + b * kBlock;
-      if (group) out = a.q.data() + r * k + (b / 2) * kSuper;  // a 64-input chunk: evens, then odds
-      for (int64_t i = 0; i < kBlock; ++i) {
-        // Round half to even (as nearbyint in the default rounding mode), without a libm call per input:
-        // adding and subtracting 1.5 * 2^23 leaves the float rounded to an integer (|v / d| <= 127).
-        const int8_t c = static_cast<int8_t>((v[i] * inverse + kRound) - kRound);
-        total += c;
-        if (group) {
-          const int64_t at = (b % 2) * kBlock + i;  // the input's place in its 64-input chunk
-          out[(at % 2) * kBlock + at / 2] = c;
-        } else {
-          out[i] = c;
-        }
-      }
-      if (group) {
-        float* s = a.scale.data() + (r * (k / kSuper) + b / 2) * 8 + (b % 2) * 4;
-        for (int t = 0; t < 4; ++t) s[t] = d;
-        const int64_t g = b * kBlock / group;
-        float sum = 0.f;
-        for (int64_t i = 0; i < kBlock; ++i) sum += v[i];
-        a.sums[r * groups + g] += sum;
-        a.centre[r * groups + g] += d * static_cast<float>(total);
-      } else {
+      float d, sum;
+      int32_t total;
+      if (!group) {
+        block(x + r * k + b * kBlock, a.q.data() + r * k + b * kBlock, d, total, sum);
         a.scale[r * blocks + b] = d;
+        continue;
       }
+      block(x + r * k + b * kBlock, natural + (b % 2) * kBlock, d, total, sum);
+      if (b % 2) reorder(natural, a.q.data() + r * k + (b / 2) * kSuper);  // a 64-input chunk: evens, then odds
+      float* s = a.scale.data() + (r * (k / kSuper) + b / 2) * 8 + (b % 2) * 4;
+      for (int t = 0; t < 4; ++t) s[t] = d;
+      const int64_t g = b * kBlock / group;
+      a.sums[r * groups + g] += sum;
+      a.centre[r * groups + g] += d * static_cast<float>(total);
     }
   }
 }
@@ -310,6 +318,51 @@ LOWBIT_AVX2 inline void int8_rows_avx2(const Activations& a, const int8_t* w, co
   }
 }
 
+// As quantize_block_portable, eight inputs per instruction (the same codes, scale and code sum; the float
+// sum is added in another order).
+template <typename T>
+LOWBIT_AVX2 inline void quantize_block_avx2(const T* in, int8_t* q, float& d_out, int32_t& total, float& sum) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 2)
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + 8 * i))), 16));
+    else
+      v[i] = _mm256_loadu_ps(in + 8 * i);
+  }
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float d = _mm_cvtss_f32(h) / 127.f;
+  const __m256 inverse = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // round half to even
+  __m256i t = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+  total = _mm_cvtsi128_si32(t4);
+  sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  // packs works per 128-bit lane: the bytes come out as (c0 0-3, c1 0-3, c2 0-3, c3 0-3 | c0 4-7, ...)
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  d_out = d;
+}
+
+// As to_nibble_order_portable: evens and odds split within each 16 bytes, then the halves gathered.
+LOWBIT_AVX2 inline void to_nibble_order_avx2(const int8_t* natural, int8_t* out) {
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9,
+                                         11, 13, 15);
+  // each: (evens of its first 16 | evens of its second 16 | odds of its first 16 | odds of its second 16)
+  const __m256i first = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(natural)), split), 0xD8);
+  const __m256i second =
+      _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(natural + 32)), split), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(first, second, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_permute2x128_si256(first, second, 0x31));
+}
+
 inline bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
@@ -334,6 +387,16 @@ inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz
   if (has_avx2() && !portable_only()) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y);
 #endif
   int4_rows_portable(a, w, sz, bits, n, n0, n1, y);
+}
+
+// x [rows, K] (float, or bf16 bits as uint16_t) -> a, in nibble order for the int4 family (`group` its
+// group size) or natural order for int8 weights (`group` 0).
+template <typename T>
+void quantize(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (has_avx2() && !portable_only()) return quantize_blocks<T>(x, rows, k, group, a, quantize_block_avx2<T>, to_nibble_order_avx2);
+#endif
+  quantize_blocks<T>(x, rows, k, group, a, quantize_block_portable<T>, to_nibble_order_portable);
 }
 
 inline void int8_rows(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0, int64_t n1, float* y) {
