@@ -31,19 +31,9 @@ SHAPES = {"expert gate+up": (1536, 2048), "expert down": (2048, 768), "attention
 FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", None)]
 
 
-def best_ms(run, repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
-
-
 def read_bandwidth() -> float:
     data = torch.rand(128 * 2**20)  # 512 MiB of float32
-    return data.numel() * 4 / (best_ms(data.sum, 5) / 1e3) / 1e9
+    return data.numel() * 4 / (kernels.fastest_ms(data.sum, 5) / 1e3) / 1e9
 
 
 def matrix(fmt: QuantFormat, n: int, k: int, seed: int):
@@ -80,8 +70,10 @@ def main() -> None:
             for m in (1, 4, 512):
                 x = torch.randn(m, k)
                 repeats = 30 if m < 512 else 3
-                integer = best_ms(functools.partial(kernels.quantized_matmul, x, qweight, params, fmt, True), repeats)
-                floating = best_ms(functools.partial(kernels.quantized_matmul, x, torch_layout, params, fmt, False), repeats)
+                integer = kernels.fastest_ms(functools.partial(kernels.quantized_matmul, x, qweight, params, fmt, True), repeats)
+                floating = kernels.fastest_ms(
+                    functools.partial(kernels.quantized_matmul, x, torch_layout, params, fmt, False), repeats
+                )
                 label_fmt = f"{name}-g{group}" if group else name
                 print(
                     f"{label:<16} {label_fmt:<9} {m:>4} {integer:>11.3f} {floating:>12.3f} {floating / integer:>7.2f}x",

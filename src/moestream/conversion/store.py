@@ -129,6 +129,15 @@ class ExpertLayer:
     def num_experts(self) -> int:
         return len(self.offsets)
 
+    @property
+    def quantized_matrices(self) -> list[tuple[int, int]]:
+        """(N, K) of each quantized matrix of a record (its `qweight` holds K * bits / 8 bytes per row); none
+        for float records."""
+        fmt = self.quantization
+        if fmt is None:
+            return []
+        return [(t.shape[0], t.shape[1] * 8 // fmt.bits) for t in self.layout.tensors if t.name.endswith(".qweight")]
+
     def to_json(self) -> dict:
         return {
             "index": self.index,

@@ -538,11 +538,9 @@ def _second_matmul(call: _LayerCall, h: torch.Tensor, w: dict[str, torch.Tensor]
 
 def _takes_int8_activations(layer) -> bool:
     """Whether every quantized matrix of a layer's records fits the int8-activation kernels."""
-    fmt = layer.quantization
-    if fmt is None:
+    if layer.quantization is None:
         return False
-    shapes = [t.shape for t in layer.layout.tensors if t.name.endswith(".qweight")]
-    return all(kernels.int8_activations_fit(fmt, n, width * 8 // fmt.bits) for n, width in shapes)
+    return all(kernels.int8_activations_fit(layer.quantization, n, k) for n, k in layer.quantized_matrices)
 
 
 def streaming_experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -113,11 +113,7 @@ def _records(engine, on_gpu: bool) -> FastPath | None:
     portable = [layer for layer in layers if layer.quantization.portable]
     if not portable:
         return FastPath("int4 records", len(layers), len(layers), "stored in this machine's kernel layout (format 3)")
-    fast = 0
-    for layer in portable:
-        shapes = [t.shape for t in layer.layout.tensors if t.name.endswith(".qweight")]
-        bits = layer.quantization.bits
-        fast += all(repack.in_cpp(n, width * 8 // bits) for n, width in shapes)
+    fast = sum(all(repack.in_cpp(n, k) for n, k in layer.quantized_matrices) for layer in portable)
     note = "repacked where they land, in C++"
     if fast < len(portable):
         note += f"; {len(portable) - fast} layers by torch's own packing function (several times slower): no compiled kernels"

@@ -192,20 +192,31 @@ static torch::Tensor int8_rows(const lowbit::Activations& a, const torch::Tensor
   return over_rows(a, n, 1, a.k, dtype, [&](int64_t b, int64_t e, float* y) { lowbit::int8_rows(a, wp, sp, bf16, n, b, e, y); });
 }
 
+// x quantized for a matrix of `bits` (8, or the int4 family's 4/3/2 with `group`), and that matrix against it.
+static void quantize_for(const torch::Tensor& x, int64_t bits, int64_t group, lowbit::Activations& a) {
+  quantize_rows(x, bits == 8 ? 0 : group, a);
+}
+
+static torch::Tensor against(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& params, int64_t bits,
+                             at::ScalarType dtype) {
+  return bits == 8 ? int8_rows(a, w, params, dtype) : int4_rows(a, w, params, bits, dtype);
+}
+
+static torch::Tensor integer_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group) {
+  thread_local lowbit::Activations a;
+  quantize_for(x, bits, group, a);
+  return against(a, w, params, bits, x.scalar_type());
+}
+
 // x [M, K] @ W.T for an int4 (portable nibbles) or int8 matrix, in int8 activations -> [M, N] in x's dtype.
 // int3/int2 come as their int4 bytes (quant.expand_int4_bytes) with their `bits`.
 torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales_zeros, int64_t group, int64_t bits) {
   TORCH_CHECK(group > 0 && group % lowbit::kBlock == 0, "int4_matmul: the group size must be a multiple of 32");
-  thread_local lowbit::Activations a;
-  quantize_rows(x, group, a);
-  return int4_rows(a, w, scales_zeros, bits, x.scalar_type());
+  TORCH_CHECK(bits >= 2 && bits <= 4, "int4_matmul: 2, 3 or 4 bits");
+  return integer_matmul(x, w, scales_zeros, bits, group);
 }
 
-torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
-  thread_local lowbit::Activations a;
-  quantize_rows(x, 0, a);
-  return int8_rows(a, w, scales, x.scalar_type());
-}
+torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales) { return integer_matmul(x, w, scales, 8, 0); }
 
 // The portable loops on any CPU (on) or the CPU's SIMD ones where it has them (off); returns the previous.
 bool lowbit_portable(bool on) {
@@ -219,7 +230,7 @@ bool lowbit_portable(bool on) {
 // torch's layout, the int8 kernel in the activations' dtype.
 static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group,
                                bool integer) {
-  if (integer) return bits == 4 ? int4_matmul(x, q, params, group, 4) : int8_matmul(x, q, params);
+  if (integer) return integer_matmul(x, q, params, bits, group);
   if (bits == 4) {
     if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
     return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), q, group, params).to(x.scalar_type());
@@ -243,12 +254,10 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   TORCH_CHECK(bits == 4 || bits == 8, "experts_decode: 4 or 8 bits");
   thread_local lowbit::Activations shared;  // with `integer`: x quantized once for every expert's first matrix
   lowbit::Activations& xq = shared;           // (this thread's: the lambda below may run on others)
-  if (integer) quantize_rows(x, bits == 4 ? group : 0, xq);
+  if (integer) quantize_for(x, bits, group, xq);
   std::vector<torch::Tensor> ys(n);
   auto expert = [&](int64_t j) {
-    auto h = !integer ? quantized(x, first[j], first_params[j], bits, group, false)
-             : bits == 4 ? int4_rows(xq, first[j], first_params[j], 4, x.scalar_type())
-                         : int8_rows(xq, first[j], first_params[j], x.scalar_type());
+    auto h = integer ? against(xq, first[j], first_params[j], bits, x.scalar_type()) : quantized(x, first[j], first_params[j], bits, group, false);
     auto a = torch::empty({1, h.size(1) / 2}, h.options());
     silu_gate_into(h, a);
     ys[j] = quantized(a, second[j], second_params[j], bits, group, integer);
@@ -274,7 +283,7 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
 // path is wrong), 4 the int4 kernel (in bf16, cast back).
 static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group, bool integer) {
   if (bits == 0) return at::linear(x, w);
-  if (integer) return quantized(x, w, params, bits, group, true);
+  if (integer) return integer_matmul(x, w, params, bits, group);
   if (bits == 8) {
     if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16)
       return at::_weight_int8pack_mm(x.to(at::kFloat), w, params.to(at::kFloat)).to(x.scalar_type());
@@ -302,11 +311,9 @@ std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weigh
   const bool shared = integer[0] && integer[1] && integer[2] && bits[0] == bits[1] && bits[1] == bits[2] && groups[0] == groups[1] &&
                       groups[1] == groups[2] && (bits[0] == 4 || bits[0] == 8);
   thread_local lowbit::Activations xq;
-  if (shared) quantize_rows(x, bits[0] == 4 ? groups[0] : 0, xq);
+  if (shared) quantize_for(x, bits[0], groups[0], xq);
   for (int i = 0; i < 3; ++i) {
-    auto y = !shared ? project(x, weights[i], params[i], bits[i], groups[i], integer[i])
-             : bits[i] == 4 ? int4_rows(xq, weights[i], params[i], 4, x.scalar_type())
-                            : int8_rows(xq, weights[i], params[i], x.scalar_type());
+    auto y = shared ? against(xq, weights[i], params[i], bits[i], x.scalar_type()) : project(x, weights[i], params[i], bits[i], groups[i], integer[i]);
     const c10::optional<torch::Tensor>& norm = i == 0 ? q_norm : k_norm;
     const double eps = i == 0 ? q_eps : k_eps;
     if (i < 2 && norm.has_value() && !norm_per_head) y = rms_norm(y, *norm, eps);

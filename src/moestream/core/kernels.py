@@ -205,20 +205,22 @@ def measure_activations(fmt: QuantFormat, n: int, k: int, repeats: int = 20) -> 
     qweight, params = record["w.qweight"], record[f"w.{fmt.params}"]
     fast = cpu_record(record, fmt)["w.qweight"]  # torch's layout for the float-activation kernel
     x = torch.randn(1, k, generator=g)
-
-    def best(run) -> float:
-        run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return min(times) * 1e3
-
     return (
-        best(lambda: quantized_matmul(x, qweight, params, fmt, True)),
-        best(lambda: quantized_matmul(x, fast, params, fmt, False)),
+        fastest_ms(lambda: quantized_matmul(x, qweight, params, fmt, True), repeats),
+        fastest_ms(lambda: quantized_matmul(x, fast, params, fmt, False), repeats),
     )
+
+
+def fastest_ms(run, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `run` in milliseconds, after one untimed call (first-call
+    costs and cold caches left out)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
 
 
 def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, int]], on_gpu: bool) -> tuple[bool, str]:

@@ -231,13 +231,7 @@ def _attach_device_tier(model, engine: ExpertEngine, device: Device, gpu_memory,
 
 def _quantized_shapes(model, manifest) -> list[tuple]:
     """(format, N, K) of every distinct quantized matrix shape: the expert records' and the resident linears'."""
-    shapes = set()
-    for layer in manifest.layers:
-        fmt = layer.quantization
-        if fmt is not None:
-            shapes.update(
-                (fmt, t.shape[0], t.shape[1] * 8 // fmt.bits) for t in layer.layout.tensors if t.name.endswith(".qweight")
-            )
+    shapes = {(layer.quantization, n, k) for layer in manifest.layers for n, k in layer.quantized_matrices}
     shapes.update((m.fmt, m.out_features, m.in_features) for m in model.modules() if isinstance(m, dense.QuantizedLinear))
     return sorted(shapes, key=lambda shape: (shape[0].name, shape[1], shape[2]))
 
