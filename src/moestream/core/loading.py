@@ -82,10 +82,11 @@ def load(
     compute_dtype: "auto" (default: the model's dtype, except a bf16 model on a CPU without bf16
         arithmetic computes in float32, its float resident weights then held at twice their stored
         size), "bf16" or "fp32" (kernels.compute_dtype).
-    activations: what the CPU's low-bit matmuls take: "auto" (the default, kernels.DEFAULT_ACTIVATIONS: int8 where the compiled kernels are
-        measured faster on this model's shapes here, else float), "int8" (llama.cpp's arithmetic: each
-        activation row quantized to int8, the dot products in integers; `moestream eval --activations`
-        prices it) or "float" (the activations as they are: torch's kernels).
+    activations: what the CPU's low-bit matmuls take: "auto" (the default, kernels.DEFAULT_ACTIVATIONS:
+        int8 where the compiled kernels are measured faster on this model's shapes here, else float),
+        "int8" (llama.cpp's arithmetic: each activation row quantized to int8, the dot products in
+        integers; `moestream eval --activations` prices it) or "float" (the activations as they are:
+        torch's kernels).
     route_to_cached: a margin in (0, 1) turns cache-aware routing on (routing.py): in a decode step a
         chosen expert that is not cached gives way to a cached one whose router probability is at least
         (1 - margin) times its own. It changes the model's output; 0 (the default) is off.
