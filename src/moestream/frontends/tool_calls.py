@@ -1,0 +1,621 @@
+"""Tool calls in the model's own words: reading them out of an answer, and the grammar that forces one.
+
+A checkpoint's chat template shows the model the tools (`apply_chat_template(messages, tools=...)`) and,
+for earlier turns, how its own calls looked; the model then writes a call in the format it was trained
+on. Each family of models has its own format, and the template is where it shows: `detect` reads the
+markers out of the template's text and returns the family's `ToolFormat`, or None when the template has
+no tool-call format (the server then refuses `tools`).
+
+A `ToolFormat` does four things, all text processing, no model:
+
+- `parse(answer)`: the calls in a whole answer (decoded with its special tokens kept: the markers often
+  are special tokens), and the text around them as the content. A call whose JSON does not parse stays in
+  the content as text: the client sees what the model wrote rather than losing it or getting an error.
+- `start_marker`, `held_back(text)`, `streamable(text)`: what a streaming server may send as content
+  before the answer is complete (a call's first characters must not go out as content).
+- `grammar(tools, choice)`: a grammar in llguidance's Lark dialect that lets the model write only calls
+  (`tool_choice` "required" or a named function), each call's arguments held to the tool's JSON schema.
+- `template_messages(messages)`: OpenAI-shaped messages as the family's templates expect them (arguments
+  as a mapping or as JSON text).
+
+The families (see each class for its format): hermes (Qwen2.5/Qwen3, Hermes and many fine-tunes),
+mistral (both the JSON-list and the name[ARGS] formats), deepseek (V3/R1 and V3.1) and harmony (gpt-oss).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+# JSON as json.dumps and the templates' `tojson` write it (", " and ": ", no other whitespace), so the
+# forced arguments look like the calls the model saw in training, and a weak model cannot pad them with
+# whitespace for ever. Given to llguidance through the schema's "x-guidance" options.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# End-of-turn tokens an answer may end with when decoded with its special tokens (the stop token is not
+# always cut off): none of them is content.
+_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<｜end▁of▁sentence｜>")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as compact JSON text (OpenAI's `arguments`)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """An answer split into its content (None when it is only calls), its calls, and its reasoning where
+    the format keeps reasoning apart from the content (harmony's analysis channel)."""
+
+    content: str | None
+    calls: list[ToolCall]
+    reasoning: str | None = None
+
+
+class ToolFormat:
+    """A family's tool-call format. Subclasses give the markers, `_segments` (the answer cut into text and
+    calls) and the grammar's rules; the rest is shared."""
+
+    name: ClassVar[str]
+    # The text at which a call begins, and any other text that may begin one (held back while streaming).
+    start_marker: ClassVar[str]
+    _other_starts: ClassVar[tuple[str, ...]] = ()
+    # Markers that are single tokens (added to the vocabulary) in the family's checkpoints: llguidance
+    # matches an added token only as that token, never as its spelling, so a grammar must name it.
+    _token_markers: ClassVar[frozenset[str]] = frozenset()
+    # Whether the family's templates want a call's arguments as a mapping (they `tojson` it) or as the
+    # JSON text itself (they concatenate it into the prompt).
+    arguments_as_dict: ClassVar[bool] = True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # -- parsing --------------------------------------------------------------------------------------
+
+    def parse(self, text: str) -> ParsedOutput:
+        """The calls in a whole answer and the text around them (stripped) as the content."""
+        pieces, calls = [], []
+        for segment in self._segments(_without_end_of_turn(text)):
+            if isinstance(segment, ToolCall):
+                calls.append(segment)
+            else:
+                pieces.append(segment)
+        content = "".join(pieces).strip()
+        return ParsedOutput(content if content or not calls else None, calls)
+
+    def _segments(self, text: str) -> Iterator[str | ToolCall]:
+        """The answer in order: text (a malformed call's own text included) and the calls."""
+        raise NotImplementedError
+
+    # -- streaming ------------------------------------------------------------------------------------
+
+    @property
+    def _starts(self) -> tuple[str, ...]:
+        return (self.start_marker, *self._other_starts)
+
+    def held_back(self, text: str) -> int:
+        """How many trailing characters of a partial answer may be the beginning of a call's marker (or
+        of an end-of-turn token), so they must not be streamed as content yet."""
+        return _partial_marker(text, (*self._starts, *_END_OF_TURN))
+
+    def streamable(self, text: str) -> str:
+        """The content a streaming server may have sent for this partial answer: the text before the first
+        call's marker, without a trailing piece that may begin one. As the answer grows it only grows,
+        and it is always a prefix of `parse(whole answer).content` (the rest follows once it is parsed)."""
+        text = _without_end_of_turn(text)
+        first = min((i for i in (text.find(m) for m in self._starts) if i >= 0), default=-1)
+        if first >= 0:
+            return text[:first].strip()
+        return text[: len(text) - self.held_back(text)].strip()
+
+    # -- grammar --------------------------------------------------------------------------------------
+
+    def grammar(
+        self,
+        tools: list[dict],
+        choice: str | dict,
+        *,
+        added_tokens: Mapping[str, int] | None = None,
+        parallel: bool = True,
+    ) -> str:
+        """A Lark grammar (llguidance's dialect) whose strings are exactly tool calls in this format.
+
+        `tools`: OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}].
+        `choice`: "required" (one or more calls of any of the tools; exactly one when `parallel` is false)
+        or {"type": "function", "function": {"name": N}} (exactly one call of N). "auto" and "none" need
+        no grammar; they, and a name not among the tools, raise ValueError.
+        `added_tokens`: the tokenizer's added tokens and their ids (`hf_tokenizer.get_added_vocab()`).
+        A marker among them is written as that token (`<[id]>`), any other marker as plain text. Without
+        them, the markers that are tokens in the family's checkpoints are written by name (`<|call|>`),
+        which llguidance resolves in the vocabulary; a marker that cannot be written so (Mistral's
+        `[TOOL_CALLS]`: `<[...]>` is llguidance's syntax for token ids) raises ValueError.
+        """
+        functions = _chosen_functions(tools, choice)
+        many = parallel and choice == "required"
+        lark = _LarkWriter(added_tokens, self._token_markers)
+        rules = [f"start: {self._start_rule(lark, many)}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+        for i, (name, schema) in enumerate(functions):
+            rules.append(f"call_{i}: {self._call_rule(lark, name, f'args_{i}')}")
+            rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': _JSON_OPTIONS})}")
+        rules.extend(self._extra_rules(lark))
+        return "\n".join(rules) + "\n"
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        """The top rule over `call` (one call, or one or more when `many`)."""
+        raise NotImplementedError
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        """One call of function `name` whose arguments are the rule `args`."""
+        raise NotImplementedError
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        return []
+
+    # -- prompts --------------------------------------------------------------------------------------
+
+    def template_messages(self, messages: Iterable[Mapping[str, Any]]) -> list[dict]:
+        """`to_template_messages` with the arguments as this family's templates want them."""
+        return to_template_messages(messages, arguments_as_dict=self.arguments_as_dict)
+
+
+class HermesFormat(ToolFormat):
+    """Hermes's format, which Qwen2.5, Qwen3 and many fine-tunes took up: each call is a JSON object in
+    its own block, several blocks in a row for parallel calls:
+
+        <tool_call>
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+
+    `<tool_call>` and `</tool_call>` are added tokens in Qwen's and Hermes's vocabularies."""
+
+    name = "hermes"
+    start_marker = "<tool_call>"
+    _end = "</tool_call>"
+    _token_markers = frozenset({"<tool_call>", "</tool_call>"})
+
+    def _segments(self, text: str) -> Iterator[str | ToolCall]:
+        position = 0
+        while (begin := text.find(self.start_marker, position)) >= 0:
+            yield text[position:begin]
+            after = begin + len(self.start_marker)
+            # The JSON object, then the closing marker (or the end of an answer cut short).
+            value, end = _json_at(text, after)
+            rest = text[end:].lstrip() if value is not None else ""
+            call = _call_from_object(value) if rest.startswith(self._end) or not rest else None
+            if call is not None:
+                position = len(text) - len(rest) + (len(self._end) if rest else 0)
+                yield call
+            else:
+                close = text.find(self._end, after)
+                position = len(text) if close < 0 else close + len(self._end)
+                yield text[begin:position]
+        yield text[position:]
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        newline = lark.text("\n")  # between blocks, as the templates write them
+        return f"call ({newline} call)*" if many else "call"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        # The object as json.dumps writes {"name": ..., "arguments": ...}: the arguments are the schema's.
+        head = lark.text('\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
+        tail = lark.text("}\n")
+        return f"{lark.marker(self.start_marker)} {head} {args} {tail} {lark.marker(self._end)}"
+
+
+class MistralFormat(ToolFormat):
+    """Mistral's formats, both behind the control token `[TOOL_CALLS]`:
+
+        [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]     (tokenizers v2-v7)
+        [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]...                   (v11 and later)
+
+    v11 may put `[CALL_ID]id` between the name and `[ARGS]`; the id is dropped (the server makes its own).
+    Both are parsed whatever the template; the grammar writes the one the template shows (`args_style`).
+    `[TOOL_CALLS]` and `[ARGS]` are special tokens in Mistral's vocabularies; llguidance's Lark can name
+    them only by id, so the grammar needs `added_tokens`."""
+
+    name = "mistral"
+    start_marker = "[TOOL_CALLS]"
+    _token_markers = frozenset({"[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"})
+
+    def __init__(self, args_style: bool = False):
+        self.args_style = args_style
+
+    def __repr__(self) -> str:
+        return f"MistralFormat(args_style={self.args_style})"
+
+    def _segments(self, text: str) -> Iterator[str | ToolCall]:
+        first, *blocks = text.split(self.start_marker)
+        yield first
+        for block in blocks:
+            calls, rest = self._read_block(block)
+            if calls is None:
+                yield self.start_marker + block
+            else:
+                yield from calls
+                yield rest
+
+    @staticmethod
+    def _read_block(block: str) -> tuple[list[ToolCall] | None, str]:
+        """The calls after one `[TOOL_CALLS]` and the text after them; (None, "") when malformed."""
+        stripped = block.lstrip()
+        if stripped.startswith(("[", "{")):
+            # The JSON list (or a lone object) of {"name", "arguments"}.
+            value, end = _json_at(stripped, 0)
+            items = value if isinstance(value, list) else [value]
+            calls = [_call_from_object(item) for item in items] if value is not None else [None]
+            return (calls, stripped[end:]) if calls and None not in calls else (None, "")
+        # name[ARGS]{...}, maybe name[CALL_ID]id[ARGS]{...}
+        head, sep, tail = block.partition("[ARGS]")
+        name = head.split("[CALL_ID]")[0].strip()
+        if not sep or not _is_name(name):
+            return None, ""
+        value, end = _json_at(tail, 0)
+        arguments = _arguments_json(value)
+        return ([ToolCall(name, arguments)], tail[end:]) if arguments is not None else (None, "")
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        if self.args_style:
+            return "call+" if many else "call"
+        # The SentencePiece tokenizers write a space before the list; tekken does not.
+        opening = f"{lark.marker('[TOOL_CALLS]')} {lark.text(' ')}? {lark.text('[')}"
+        return f"{opening} call ({lark.text(', ')} call)* {lark.text(']')}" if many else f"{opening} call {lark.text(']')}"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        if self.args_style:
+            return f"{lark.marker('[TOOL_CALLS]')} {lark.text(name)} {lark.marker('[ARGS]')} {args}"
+        head = lark.text('{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
+        return f"{head} {args} {lark.text('}')}"
+
+
+class DeepSeekFormat(ToolFormat):
+    """DeepSeek's format, all markers special tokens (fullwidth bars, ▁ for spaces). V3 and R1 give the
+    call's type, then the name and the arguments in a fenced JSON block; calls are a line apart:
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+        ```json
+        {"city": "Paris"}
+        ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+    V3.1 dropped the type and the fence: `<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
+    <｜tool▁call▁end｜>`, calls back to back. Both are parsed; the grammar writes the template's (`fenced`).
+    The templates concatenate a call's arguments into the prompt, so they must stay JSON text."""
+
+    name = "deepseek"
+    start_marker = "<｜tool▁calls▁begin｜>"
+    _other_starts = ("<｜tool▁call▁begin｜>",)
+    _calls_end = "<｜tool▁calls▁end｜>"
+    _call_begin = "<｜tool▁call▁begin｜>"
+    _call_end = "<｜tool▁call▁end｜>"
+    _sep = "<｜tool▁sep｜>"
+    _token_markers = frozenset({start_marker, _calls_end, _call_begin, _call_end, _sep})
+    arguments_as_dict = False
+    # V3's call body after the separator: the name, then the arguments fenced as ```json.
+    _fenced_body = re.compile(r"\s*([^\n`]+?)\s*\n\s*```(?:json)?\s*\n?(.*?)\s*```\s*", re.DOTALL)
+
+    def __init__(self, fenced: bool = True):
+        self.fenced = fenced
+
+    def __repr__(self) -> str:
+        return f"DeepSeekFormat(fenced={self.fenced})"
+
+    def _segments(self, text: str) -> Iterator[str | ToolCall]:
+        position = 0
+        while (begin := text.find(self._call_begin, position)) >= 0:
+            yield self._outside(text[position:begin])
+            close = text.find(self._call_end, begin)
+            end = len(text) if close < 0 else close + len(self._call_end)
+            call = self._read_call(text[begin + len(self._call_begin) : len(text) if close < 0 else close])
+            yield call if call is not None else text[begin:end]
+            position = end
+        yield self._outside(text[position:])
+
+    def _outside(self, text: str) -> str:
+        """Text between calls, without the markers that wrap the list of calls (they carry nothing)."""
+        return text.replace(self.start_marker, "").replace(self._calls_end, "")
+
+    def _read_call(self, body: str) -> ToolCall | None:
+        head, sep, tail = body.partition(self._sep)
+        if not sep:
+            return None
+        fenced = self._fenced_body.fullmatch(tail)
+        name, arguments = (fenced.group(1), fenced.group(2)) if fenced else (head.strip(), tail.strip())
+        value, end = _json_at(arguments, 0)
+        arguments = _arguments_json(value) if end == len(arguments) else None
+        return ToolCall(name, arguments) if arguments is not None and _is_name(name) else None
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        between = lark.text("\n") + " " if self.fenced else ""  # V3 puts a newline between calls
+        calls = f"call ({between}call)*" if many else "call"
+        return f"{lark.marker(self.start_marker)} {calls} {lark.marker(self._calls_end)}"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        begin, sep, end = lark.marker(self._call_begin), lark.marker(self._sep), lark.marker(self._call_end)
+        if not self.fenced:
+            return f"{begin} {lark.text(name)} {sep} {args} {end}"
+        fence_open, fence_close = lark.text(name + "\n```json\n"), lark.text("\n```")
+        return f"{begin} {lark.text('function')} {sep} {fence_open} {args} {fence_close} {end}"
+
+
+class HarmonyFormat(ToolFormat):
+    """OpenAI's harmony format (gpt-oss). The answer is a series of messages, each a header then
+    `<|message|>` then its text then a terminator (`<|end|>`, `<|call|>` that ends the turn on a call,
+    `<|return|>` that ends it on the answer); messages after the first begin with `<|start|>assistant`
+    (the prompt ends with the first one's). The header's channel says what the text is: `analysis` is
+    reasoning, `final` the answer; a call goes to `commentary` with a recipient, in either header order:
+
+        <|channel|>analysis<|message|>The user wants the weather.<|end|>
+        <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+        <|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>
+
+    A commentary message without a recipient is a preamble meant for the user: content, like `final`.
+    All the markers are special tokens. `<|call|>` ends the turn, so the grammar allows one call (after
+    an optional analysis message), whatever `parallel` says."""
+
+    name = "harmony"
+    # In both header orders the recipient marks a call; the content is channel-delimited, so a streaming
+    # server should use `streamable` rather than hold back at a marker.
+    start_marker = "to=functions."
+    _token_markers = frozenset({"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"})
+    _terminators = re.compile(r"<\|(?:end|call|return)\|>")
+
+    def parse(self, text: str) -> ParsedOutput:
+        if "<|message|>" not in text:  # not harmony at all: all of it is the answer
+            return ParsedOutput(text.strip(), [])
+        content, reasoning, calls = self._read(text, partial=False)
+        joined = "\n".join(content)
+        return ParsedOutput(joined if joined or not calls else None, calls, "\n".join(reasoning) or None)
+
+    def streamable(self, text: str) -> str:
+        """The content so far: the final and preamble messages' text, the last one as far as it goes;
+        nothing after a call or a malformed message that is not complete yet."""
+        if "<|message|>" not in text:
+            # A header so far (the first message's begins with `<|channel|>` or ` to=`), or an answer
+            # that is not harmony at all.
+            if "<|" in text or text.lstrip().startswith("to="):
+                return ""
+            return text[: len(text) - _partial_marker(text, ("<|", "to="))].strip()
+        return "\n".join(self._read(text, partial=True)[0])
+
+    def _read(self, text: str, partial: bool) -> tuple[list[str], list[str], list[ToolCall]]:
+        content: list[str] = []
+        reasoning: list[str] = []
+        calls: list[ToolCall] = []
+        # Each piece is one message, `<|start|>` included (all but the first).
+        for raw in re.split(r"(?=<\|start\|>)", text):
+            header, sep, rest = raw.removeprefix("<|start|>").partition("<|message|>")
+            if not sep:  # a header cut short (or nothing): no text yet
+                continue
+            ending = self._terminators.search(rest)
+            body = rest[: ending.start()] if ending else rest
+            if partial and not ending:  # the terminator may have begun
+                body = body[: len(body) - _partial_marker(body, ("<|end|>", "<|call|>", "<|return|>", "<|start|>"))]
+            after = rest[ending.end() :] if ending else ""
+            if partial:  # text after a terminator may be the next message's `<|start|>` beginning
+                after = after[: len(after) - _partial_marker(after, ("<|start|>",))]
+            after = after.strip()
+            channel = re.search(r"<\|channel\|>\s*(\w+)", header)
+            recipient = re.search(r"\bto=([^\s<]+)", header)
+            if recipient is None:
+                if channel is not None and channel.group(1) == "analysis":
+                    reasoning.append(body.strip())
+                else:  # final, or a commentary preamble
+                    content.append(body.strip())
+            elif partial and not ending:  # a call still being written: nothing more goes out
+                break
+            else:
+                value, end = _json_at(body, 0)
+                arguments = _arguments_json(value) if end == len(body.rstrip()) else None
+                name = recipient.group(1).removeprefix("functions.")
+                if recipient.group(1).startswith("functions.") and arguments is not None and _is_name(name):
+                    calls.append(ToolCall(name, arguments))
+                else:  # malformed, or a built-in tool's call: left as the model wrote it
+                    content.append(raw.strip())
+            if after:
+                content.append(after)
+        return [c for c in content if c], [r for r in reasoning if r], calls
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        return "analysis? call"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        return (
+            f"{lark.marker('<|channel|>')} {lark.text('commentary to=functions.' + name + ' ')} {lark.marker('<|constrain|>')} "
+            f"{lark.text('json')} {lark.marker('<|message|>')} {args} {lark.marker('<|call|>')}"
+        )
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        # Reasoning first, if the model wants: any text up to `<|end|>` (a regex never matches a special
+        # token), then the next message's header.
+        return [
+            f"analysis: {lark.marker('<|channel|>')} {lark.text('analysis')} {lark.marker('<|message|>')} REASONING "
+            f"{lark.marker('<|end|>')} {lark.marker('<|start|>')} {lark.text('assistant')}",
+            r"REASONING: /(?s:.*)/",
+        ]
+
+
+FAMILIES: dict[str, type[ToolFormat]] = {cls.name: cls for cls in (HermesFormat, MistralFormat, DeepSeekFormat, HarmonyFormat)}
+
+
+def detect(chat_template: str | None) -> ToolFormat | None:
+    """The tool-call format a chat template shows, from the markers in its text; None when it shows none
+    (or one not supported here: Qwen3-Coder's and GLM's XML-like calls also use `<tool_call>`)."""
+    if not chat_template:
+        return None
+    t = chat_template
+    if "<|channel|>" in t and "<|call|>" in t:
+        return HarmonyFormat()
+    if DeepSeekFormat._call_begin in t or DeepSeekFormat.start_marker in t:
+        return DeepSeekFormat(fenced="```json" in t)
+    if MistralFormat.start_marker in t:
+        return MistralFormat(args_style="[ARGS]" in t)
+    if HermesFormat.start_marker in t and not any(m in t for m in ("<function=", "<parameter=", "<arg_key>")):
+        return HermesFormat()
+    return None
+
+
+def to_template_messages(messages: Iterable[Mapping[str, Any]], *, arguments_as_dict: bool = True) -> list[dict]:
+    """OpenAI-shaped messages as chat templates expect them.
+
+    - An assistant message's `tool_calls[].function.arguments` is JSON text in OpenAI's API; most
+      templates `tojson` it (and would write a JSON string of the JSON), so it becomes the mapping it
+      encodes (`arguments_as_dict`); DeepSeek's concatenate it, so for them it stays (or becomes) text.
+    - A tool message keeps `tool_call_id` and gets `name`, the called function's (from the call with
+      that id), for the templates that show it.
+    - Content given as text parts becomes one string; None becomes "" (templates concatenate it or look
+      inside it); keys whose value is None, and an empty `tool_calls`, are dropped (templates test
+      `is defined` and then iterate).
+    """
+    names: dict[str, str] = {}
+    result = []
+    for message in messages:
+        m = {k: v for k, v in message.items() if v is not None or k == "content"}
+        if m.get("content") is None:
+            m["content"] = ""
+        elif isinstance(m["content"], list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in m["content"]):
+            m["content"] = "".join(p.get("text", "") for p in m["content"])
+        if "tool_calls" in m and not m["tool_calls"]:
+            del m["tool_calls"]
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            m["tool_calls"] = [_template_call(call, arguments_as_dict) for call in m["tool_calls"]]
+            for call in m["tool_calls"]:
+                if call.get("id") and isinstance(call.get("function"), Mapping):
+                    names[call["id"]] = call["function"].get("name")
+        elif m.get("role") == "tool" and "name" not in m and names.get(m.get("tool_call_id")):
+            m["name"] = names[m["tool_call_id"]]
+        result.append(m)
+    return result
+
+
+def _template_call(call: Mapping[str, Any], as_dict: bool) -> dict:
+    call = dict(call)
+    function = call.get("function")
+    if isinstance(function, Mapping):
+        function = dict(function)
+        arguments = function.get("arguments")
+        if as_dict and isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except ValueError:
+                pass  # not JSON: the template shows it as it is
+        elif not as_dict and not isinstance(arguments, str) and arguments is not None:
+            function["arguments"] = json.dumps(arguments, ensure_ascii=False)
+        call["function"] = function
+    return call
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_at(text: str, start: int) -> tuple[Any, int]:
+    """The JSON value at `start` (after whitespace) and where it ends; (None, start) if there is none."""
+    begin = start + len(text[start:]) - len(text[start:].lstrip())
+    try:
+        return _DECODER.raw_decode(text, begin)
+    except ValueError:
+        return None, start
+
+
+def _arguments_json(value: Any) -> str | None:
+    """Arguments as compact JSON text, from an object or from JSON text encoding one; None otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict):
+        return None
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _call_from_object(value: Any) -> ToolCall | None:
+    """{"name": ..., "arguments": {...}} (some models write "parameters") as a call; None if it is not one."""
+    if not isinstance(value, dict) or not _is_name(value.get("name")):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    arguments = _arguments_json(arguments)
+    return ToolCall(value["name"], arguments) if arguments is not None else None
+
+
+def _is_name(name: Any) -> bool:
+    """A plausible function name: non-empty, no whitespace or markup (OpenAI allows [a-zA-Z0-9_-] and
+    models add dots and colons)."""
+    return isinstance(name, str) and re.fullmatch(r"[^\s<>\[\]{}\"'`]+", name) is not None
+
+
+def _partial_marker(text: str, markers: Iterable[str]) -> int:
+    """The length of the longest end of `text` that is the beginning of one of `markers`."""
+    longest = 0
+    for marker in markers:
+        for k in range(min(len(marker), len(text)), longest, -1):
+            if text.endswith(marker[:k]):
+                longest = k
+                break
+    return longest
+
+
+def _without_end_of_turn(text: str) -> str:
+    while True:
+        stripped = text.rstrip()
+        for token in _END_OF_TURN:
+            if stripped.endswith(token):
+                text = stripped[: -len(token)]
+                break
+        else:
+            return text
+
+
+def _chosen_functions(tools: list[dict], choice: str | dict) -> list[tuple[str, dict]]:
+    """(name, parameters schema) of the functions `choice` allows, from OpenAI's `tools`."""
+    functions: dict[str, dict] = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
+            raise ValueError("each tool is {'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
+        name = function.get("name")
+        if not _is_name(name) or name in functions:
+            raise ValueError(f"tool names must be distinct names without spaces or markup, not {name!r}")
+        # No parameters: a function without arguments.
+        schema = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+        if not isinstance(schema, Mapping):
+            raise ValueError(f"the parameters of tool {name!r} are not a JSON schema object")
+        functions[name] = dict(schema)
+    if not functions:
+        raise ValueError("a tool choice needs at least one tool")
+    if choice == "required":
+        return list(functions.items())
+    if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("function"), Mapping):
+        name = choice["function"].get("name")
+        if name not in functions:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        return [(name, functions[name])]
+    raise ValueError(f"no grammar for tool_choice {choice!r}: only 'required' or a named function constrain the answer")
+
+
+class _LarkWriter:
+    """Writes the pieces of a Lark grammar: text as string literals, markers as tokens where they are."""
+
+    def __init__(self, added_tokens: Mapping[str, int] | None, token_markers: frozenset[str]):
+        self.added_tokens = added_tokens
+        self.token_markers = token_markers
+
+    @staticmethod
+    def text(s: str) -> str:
+        return json.dumps(s, ensure_ascii=False)
+
+    def marker(self, m: str) -> str:
+        if self.added_tokens is not None:
+            token = self.added_tokens.get(m)
+            return f"<[{int(token)}]>" if token is not None else self.text(m)
+        if m not in self.token_markers:
+            return self.text(m)
+        if re.fullmatch(r"<[^<>\[\s][^<>\s]*>", m):
+            return m  # llguidance looks the name up among the vocabulary's special tokens
+        raise ValueError(f"the marker {m!r} is a special token whose id llguidance needs: pass added_tokens")

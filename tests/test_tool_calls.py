@@ -1,0 +1,562 @@
+"""Tool-call formats (frontends/tool_calls.py): parsing each family's raw output, detection from chat
+templates, the grammars driven through llguidance with a real (byte-level) tokenizer, and the messages
+handed to chat templates."""
+
+import json
+import random
+
+import llguidance
+import llguidance.hf
+import pytest
+
+from moestream.conversion.synthetic import byte_tokenizer
+from moestream.frontends.tool_calls import (
+    FAMILIES,
+    DeepSeekFormat,
+    HarmonyFormat,
+    HermesFormat,
+    MistralFormat,
+    ParsedOutput,
+    ToolCall,
+    detect,
+    to_template_messages,
+)
+
+# -- each family's raw output, written here from the formats' descriptions --------------------------------
+
+
+def hermes_text(content, calls, after=""):
+    blocks = "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
+    return f"{content}\n{blocks}{after}<|im_end|>"
+
+
+def mistral_json_text(content, calls, after=""):
+    listed = json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    return f"{content}[TOOL_CALLS] {listed}{after}</s>"
+
+
+def mistral_args_text(content, calls, after=""):
+    return content + "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls) + after + "</s>"
+
+
+def deepseek_v3_text(content, calls, after=""):
+    blocks = "\n".join(
+        f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{json.dumps(a)}\n```<｜tool▁call▁end｜>" for n, a in calls
+    )
+    return f"{content}<｜tool▁calls▁begin｜>{blocks}<｜tool▁calls▁end｜>{after}<｜end▁of▁sentence｜>"
+
+
+def deepseek_v31_text(content, calls, after=""):
+    blocks = "".join(f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{json.dumps(a)}<｜tool▁call▁end｜>" for n, a in calls)
+    return f"{content}<｜tool▁calls▁begin｜>{blocks}<｜tool▁calls▁end｜>{after}<｜end▁of▁sentence｜>"
+
+
+def harmony_text(content, calls, after=""):
+    """Reasoning, a preamble (the content) in the commentary channel, then the calls, the first with the
+    recipient after the channel, the others before it (both orders occur)."""
+    text = "<|channel|>analysis<|message|>The user wants something; I will call a tool.<|end|>"
+    if content:
+        text += f"<|start|>assistant<|channel|>commentary<|message|>{content}<|end|>"
+    for i, (n, a) in enumerate(calls):
+        if i == 0:
+            text += (
+                f"<|start|>assistant<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>{json.dumps(a)}<|call|>"
+            )
+        else:
+            text += f"<|start|>assistant to=functions.{n}<|channel|>commentary json<|message|>{json.dumps(a)}<|call|>"
+    return text
+
+
+WRITERS = {
+    "hermes": (HermesFormat(), hermes_text),
+    "mistral-json": (MistralFormat(), mistral_json_text),
+    "mistral-args": (MistralFormat(args_style=True), mistral_args_text),
+    "deepseek-v3": (DeepSeekFormat(), deepseek_v3_text),
+    "deepseek-v3.1": (DeepSeekFormat(fenced=False), deepseek_v31_text),
+    "harmony": (HarmonyFormat(), harmony_text),
+}
+
+WORDS = ["get", "weather", "search", "docs", "send", "mail", "city", "lookup", "x2", "v3"]
+TRICKY = ['say "hi"', "back\\slash", "{braces}", "[brackets]", "line\nbreak", "café ☕", "tab\t", "</end>", ""]
+
+
+def random_value(rng, depth=0):
+    kind = rng.randrange(6 if depth < 2 else 4)
+    if kind == 0:
+        return rng.choice(TRICKY) + rng.choice(WORDS)
+    if kind == 1:
+        return rng.randint(-(10**6), 10**6)
+    if kind == 2:
+        return rng.choice([True, False, None, 0.5, -1e-3])
+    if kind == 3:
+        return rng.choice(WORDS)
+    if kind == 4:
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return random_arguments(rng, depth + 1)
+
+
+def random_arguments(rng, depth=0):
+    return {rng.choice(WORDS) + str(i): random_value(rng, depth) for i in range(rng.randint(0, 4))}
+
+
+def random_calls(rng, n):
+    return [("_".join(rng.sample(WORDS, 2)), random_arguments(rng)) for _ in range(n)]
+
+
+# -- parse ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", WRITERS)
+@pytest.mark.parametrize("n_calls", [1, 2])
+@pytest.mark.parametrize("seed", range(4))
+def test_parse_round_trip(family, n_calls, seed):
+    fmt, write = WRITERS[family]
+    rng = random.Random(f"{family}-{n_calls}-{seed}")
+    calls = random_calls(rng, n_calls)
+    content = rng.choice(["", "Let me check that.", 'Sure — I\'ll call "the" tool {now}.'])
+    parsed = fmt.parse(write(content, calls))
+    assert parsed.calls == [ToolCall(n, json.dumps(a, separators=(",", ":"), ensure_ascii=False)) for n, a in calls]
+    assert [json.loads(c.arguments) for c in parsed.calls] == [a for _, a in calls]
+    assert parsed.content == (content or None)
+    if family == "harmony":
+        assert parsed.reasoning == "The user wants something; I will call a tool."
+
+
+@pytest.mark.parametrize("family", ["hermes", "mistral-json", "mistral-args", "deepseek-v3", "deepseek-v3.1"])
+def test_text_after_the_calls_is_content(family):
+    fmt, write = WRITERS[family]
+    parsed = fmt.parse(write("Before.", [("f", {"a": 1})], after=" After."))
+    assert parsed.calls == [ToolCall("f", '{"a":1}')]
+    assert parsed.content.startswith("Before.") and parsed.content.endswith("After.")
+
+
+def test_hermes_text_between_calls_and_an_unclosed_last_call():
+    text = 'A <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> B <tool_call>{"name": "g", "arguments": {"x": [1]}}'
+    assert HermesFormat().parse(text) == ParsedOutput("A  B", [ToolCall("f", "{}"), ToolCall("g", '{"x":[1]}')])
+    # arguments given as JSON text, and "parameters" for "arguments", are read too
+    text = (
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call><tool_call>{"name": "g", "parameters": {}}</tool_call>'
+    )
+    assert HermesFormat().parse(text).calls == [ToolCall("f", '{"a":1}'), ToolCall("g", "{}")]
+
+
+MALFORMED = {
+    "hermes": '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>',
+    "mistral-json": '[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}]',
+    "mistral-args": '[TOOL_CALLS]f[ARGS]{"a": 1',
+    "deepseek-v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": }\n```<｜tool▁call▁end｜>',
+    "deepseek-v3.1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{a: 1}<｜tool▁call▁end｜>",
+    "harmony": "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{'a': 1}<|call|>",
+}
+
+
+@pytest.mark.parametrize("family", WRITERS)
+def test_malformed_call_stays_content(family):
+    fmt, _ = WRITERS[family]
+    parsed = fmt.parse("Looking. " + MALFORMED[family])
+    assert parsed.calls == []
+    assert parsed.content.startswith("Looking.")
+    assert "{" in parsed.content and ("f" in parsed.content)
+
+
+def test_malformed_call_next_to_a_good_one():
+    text = (
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", "arguments": {oops}}</tool_call>'
+    )
+    parsed = HermesFormat().parse(text)
+    assert parsed.calls == [ToolCall("f", '{"a":1}')]
+    assert parsed.content == '<tool_call>{"name": "g", "arguments": {oops}}</tool_call>'
+
+
+@pytest.mark.parametrize("family", WRITERS)
+def test_answer_without_calls_is_content(family):
+    fmt, _ = WRITERS[family]
+    text = 'The answer is 42; {"name": "f"} is only JSON in prose.'
+    if family == "harmony":
+        assert fmt.parse(
+            f"<|channel|>analysis<|message|>easy<|end|><|start|>assistant<|channel|>final<|message|>{text}<|return|>"
+        ) == (ParsedOutput(text, [], "easy"))
+    assert fmt.parse(text) == ParsedOutput(text, [])
+    assert fmt.parse("") == ParsedOutput("", [])
+
+
+def test_harmony_builtin_tool_and_final_answer():
+    text = (
+        "<|channel|>analysis<|message|>search first<|end|>"
+        '<|start|>assistant<|channel|>analysis to=browser.search<|message|>{"query": "x"}<|call|>'
+    )
+    parsed = HarmonyFormat().parse(text)
+    assert parsed.calls == [] and "browser.search" in parsed.content and parsed.reasoning == "search first"
+
+
+def test_harmony_call_cut_at_its_end_of_sequence_token():
+    """gpt-oss's <|call|> is an end-of-sequence token, which a server may drop before parsing."""
+    text = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    assert HarmonyFormat().parse(text) == ParsedOutput(None, [ToolCall("get_weather", '{"city":"Oslo"}')])
+    assert HarmonyFormat().streamable(text) == ""
+
+
+# -- streaming -----------------------------------------------------------------------------------------
+
+
+def test_held_back():
+    fmt = HermesFormat()
+    assert fmt.start_marker == "<tool_call>"
+    assert fmt.held_back("Sure <tool_") == len("<tool_")
+    assert fmt.held_back("Sure <") == 1
+    assert fmt.held_back("Sure <b>") == 0
+    assert fmt.held_back("") == 0
+    assert MistralFormat().held_back("ok [TOOL") == len("[TOOL")
+    assert DeepSeekFormat().held_back("ok <｜tool▁call") == len("<｜tool▁call")
+
+
+@pytest.mark.parametrize("family", WRITERS)
+def test_streamable_grows_and_is_a_prefix_of_the_content(family):
+    fmt, write = WRITERS[family]
+    for content, calls in [("Let me see <b>this</b>.", [("f", {"a": "<tool_call>"})]), ("Just text, no call.", [])]:
+        text = write(content, calls)
+        final = fmt.parse(text).content or ""
+        previous = ""
+        for i in range(len(text) + 1):
+            now = fmt.streamable(text[:i])
+            assert now.startswith(previous) and final.startswith(now), (text[:i], now)
+            previous = now
+        assert previous == content
+
+
+# -- detect --------------------------------------------------------------------------------------------
+
+HERMES_TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{%- if m.tool_calls %}{% for c in m.tool_calls %}
+<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}{% else %}
+{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}"""
+MISTRAL_TEMPLATE = (
+    "[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% for c in calls %}[TOOL_CALLS] [{{ c | tojson }}]{% endfor %}"
+)
+MISTRAL_ARGS_TEMPLATE = "{% for c in calls %}[TOOL_CALLS]{{ c.name }}[ARGS]{{ c.arguments | tojson }}{% endfor %}</s>"
+DEEPSEEK_TEMPLATE = (
+    "{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + c.type + '<｜tool▁sep｜>' + c.function.name"
+    " + '\\n```json\\n' + c.function.arguments + '\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>' }}"
+)
+DEEPSEEK_V31_TEMPLATE = (
+    "{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + c.function.name + '<｜tool▁sep｜>' + c.function.arguments"
+    " + '<｜tool▁call▁end｜><｜tool▁calls▁end｜>' }}"
+)
+HARMONY_TEMPLATE = (
+    "<|start|>assistant to=functions.{{ c.name }}<|channel|>commentary json<|message|>{{ c.arguments | tojson }}<|call|>"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+XML_CALLS_TEMPLATE = "<tool_call>\n<function={{ c.name }}>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+
+
+def test_detect():
+    assert isinstance(detect(HERMES_TEMPLATE), HermesFormat)
+    mistral, mistral_args = detect(MISTRAL_TEMPLATE), detect(MISTRAL_ARGS_TEMPLATE)
+    assert isinstance(mistral, MistralFormat) and not mistral.args_style
+    assert isinstance(mistral_args, MistralFormat) and mistral_args.args_style
+    deepseek, deepseek_v31 = detect(DEEPSEEK_TEMPLATE), detect(DEEPSEEK_V31_TEMPLATE)
+    assert isinstance(deepseek, DeepSeekFormat) and deepseek.fenced
+    assert isinstance(deepseek_v31, DeepSeekFormat) and not deepseek_v31.fenced
+    assert isinstance(detect(HARMONY_TEMPLATE), HarmonyFormat)
+    assert detect(PLAIN_TEMPLATE) is None
+    assert detect(XML_CALLS_TEMPLATE) is None  # <tool_call> with XML inside: not a format known here
+    assert detect(None) is None and detect("") is None
+    assert set(FAMILIES) == {"hermes", "mistral", "deepseek", "harmony"}
+
+
+# -- grammar -------------------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
+NO_PARAMETERS = {"type": "function", "function": {"name": "ping"}}
+TOOLS = [WEATHER, TIME, NO_PARAMETERS]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+GOOD = ("get_weather", {"city": "Paris", "days": 3})
+SECOND = ("get_time", {"zone": "UTC"})
+WRONG_NAME = ("get_time", {"zone": "UTC"})  # a real tool, but not the named one
+MISSING = ("get_weather", {"city": "Paris"})
+WRONG_TYPE = ("get_weather", {"city": "Paris", "days": "three"})
+UNKNOWN = ("get_wether", {"city": "Paris", "days": 3})
+
+# the markers each family's checkpoints have as tokens, added to the byte-level tokenizer
+TOKEN_MARKERS = {
+    "hermes": ["<tool_call>", "</tool_call>"],
+    "mistral-json": ["[TOOL_CALLS]"],
+    "mistral-args": ["[TOOL_CALLS]", "[ARGS]"],
+    "deepseek-v3": [
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+    ],
+    "harmony": ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"],
+}
+TOKEN_MARKERS["deepseek-v3.1"] = TOKEN_MARKERS["deepseek-v3"]
+
+# how each family writes the calls the grammar must accept: exactly the formats' own spelling
+GRAMMAR_TEXT = {
+    "hermes": lambda calls: hermes_text("", calls).strip().removesuffix("<|im_end|>"),
+    "mistral-json": lambda calls: mistral_json_text("", calls).removesuffix("</s>"),
+    "mistral-args": lambda calls: mistral_args_text("", calls).removesuffix("</s>"),
+    "deepseek-v3": lambda calls: deepseek_v3_text("", calls).removesuffix("<｜end▁of▁sentence｜>"),
+    "deepseek-v3.1": lambda calls: deepseek_v31_text("", calls).removesuffix("<｜end▁of▁sentence｜>"),
+    "harmony": lambda calls: "".join(
+        f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>{json.dumps(a)}<|call|>" for n, a in calls
+    ),
+}
+
+_VOCABULARIES = {}
+
+
+def vocabulary(markers):
+    """A byte-level HF tokenizer with `markers` added as special tokens, and llguidance's view of it."""
+    key = tuple(markers)
+    if key not in _VOCABULARIES:
+        tokenizer = byte_tokenizer()
+        if markers:
+            tokenizer.add_special_tokens({"additional_special_tokens": list(markers)})
+        _VOCABULARIES[key] = tokenizer, llguidance.hf.from_tokenizer(tokenizer)
+    return _VOCABULARIES[key]
+
+
+def accepts(grammar, tokenizer, words, tokens):
+    """Whether the grammar takes these tokens one by one and may end after them."""
+    compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+    assert llguidance.LLMatcher.validate_grammar(compiled, words) == ""
+    matcher = llguidance.LLMatcher(words, compiled, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    for token in tokens:
+        if not matcher.consume_token(token):
+            assert matcher.is_error()
+            return False
+    return matcher.is_accepting()
+
+
+def accepts_text(grammar, tokenizer, words, text):
+    return accepts(grammar, tokenizer, words, tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("family", WRITERS)
+def test_grammar_forces_valid_calls(family):
+    fmt, _ = WRITERS[family]
+    tokenizer, words = vocabulary(TOKEN_MARKERS[family])
+    added = tokenizer.get_added_vocab()
+    write = GRAMMAR_TEXT[family]
+
+    named = fmt.grammar(TOOLS, NAMED, added_tokens=added)
+    assert accepts_text(named, tokenizer, words, write([GOOD]))
+    for bad in (WRONG_NAME, MISSING, WRONG_TYPE, UNKNOWN):
+        assert not accepts_text(named, tokenizer, words, write([bad])), bad
+    assert not accepts_text(named, tokenizer, words, "Sure! " + write([GOOD]))  # no text before the call
+    if family != "harmony":  # one call per turn there: <|call|> ends it
+        assert not accepts_text(named, tokenizer, words, write([GOOD, GOOD]))  # a named choice is one call
+
+    required = fmt.grammar(TOOLS, "required", added_tokens=added)
+    assert accepts_text(required, tokenizer, words, write([GOOD]))
+    assert accepts_text(required, tokenizer, words, write([("ping", {})]))
+    assert not accepts_text(required, tokenizer, words, write([("ping", {"extra": 1})]))
+    for bad in (MISSING, WRONG_TYPE, UNKNOWN):
+        assert not accepts_text(required, tokenizer, words, write([bad])), bad
+    assert not accepts_text(required, tokenizer, words, "")  # at least one call
+    if family != "harmony":
+        assert accepts_text(required, tokenizer, words, write([GOOD, SECOND]))
+        assert not accepts_text(required, tokenizer, words, write([GOOD, MISSING]))
+        single = fmt.grammar(TOOLS, "required", added_tokens=added, parallel=False)
+        assert accepts_text(single, tokenizer, words, write([GOOD]))
+        assert not accepts_text(single, tokenizer, words, write([GOOD, SECOND]))
+    # what the grammar accepts parses back to the same calls
+    assert fmt.parse(write([GOOD])).calls == [ToolCall("get_weather", '{"city":"Paris","days":3}')]
+
+
+@pytest.mark.parametrize("family", WRITERS)
+def test_grammar_markers_are_the_special_tokens(family):
+    """Where a marker is a token, the grammar takes only that token, not the marker spelled out."""
+    fmt, _ = WRITERS[family]
+    tokenizer, words = vocabulary(TOKEN_MARKERS[family])
+    grammar = fmt.grammar([WEATHER], "required", added_tokens=tokenizer.get_added_vocab())
+    text = GRAMMAR_TEXT[family]([GOOD])
+    as_tokens = tokenizer.encode(text, add_special_tokens=False)
+    spelled = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert len(spelled) > len(as_tokens) and tokenizer.decode(spelled) == tokenizer.decode(as_tokens)
+    assert accepts(grammar, tokenizer, words, as_tokens)
+    assert not accepts(grammar, tokenizer, words, spelled)
+
+
+def test_grammar_markers_as_plain_text_where_they_are_text():
+    """A vocabulary without `<tool_call>` as a token: the grammar spells it (Hermes-format fine-tunes
+    of models that never had the token)."""
+    tokenizer, words = vocabulary([])
+    grammar = HermesFormat().grammar([WEATHER], "required", added_tokens=tokenizer.get_added_vocab())
+    assert '"<tool_call>"' in grammar
+    assert accepts_text(grammar, tokenizer, words, GRAMMAR_TEXT["hermes"]([GOOD]))
+
+
+def test_grammar_markers_by_name_without_the_vocabulary():
+    """Without added_tokens, angle-bracketed markers are written by name and llguidance finds them;
+    Mistral's bracketed ones can only be given by id."""
+    for family in ("hermes", "harmony", "deepseek-v3"):
+        fmt, _ = WRITERS[family]
+        tokenizer, words = vocabulary(TOKEN_MARKERS[family])
+        grammar = fmt.grammar([WEATHER], NAMED)
+        assert accepts_text(grammar, tokenizer, words, GRAMMAR_TEXT[family]([GOOD]))
+    with pytest.raises(ValueError, match="added_tokens"):
+        MistralFormat().grammar([WEATHER], NAMED)
+
+
+def test_harmony_grammar_allows_reasoning_first_and_call_as_end_of_sequence():
+    markers = TOKEN_MARKERS["harmony"]
+    tokenizer, _ = vocabulary(markers)
+    # gpt-oss ends a turn on <|call|>: the grammar's own last token may be an end-of-sequence token
+    words = llguidance.hf.from_tokenizer(tokenizer, eos_token=tokenizer.convert_tokens_to_ids(["<|call|>", "<|return|>"]))
+    grammar = HarmonyFormat().grammar(TOOLS, NAMED, added_tokens=tokenizer.get_added_vocab())
+    call = GRAMMAR_TEXT["harmony"]([GOOD])
+    reasoning = "<|channel|>analysis<|message|>They want Paris,\nfor 3 days.<|end|><|start|>assistant"
+    assert accepts_text(grammar, tokenizer, words, call)
+    assert accepts_text(grammar, tokenizer, words, reasoning + call)
+    assert not accepts_text(grammar, tokenizer, words, "<|channel|>final<|message|>It is sunny.<|return|>")
+
+
+def test_grammar_rejects_bad_requests():
+    fmt = HermesFormat()
+    for choice in ("auto", "none", {"type": "function", "function": {"name": "nope"}}):
+        with pytest.raises(ValueError):
+            fmt.grammar(TOOLS, choice)
+    with pytest.raises(ValueError):
+        fmt.grammar([], "required")
+    with pytest.raises(ValueError):
+        fmt.grammar([WEATHER, WEATHER], "required")
+    with pytest.raises(ValueError):
+        fmt.grammar([{"type": "function", "function": {"name": "has space"}}], "required")
+
+
+# -- messages for the chat template --------------------------------------------------------------------
+
+# A minimal Hermes-style template (written for this test): tools in the system turn, calls as
+# <tool_call> blocks whose arguments go through tojson, results as <tool_response> blocks.
+HERMES_TOOLS_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call these tools:
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls is defined %}<|im_start|>assistant
+{%- if message.content %}
+{{ message.content }}{% endif %}
+{%- for call in message.tool_calls %}
+{%- set call = call.function %}
+<tool_call>
+{{ {"name": call.name, "arguments": call.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response name="{{ message.name }}">
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+CONVERSATION = [
+    {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "name": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+            },
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    {"role": "tool", "tool_call_id": "call_2", "content": "14:00"},
+]
+
+
+def test_to_template_messages():
+    messages = to_template_messages(CONVERSATION)
+    assert messages[0] == {"role": "user", "content": "Weather in Paris?"}
+    assistant = messages[1]
+    assert assistant["content"] == "" and "name" not in assistant
+    assert assistant["tool_calls"][0] == {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+    }
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}', "name": "get_weather"}
+    assert messages[3]["name"] == "get_time"
+    assert CONVERSATION[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris", "days": 3}'  # not changed in place
+    # as text for templates that concatenate it
+    as_text = to_template_messages(CONVERSATION, arguments_as_dict=False)
+    assert as_text[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris", "days": 3}'
+    assert (
+        DeepSeekFormat().template_messages(messages)[1]["tool_calls"][0]["function"]["arguments"]
+        == '{"city": "Paris", "days": 3}'
+    )
+
+
+def test_template_renders_the_calls_and_results():
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = HERMES_TOOLS_TEMPLATE
+    fmt = detect(tokenizer.chat_template)
+    assert isinstance(fmt, HermesFormat)
+    prompt = tokenizer.apply_chat_template(
+        fmt.template_messages(CONVERSATION), tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True
+    )
+    assert '"name": "get_weather"' in prompt.split("<|im_end|>")[0]  # the tools
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>' in prompt
+    assert '<tool_response name="get_weather">\n{"temperature": 21}\n</tool_response>' in prompt
+    assert '<tool_response name="get_time">\n14:00\n</tool_response>' in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    # the model's earlier turn, as the template wrote it, parses back to the calls it came from
+    turn = prompt.split("<|im_start|>assistant")[1].split("<|im_end|>")[0]
+    assert fmt.parse(turn) == ParsedOutput(
+        None, [ToolCall("get_weather", '{"city":"Paris","days":3}'), ToolCall("get_time", '{"zone":"CET"}')]
+    )
+    # without the conversion, tojson writes the arguments as a JSON string: what the helper is for
+    raw = tokenizer.apply_chat_template(CONVERSATION[1:2], tokenize=False)
+    assert '"arguments": "{\\"city\\"' in raw
+
+
+def test_deepseek_style_template_wants_text_arguments():
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = (
+        "{%- for m in messages %}{%- if m.tool_calls is defined %}<｜tool▁calls▁begin｜>"
+        "{%- for c in m.tool_calls %}<｜tool▁call▁begin｜>{{ c.function.name + '<｜tool▁sep｜>' + c.function.arguments }}"
+        "<｜tool▁call▁end｜>{%- endfor %}<｜tool▁calls▁end｜>{%- else %}{{ m.content }}{%- endif %}{%- endfor %}"
+    )
+    fmt = detect(tokenizer.chat_template)
+    assert isinstance(fmt, DeepSeekFormat) and not fmt.fenced
+    prompt = tokenizer.apply_chat_template(fmt.template_messages(CONVERSATION[1:2]), tokenize=False)
+    assert fmt.parse(prompt).calls == [
+        ToolCall("get_weather", '{"city":"Paris","days":3}'),
+        ToolCall("get_time", '{"zone":"CET"}'),
+    ]
