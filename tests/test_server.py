@@ -370,7 +370,12 @@ def test_bad_requests_get_their_4xx_and_the_server_goes_on(server):
         ("/v1/completions", {**ok, "seed": 10**30}, 400, None),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
         ("/v1/completions", {**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
-        ("/v1/completions", {**ok, "n": 3}, 400, None),
+        ("/v1/completions", {**ok, "n": 500}, 400, "invalid_value"),
+        ("/v1/completions", {**ok, "n": 9}, 400, "invalid_value"),  # more rows than --max-batch
+        ("/v1/completions", {**ok, "frobnicate": 1}, 400, "unsupported_parameter"),
+        ("/v1/completions", {**ok, "suffix": "end"}, 400, "unsupported_parameter"),
+        ("/v1/chat/completions", {**chat, "audio": {"voice": "x"}}, 400, "unsupported_parameter"),
+        ("/v1/chat/completions", {**chat, "top_k": 5}, 400, "unsupported_parameter"),
         ("/v1/completions", {**ok, "prompt": ""}, 400, None),
         ("/v1/completions", {**ok, "prompt": [999999]}, 400, None),
         ("/v1/completions", {**ok, "prompt": "x" * (CONTEXT + 10)}, 400, "context_length_exceeded"),
@@ -419,12 +424,11 @@ def slow_server(store, monkeypatch):
     from moestream.frontends.batching import BatchGenerator
 
     class SlowBatch(BatchGenerator):
-        def admit(self, decoding):
+        def admit(self, decoding, siblings=()):
             time.sleep(2.0 if decoding.prompt_ids == self.stuck else 0.05)
-            if decoding.accept(self.a):
-                return True
-            self.running.append(decoding)
-            return False
+            ended = [d for d in (decoding, *siblings) if d.accept(self.a)]
+            self.running += [d for d in (decoding, *siblings) if d not in ended]
+            return ended
 
         def decode(self):
             time.sleep(0.05)

@@ -54,6 +54,7 @@ class _Prefill:
     decoding: Decoding
     forward: Forward
     fed: int  # prompt tokens whose KV the forward's cache holds
+    siblings: list[Decoding] = field(default_factory=list)  # more answers to the same prompt (n > 1)
     chunks: list[int] = field(default_factory=list)  # tokens fed per step (the tests check the interleaving)
 
 
@@ -104,25 +105,32 @@ class BatchGenerator:
         if self.kv_budget_bytes is not None and self.kv_needed(positions) > self.kv_budget_bytes:
             raise KVBudgetExceeded(self.kv_needed(positions), self.kv_budget_bytes, positions)
 
-    def has_room(self, positions: int) -> bool:
-        """Whether a sequence of `positions` positions may join now: no other newcomer being prefilled, a
-        free row, and the KV budget holds with it until every row has ended (all rows padded to the widest)."""
-        if self.prefilling is not None or len(self.running) >= self.max_batch:
+    def has_room(self, positions: int, rows: int = 1) -> bool:
+        """Whether `rows` sequences of `positions` positions may join now: no other newcomer being
+        prefilled, free rows, and the KV budget holds with them until every row has ended (all rows padded
+        to the widest)."""
+        if self.prefilling is not None or len(self.running) + rows > self.max_batch:
             return False
-        if self.kv_budget_bytes is None or not self.running:
+        if self.kv_budget_bytes is None or (not self.running and rows == 1):
             return True
         widest = max([positions] + [len(d.prompt_ids) + d.max_new_tokens for d in self.running])
-        return (len(self.running) + 1) * widest * self.position_bytes <= self.kv_budget_bytes
+        return (len(self.running) + rows) * widest * self.position_bytes <= self.kv_budget_bytes
 
-    def admit(self, decoding: Decoding) -> bool:
+    def admit(self, decoding: Decoding, siblings: Sequence[Decoding] = ()) -> list[Decoding]:
         """Start `decoding`'s prefill (from the longest prefix the prefix cache holds): all of it now when
         no sequence is running, else `prefill_chunk` tokens per `prefill_step`. Once the prompt is in, its
-        first token is chosen and it joins the batch. True if it ended already (a one-token answer)."""
+        first token is chosen and it joins the batch; so do `siblings`, more answers to the same prompt
+        (OpenAI's n), from the same prefill: each chooses its own first token from the prompt's logits and
+        gets a copy of its KV. Returns those that ended already (a one-token answer)."""
         if self.not_batchable:
-            return self._admit_lone(decoding)
+            if siblings:
+                raise ValueError("this model's KV cache does not batch: one answer per prompt")
+            return [decoding] if self._admit_lone(decoding) else []
         cache, reused = self.prefix_cache.match(decoding.prompt_ids) if self.prefix_cache is not None else (None, 0)
-        self.prefilling = _Prefill(decoding, Forward(self.model, cache), reused)
-        return bool(self.prefill_step()) if not self.running else False
+        for d in (decoding, *siblings):
+            d.cached_tokens = reused
+        self.prefilling = _Prefill(decoding, Forward(self.model, cache), reused, list(siblings))
+        return self.prefill_step() if not self.running else []
 
     def prefill_step(self) -> list[Decoding]:
         """Feed the next part of the newcomer's prompt (the rest of it when nobody is running); returns it
@@ -132,9 +140,11 @@ class BatchGenerator:
         if p is None:
             return []
         decoding, prompt = p.decoding, p.decoding.prompt_ids
-        if decoding.interrupted():
+        if decoding.interrupted():  # (siblings share the cancel flag and the deadline)
             self.prefilling = None
-            return [decoding]
+            for sibling in p.siblings:
+                sibling.interrupted()
+            return [decoding, *p.siblings]
         end = len(prompt) if not self.running or self.prefill_chunk is None else min(len(prompt), p.fed + self.prefill_chunk)
         try:
             with torch.inference_mode():
@@ -147,13 +157,17 @@ class BatchGenerator:
         if end < len(prompt):
             return []
         self.prefilling = None
-        token = int(decoding.choose(logits[:, -1, :].to("cpu", torch.float32, copy=True))[0])  # a copy: not an inference tensor
-        if decoding.accept(token):
-            self._keep_prefix(decoding, p.forward.cache)
-            return [decoding]
-        self.kv.add(p.forward.cache, len(prompt))
-        self.running.append(decoding)
-        return []
+        last = logits[:, -1, :].to("cpu", torch.float32)
+        ended = []
+        for d in (decoding, *p.siblings):
+            token = int(d.choose(last.clone())[0])  # a copy: not an inference tensor, and each sampler's own
+            if d.accept(token):
+                self._keep_prefix(d, p.forward.cache)
+                ended.append(d)
+            else:
+                self.kv.add(p.forward.cache, len(prompt))
+                self.running.append(d)
+        return ended
 
     def decode(self) -> list[Decoding]:
         """One step of every running sequence; returns those that ended. On an error every running

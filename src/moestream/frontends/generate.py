@@ -33,6 +33,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from ..core.loading import engine_of
 from ..errors import MoestreamError, UsageError
 from ..options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
+from .constraints import Constraint, Grammar, GrammarError, Vocabulary
 from .kv_layer import grow_in_place
 
 # Used when a checkpoint ships no chat template (base models, the byte-level test tokenizer): plain
@@ -51,11 +52,14 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def chat_prompt(tokenizer, messages: Sequence[dict]) -> str:
+def chat_prompt(tokenizer, messages: Sequence[dict], **options) -> str:
     """Prompt text for `messages` ([{"role": ..., "content": ...}]), ending where the assistant's answer
-    starts: the checkpoint's chat template, or FALLBACK_CHAT_TEMPLATE when it has none."""
+    starts: the checkpoint's chat template, or FALLBACK_CHAT_TEMPLATE when it has none. `options` go to
+    the template (`tools`, `reasoning_effort`)."""
     template = None if has_chat_template(tokenizer) else FALLBACK_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        list(messages), chat_template=template, tokenize=False, add_generation_prompt=True, **options
+    )
 
 
 def encode(tokenizer, text: str, *, templated: bool = False) -> list[int]:
@@ -169,6 +173,9 @@ class GenerationResult:
     finish_reason: str = "length"
     stats: dict = field(default_factory=dict)
     timing: Timing | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    eos: bool = False  # the last token is an end-of-sequence token (not part of the text)
+    logprobs: list | None = None  # TokenLogprob per new token, when they were asked for
 
     @staticmethod
     def of(text: str, prompt_tokens: int, token_ids: list[int], timing: Timing, finish_reason: str) -> "GenerationResult":
@@ -198,6 +205,13 @@ def eos_ids(model, tokenizer=None) -> set[int]:
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+
+def vocabulary_of(model, tokenizer) -> Vocabulary:
+    """The grammar engine's view of `tokenizer` for `model`: its logits width and end-of-sequence ids
+    (built once per model and tokenizer)."""
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    return Vocabulary.of(tokenizer, int(config.vocab_size), eos_ids(model, tokenizer))
 
 
 Sampler = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [1, vocab] -> token id [1]
@@ -326,6 +340,11 @@ class Decoding:
         ignore_eos: bool = False,
         cancel: threading.Event | None = None,
         deadline: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        constraint: Constraint | None = None,
+        logprobs: int | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
@@ -339,21 +358,50 @@ class Decoding:
         self.text = IncrementalText(tokenizer, stop) if tokenizer is not None else None
         self.on_text, self.on_first_token = on_text, on_first_token
         self.cancel, self.deadline = cancel, deadline
+        self.bias = _bias_tensors(logit_bias)
+        self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
+        self.counts: dict[int, int] = {}  # how often each new token has come (the penalties)
+        self.constraint = constraint
+        self.logprobs = logprobs
+        self.token_logprobs: list[TokenLogprob] = []  # one per new token when `logprobs` is not None
+        self._logprobs_taken = 0
+        self.cached_tokens = 0  # prompt tokens whose KV came from a prefix cache (set by who prefills)
+        self.ended_on_eos = False
         self.new: list[int] = []
         self.finish_reason: str | None = None
         self.start = time.perf_counter()
         self.first = self.last = self.start
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token [1] from float32 logits [1, vocab] (modified in place)."""
+        """The next token [1] from float32 logits [1, vocab] (modified in place): end-of-sequence
+        suppressed (`ignore_eos`), then the presence and frequency penalties, `logit_bias` and the
+        grammar's mask, then the sampler. Log-probabilities, when asked for, are those of the model's
+        own distribution, before any of these (as vLLM reports them by default)."""
+        model_logprobs = torch.log_softmax(logits, dim=-1) if self.logprobs is not None else None
         if self.suppress:
             logits[:, self.suppress] = float("-inf")
-        return self.sampler(logits)
+        if self.counts:
+            ids = torch.tensor(list(self.counts), dtype=torch.long)
+            seen = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
+            logits[:, ids] -= self.frequency_penalty * seen + self.presence_penalty
+        if self.bias is not None:
+            ids, values = self.bias
+            logits[:, ids[ids < logits.shape[-1]]] += values[ids < logits.shape[-1]]
+        if self.constraint is not None:
+            self.constraint.mask(logits)
+        token = self.sampler(logits)
+        if model_logprobs is not None:
+            self.token_logprobs.append(TokenLogprob.of(model_logprobs[0], int(token[0]), self.logprobs))
+        return token
 
     def accept(self, token: int) -> bool:
         """Record the new token; True once the sequence has ended (`finish_reason` says why)."""
         self.last = time.perf_counter()
         self.new.append(token)
+        if self.presence_penalty or self.frequency_penalty:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        if self.constraint is not None:
+            self.constraint.advance(token)
         if len(self.new) == 1:
             self.first = self.last
             if self.on_first_token is not None:
@@ -366,6 +414,11 @@ class Decoding:
             pass
         elif token in self.eos and not self.ignore_eos:
             self.finish_reason = "stop"
+            self.ended_on_eos = True
+            if self.token_logprobs:
+                self.token_logprobs.pop()  # not part of the answer's text: not reported
+        elif self.constraint is not None and self.constraint.stopped:
+            self.finish_reason = "stop"  # the grammar is complete: nothing may follow
         elif len(self.new) >= self.max_new_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
@@ -385,7 +438,42 @@ class Decoding:
             _emit(self.on_text, self.text.finish(self.new))
         timing = Timing(self.start, self.first, self.last, len(self.new))
         text = self.text.text if self.text is not None else ""
-        return GenerationResult.of(text, len(self.prompt_ids), self.new, timing, self.finish_reason)
+        result = GenerationResult.of(text, len(self.prompt_ids), self.new, timing, self.finish_reason)
+        result.cached_tokens = self.cached_tokens
+        result.eos = self.ended_on_eos
+        result.logprobs = self.token_logprobs if self.logprobs is not None else None
+        return result
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens not taken yet (a streamed answer sends each token's with
+        the piece of text that holds it)."""
+        taken = self._logprobs_taken
+        self._logprobs_taken = len(self.token_logprobs)
+        return self.token_logprobs[taken:]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One new token's log-probability under the model, and the `top` most likely tokens' (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    @staticmethod
+    def of(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """From the log-softmax [vocab] of one step and the token chosen."""
+        best = torch.topk(logprobs, top) if top > 0 else None
+        pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+        return TokenLogprob(token, float(logprobs[token]), pairs)
+
+
+def _bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(token ids, values to add to their logits); a bias of -100 bans the token, as in OpenAI's API."""
+    if not logit_bias:
+        return None
+    values = [float("-inf") if v <= -100 else float(v) for v in logit_bias.values()]
+    return torch.tensor(list(logit_bias), dtype=torch.long), torch.tensor(values, dtype=torch.float32)
 
 
 def stream(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, *, prefix_cache=None, **options) -> GenerationResult:
@@ -434,8 +522,11 @@ def generate(
     top_p: float = 0.95,
     seed: int | None = None,
     echo: bool = False,
+    grammar: Grammar | None = None,
 ) -> GenerationResult:
-    """`moestream generate`: one prompt, statistics of this run only, text printed as it comes if `echo`."""
+    """`moestream generate`: one prompt, statistics of this run only, text printed as it comes if `echo`;
+    with `grammar`, the answer follows it (e.g. `Grammar.json_schema(schema)`)."""
+    constraint = Constraint(grammar, vocabulary_of(model, tokenizer)) if grammar is not None else None
     engine = engine_of(model)
     engine.reset_stats()
 
@@ -452,6 +543,7 @@ def generate(
         top_p=top_p,
         seed=seed,
         on_text=show if echo else None,
+        constraint=constraint,
     )
     if echo:
         print(flush=True)
@@ -473,6 +565,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser, max_new_tokens=64)
     parser.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats) instead of streaming")
     parser.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE.json",
+        help="make the answer JSON that validates against this JSON Schema (the sampler only draws tokens the schema allows)",
+    )
+    parser.add_argument(
         "--trace-out",
         default=None,
         metavar="FILE.npz",
@@ -488,9 +586,15 @@ def run(args: argparse.Namespace) -> int:
     check_sampling(args)
     if args.trace_out:
         trace_output(args.trace_out, "--trace-out")
+    grammar = _schema_grammar(args.json_schema) if args.json_schema else None
     model, tokenizer = load_model(args)
     if not encode(tokenizer, args.prompt):
         raise UsageError(f"--prompt {args.prompt!r} has no tokens for this tokenizer; pass some text")
+    if grammar is not None:
+        try:
+            vocabulary_of(model, tokenizer).check(grammar)
+        except GrammarError as e:
+            raise UsageError(f"--json-schema {args.json_schema}: {e}") from None
     recorder = start_recording(model) if args.trace_out else None  # routing recorded through the engine
     result = generate(
         model,
@@ -502,6 +606,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         echo=not args.json,
+        grammar=grammar,
     )
     if args.json:
         out = {
@@ -520,3 +625,16 @@ def run(args: argparse.Namespace) -> int:
         stop_recording(model)
         print(f"wrote {recorder.trace(prompt=args.prompt).save(args.trace_out)}", file=sys.stderr)
     return 0
+
+
+def _schema_grammar(path: str) -> Grammar:
+    try:
+        schema = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise UsageError(f"--json-schema {path}: cannot read it ({e.strerror}); pass a JSON Schema file") from None
+    except ValueError as e:
+        raise UsageError(f"--json-schema {path}: not valid JSON ({e}); pass a JSON Schema file") from None
+    try:
+        return Grammar.json_schema(schema)
+    except GrammarError as e:
+        raise UsageError(f"--json-schema {path}: {e}") from None

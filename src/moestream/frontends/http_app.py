@@ -20,15 +20,18 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import xxhash
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..conversion.store import MANIFEST
 from ..core import loading
+from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
 from .batching import KVBudgetExceeded
-from .generate import GenerationResult, context_length
+from .generate import context_length
 from .kv_cache import PrefixCache, PrefixStats
 from .openai_api import (
     APIError,
@@ -40,7 +43,7 @@ from .openai_api import (
     model_card,
     model_not_found,
 )
-from .worker import ClientGone, Job, Worker, WorkerError, WorkerStats
+from .worker import ClientGone, Done, Job, TooManyChoices, Worker, WorkerError, WorkerStats
 
 # A request body larger than this is refused (413) before it is parsed: prompts are text, and a body
 # of gigabytes would otherwise be read into memory.
@@ -104,8 +107,9 @@ class Service:
             prefill_chunk=config.prefill_chunk,
         )
         context = context_length(model)
-        self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens)
-        self.completion = Completions(tokenizer, config.model_name, context)
+        shared = dict(vocabulary=self.worker.vocabulary, fingerprint=system_fingerprint(model))
+        self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens, **shared)
+        self.completion = Completions(tokenizer, config.model_name, context, **shared)
         self.created = int(time.time())
         # (endpoint, outcome) -> requests answered; touched only on the event loop, so it needs no lock.
         self.requests: dict[tuple[str, str], int] = {}
@@ -123,8 +127,10 @@ class Service:
         end (answered, refused, timed out, failed, client gone) goes through `_end`, once."""
         job, outcome, streaming = None, "error", False
         try:
-            parsed = endpoint.parse(await _read_json(request))
-            job = self.worker.submit(parsed.generation, self.config.request_timeout)
+            data = await _read_json(request)
+            # In a thread: the first request with a grammar builds the tokenizer's grammar vocabulary (seconds).
+            parsed = await asyncio.to_thread(endpoint.parse, data)
+            job = self.worker.submit(parsed.choices, self.config.request_timeout)
             if parsed.stream:
                 # Wait until the worker takes the request, so that a request refused or timed out in the
                 # queue still gets an error status instead of a 200 stream.
@@ -133,21 +139,19 @@ class Service:
                 return StreamingResponse(
                     self._events(endpoint, job, parsed), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
                 )
-            pieces, result = [], None
+            results = {}
             async for item in job.output(request.is_disconnected):
-                if isinstance(item, GenerationResult):
-                    result = item  # the last item
-                else:
-                    pieces.append(item)
+                if isinstance(item, Done):
+                    results[item.index] = item.result  # (each result holds its whole text)
             outcome = "ok"
-            return JSONResponse(parsed.reply.response("".join(pieces), result))
+            return JSONResponse(parsed.reply.response(results))
         except ClientGone:
             outcome = "cancelled"
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
         except asyncio.CancelledError:  # the handler's task was cancelled: the server is shutting down
             outcome = "cancelled"
             raise
-        except (WorkerError, KVBudgetExceeded) as e:
+        except (WorkerError, KVBudgetExceeded, TooManyChoices) as e:
             raise error_for(e) from None
         finally:
             if not streaming:
@@ -158,16 +162,20 @@ class Service:
         reply = parsed.reply
         outcome = "cancelled"  # when the client disconnects, starlette cancels this generator's task
         try:
-            opening = reply.opening()
-            if opening is not None:
-                yield _sse(opening)
+            for index in range(reply.choices):
+                for chunk in reply.opening(index):
+                    yield _sse(chunk)
+            results = {}
             async for item in job.output():
-                if isinstance(item, GenerationResult):
-                    yield _sse(reply.last_chunk(item))
-                    if parsed.include_usage:
-                        yield _sse(reply.usage_chunk(item))
+                if isinstance(item, Done):
+                    results[item.index] = item.result
+                    chunks = reply.last_chunks(item)
                 else:
-                    yield _sse(reply.chunk(item))
+                    chunks = reply.chunk(item)
+                for chunk in chunks:
+                    yield _sse(chunk)
+            if parsed.include_usage:
+                yield _sse(reply.usage_chunk(results))
             outcome = "ok"
         except Exception as e:  # too late for an error status: the error travels as an event
             outcome = "error"
@@ -208,6 +216,15 @@ class Service:
         prefix = self.prefix_cache.stats() if self.prefix_cache is not None else PrefixStats()
         text = prometheus_text(self.requests, self.worker, self.worker.stats(), loading.stats(self.model), prefix, self.config)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def system_fingerprint(model) -> str:
+    """OpenAI's `system_fingerprint`: what produced the answer, here moestream's version and the store
+    (a digest of its manifest, which names every record's checksum), so a client sees when either changes."""
+    from .. import __version__
+
+    manifest = engine_of(model).store.directory / MANIFEST
+    return f"moestream-{__version__}-{xxhash.xxh3_64_hexdigest(manifest.read_bytes())[:12]}"
 
 
 def prometheus_text(
@@ -338,8 +355,15 @@ async def _api_error(request, e: APIError):
     return _json_error(e)
 
 
+# What a client that asks for a path this server does not have is told (e.g. /v1/responses, /v1/embeddings).
+ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics"
+
+
 async def _http_error(request, e: StarletteHTTPException):
-    return _json_error(APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+    if e.status_code == 404:
+        message = f"{request.method} {request.url.path} does not exist on this server; it serves {ENDPOINTS}"
+        return _json_error(APIError(404, message, code="not_found"))
+    return _json_error(APIError(e.status_code, str(e.detail)))
 
 
 async def _validation_error(request, e: RequestValidationError):

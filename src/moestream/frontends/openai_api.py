@@ -1,11 +1,14 @@
 """Translation between OpenAI's API and moestream's generations.
 
 Inbound: a request body (already parsed JSON) is validated against OpenAI's request models and turned
-into GenerationParams (prompt ids, sampling parameters, stop sequences, max tokens) for the worker.
-Outbound: text pieces and the GenerationResult become OpenAI's response and chunk objects, and a
-worker's failures become OpenAI-style errors. The two endpoints, /v1/chat/completions and
-/v1/completions, differ only in how the prompt is built and how responses are shaped: each is an
-Endpoint subclass, with its Reply.
+into one GenerationParams per choice (prompt ids, sampling parameters and penalties, logit bias, stop
+sequences, max tokens, the grammar of a response_format or a forced tool call, logprobs) for the worker.
+Every field of OpenAI's chat and completions schemas is honoured or refused with a 400 that names it
+(README, "Serving"); fields outside them are refused as OpenAI refuses them.
+Outbound: text pieces and the GenerationResults become OpenAI's response and chunk objects (tool calls
+parsed from the answer by the chat template's format, tool_calls.py), and a worker's failures become
+OpenAI-style errors. The two endpoints, /v1/chat/completions and /v1/completions, differ only in how
+the prompts are built and how responses are shaped: each is an Endpoint subclass, with its Reply.
 
 Needs pydantic (which FastAPI brings); knows nothing of HTTP beyond status codes.
 """
@@ -16,25 +19,33 @@ import secrets
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from . import tool_calls
 from .batching import KVBudgetExceeded
-from .generate import GenerationResult, chat_prompt, encode
+from .constraints import Grammar, GrammarError, Vocabulary
+from .generate import GenerationResult, TokenLogprob, chat_prompt, encode
 from .worker import (
+    Done,
     GenerationFailed,
     GenerationParams,
+    Piece,
     QueueFull,
     ShuttingDown,
     TimedOut,
+    TooManyChoices,
 )
 
 # OpenAI's limit on stop sequences per request.
 MAX_STOP_SEQUENCES = 4
 # OpenAI's answer length for a completions request that names none.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# The most prompts one completions request may list.
+MAX_PROMPTS = 64
 
 
 class APIError(Exception):
@@ -55,6 +66,8 @@ def error_for(e: Exception) -> APIError:
         return e
     if isinstance(e, KVBudgetExceeded):
         return APIError(400, str(e), code="kv_budget_exceeded")
+    if isinstance(e, TooManyChoices):
+        return APIError(400, f"{e}: lower n", param="n", code="invalid_value")
     if isinstance(e, QueueFull):
         return APIError(429, f"{e.max_queue} requests are already queued; retry later", type="server_busy", code="queue_full")
     if isinstance(e, TimedOut) and e.queued:
@@ -92,19 +105,39 @@ def model_card(name: str, created: int) -> dict:
 
 
 class _Strict(BaseModel):
-    # Strict types: "10" is not a number and 1.5 is not an integer, as in OpenAI's API. Fields we do not
-    # know (presence_penalty, user, ...) are ignored so that existing clients work unchanged.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Strict types: "10" is not a number and 1.5 is not an integer, as in OpenAI's API. A field outside
+    # OpenAI's schema is refused by name, as OpenAI refuses it ("unrecognized request argument"), so that
+    # nothing a client asks for is dropped in silence.
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
 
 class _ContentPart(_Strict):
     type: str
     text: str | None = None
+    # Other kinds of content are named here so that they get a clear "send text" error, not "unrecognized".
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class _FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class _ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionCall
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[_ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one of them
+    refusal: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -116,9 +149,65 @@ class ChatMessage(_Strict):
             parts.append(part.text)
         return "".join(parts)
 
+    def as_dict(self) -> dict:
+        """The message as OpenAI's JSON (the tool-call formats turn it into what chat templates expect)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
 
 class _StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class _JsonSchema(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always followed exactly: strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+
+class _Function(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # the arguments always follow `parameters` where a call is forced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: _Function
+
+
+class _Named(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _Named
+
+
+# Fields of OpenAI's schemas that this server cannot honour: refused with these reasons when set.
+REFUSED = {
+    "audio": "audio output is not supported: this server answers with text",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "'functions' is deprecated and not supported: send 'tools'",
+    "function_call": "'function_call' is deprecated and not supported: send 'tool_choice'",
+    "verbosity": "'verbosity' is not supported",
+    "suffix": "'suffix' (text after the insertion) is not supported",
+}
 
 
 class _Common(_Strict):
@@ -130,32 +219,76 @@ class _Common(_Strict):
     seed: int | None = None
     stream: bool = False
     stream_options: _StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    # Fields that change no answer (who asks, billing, storage on OpenAI's side): accepted.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # vLLM's extension, for benchmarks that time a fixed length: never stop at end-of-sequence.
     ignore_eos: bool = False
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def refused(self) -> None:
+        for name, why in REFUSED.items():
+            if getattr(self, name, None) not in (None, "", False):
+                raise APIError(400, why, param=name, code="unsupported_parameter")
+        if self.store:
+            raise APIError(400, "this server stores no completions: send store false or leave it out", param="store")
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # newer clients send this instead of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    verbosity: Any = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
+    def refused(self) -> None:
+        super().refused()
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise APIError(400, "only the text modality is supported: send modalities ['text']", param="modalities")
+
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
 
 
 def _error_from_validation(e: ValidationError) -> APIError:
     first = e.errors()[0]
     loc = [str(x) for x in first.get("loc", ())]
     # pydantic names the union branch it tried last ("stop.str"): report the field the client sent.
-    param = ".".join(x for x in loc if x not in ("str", "list[str]", "list[int]", "list[_ContentPart]", "float", "int"))
+    branches = ("str", "list[str]", "list[int]", "list[list[int]]", "list[_ContentPart]", "float", "int", "bool", "dict[any,any]")
+    param = ".".join(x for x in loc if x not in branches and not x.startswith(("literal[", "NamedToolChoice", "function-")))
+    if first.get("type") == "extra_forbidden":
+        return APIError(
+            400, f"unrecognized request argument supplied: '{param}'", param=param or None, code="unsupported_parameter"
+        )
     return APIError(400, f"invalid value for '{param}': {first.get('msg')}", param=param or None, code="invalid_value")
 
 
@@ -164,26 +297,40 @@ def _error_from_validation(e: ValidationError) -> APIError:
 
 @dataclass
 class ParsedRequest:
-    """A valid request, translated: what to generate, and how to answer."""
+    """A valid request, translated: what to generate (one GenerationParams per choice), and how to answer."""
 
-    generation: GenerationParams
+    choices: list[GenerationParams]
     stream: bool  # answer with server-sent events
     include_usage: bool  # stream_options.include_usage: one more event with the token counts
     reply: Reply
 
 
 class Endpoint(ABC):
-    """One OpenAI generation endpoint: its request model, how it builds the prompt, how it answers."""
+    """One OpenAI generation endpoint: its request model, how it builds the prompt, how it answers.
+
+    `vocabulary` gives the grammar engine's view of the tokenizer (built on first use: seconds for a large
+    vocabulary), for requests with structured outputs or forced tool calls; `fingerprint` is the
+    `system_fingerprint` of every answer."""
 
     name: ClassVar[str]  # its label in metrics
     request_model: ClassVar[type[_Common]]
     prompt_param: ClassVar[str]  # the request field that holds the prompt, named in errors about it
 
-    def __init__(self, tokenizer, model_name: str, context: int | None, default_max_tokens: int):
+    def __init__(
+        self,
+        tokenizer,
+        model_name: str,
+        context: int | None,
+        default_max_tokens: int,
+        vocabulary: Callable[[], Vocabulary] | None = None,
+        fingerprint: str = "",
+    ):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context = context  # the model's context length; None if its config does not say
         self.default_max_tokens = default_max_tokens
+        self.vocabulary = vocabulary
+        self.fingerprint = fingerprint
 
     def parse(self, data: dict) -> ParsedRequest:
         """Validate a request body; raises APIError (4xx) saying what to change."""
@@ -193,17 +340,41 @@ class Endpoint(ABC):
             raise _error_from_validation(e) from None
         if req.model != self.model_name:
             raise model_not_found(req.model, self.model_name)
-        generation = self._generation(req, self.prompt_ids(req))
+        req.refused()
+        reply = self.reply(req)
+        prompts = self.prompts(req, reply)
+        base = self._generation(req, prompts, self.grammar(req, reply))
+        n = req.n or 1
+        choices = []
+        for prompt in prompts:
+            for i in range(n):
+                # Choice i of a seeded request is what a request with seed + i would answer alone.
+                seed = secrets.randbits(63) if req.seed is None else (req.seed + i) % 2**64
+                choices.append(replace(base, prompt_ids=prompt, seed=seed))
+        reply.start(prompts, n)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return ParsedRequest(generation, req.stream, include_usage, self.reply())
+        return ParsedRequest(choices, req.stream, include_usage, reply)
 
     @abstractmethod
-    def prompt_ids(self, req) -> list[int]:
-        """The prompt's token ids."""
+    def prompts(self, req, reply: Reply) -> list[list[int]]:
+        """The prompts' token ids (one per prompt; chat has one)."""
 
     @abstractmethod
-    def reply(self) -> Reply:
+    def reply(self, req) -> Reply:
         """A new request's answer shaper (with its id and creation time)."""
+
+    def grammar(self, req, reply: Reply) -> Grammar | None:
+        """The grammar the answers must follow, if any."""
+        return None
+
+    def _compiled(self, grammar: Grammar, param: str) -> Grammar:
+        """`grammar`, checked against the vocabulary: a 400 naming `param` if it cannot be used."""
+        try:
+            if self.vocabulary is not None:
+                self.vocabulary().check(grammar)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
+        return grammar
 
     def _tokenize(self, text: str, templated: bool) -> list[int]:
         try:
@@ -213,15 +384,14 @@ class Endpoint(ABC):
                 400, f"the text cannot be tokenized ({type(e).__name__}: {e}); send valid Unicode text", param=self.prompt_param
             ) from None
 
-    def _generation(self, req: _Common, prompt_ids: list[int]) -> GenerationParams:
-        if req.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported: send one request per answer", param="n")
+    def _generation(self, req: _Common, prompts: list[list[int]], grammar: Grammar | None) -> GenerationParams:
+        """The parameters every choice shares, checked (the prompt and seed are set per choice)."""
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
             raise APIError(400, f"'stop' takes up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop")
         if req.seed is not None and not -(2**63) <= req.seed < 2**64:
             raise APIError(400, "'seed' must fit in 64 bits", param="seed")
-        if not prompt_ids:
+        if not prompts or any(not p for p in prompts):
             raise APIError(400, "the prompt is empty: send at least one character", param=self.prompt_param)
         limit = self.context or 2**31
         requested = req.requested_max_tokens()
@@ -232,80 +402,183 @@ class Endpoint(ABC):
                 param="max_tokens",
                 code="invalid_value",
             )
-        if len(prompt_ids) >= limit or (requested is not None and len(prompt_ids) + requested > limit):
+        longest = max(len(p) for p in prompts)
+        if longest >= limit or (requested is not None and longest + requested > limit):
             raise APIError(
                 400,
-                f"this model's maximum context length is {limit} tokens; the request has {len(prompt_ids)} in the "
+                f"this model's maximum context length is {limit} tokens; the request has {longest} in the "
                 f"prompt and asks for {requested or 1} more: shorten the prompt or lower max_tokens",
                 param=self.prompt_param,
                 code="context_length_exceeded",
             )
         return GenerationParams(
-            prompt_ids=prompt_ids,
-            max_tokens=requested or min(self.default_max_tokens, limit - len(prompt_ids)),
+            prompt_ids=[],
+            max_tokens=requested or min(self.default_max_tokens, limit - longest),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            # A request without a seed gets a fresh one, so it never depends on what ran before it.
-            seed=secrets.randbits(63) if req.seed is None else req.seed % 2**64,
+            seed=0,
             stop=stops,
             ignore_eos=req.ignore_eos,
+            logit_bias=self._logit_bias(req.logit_bias),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            grammar=grammar,
+            logprobs=self.logprobs(req),
         )
+
+    def logprobs(self, req) -> int | None:
+        """None, or how many alternatives to report per token."""
+        return None
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        vocab = len(self.tokenizer)
+        out = {}
+        for key, value in bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+                raise APIError(400, f"logit_bias keys are token ids in [0, {vocab}), not {key!r}", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias values lie in [-100, 100], not {value}", param="logit_bias")
+            out[int(key)] = value
+        return out
 
 
 class ChatCompletions(Endpoint):
-    """POST /v1/chat/completions: messages through the checkpoint's chat template."""
+    """POST /v1/chat/completions: messages through the checkpoint's chat template (with `tools`, when
+    the template defines a tool-call format)."""
 
     name = "chat"
     request_model = ChatCompletionRequest
     prompt_param = "messages"
 
-    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def prompts(self, req: ChatCompletionRequest, reply: ChatReply) -> list[list[int]]:
+        messages = [m.as_dict() for m in req.messages]
+        options = {}
+        if req.tools:
+            options["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        if req.reasoning_effort is not None:
+            if "reasoning_effort" not in (getattr(self.tokenizer, "chat_template", None) or ""):
+                raise APIError(400, "this model's chat template takes no reasoning effort", param="reasoning_effort")
+            options["reasoning_effort"] = req.reasoning_effort
+        if reply.tool_format is not None:
+            messages = reply.tool_format.template_messages(messages)
+        elif any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            raise APIError(
+                400, "this model's chat template defines no tool-call format: send no tool calls or results", param="messages"
+            )
         try:
-            prompt = chat_prompt(self.tokenizer, messages)
+            prompt = chat_prompt(self.tokenizer, messages, **options)
         except Exception as e:  # a template that rejects these messages (roles out of order, ...)
             raise APIError(400, f"the chat template cannot format these messages: {e}", param="messages") from None
-        return self._tokenize(prompt, templated=True)
+        return [self._tokenize(prompt, templated=True)]
 
-    def reply(self) -> ChatReply:
-        return ChatReply(self.model_name)
+    def reply(self, req: ChatCompletionRequest) -> ChatReply:
+        tool_format = None
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        if isinstance(choice, NamedToolChoice) and not any(t.function.name == choice.function.name for t in req.tools or []):
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice")
+        if choice != "none" and not req.tools:
+            raise APIError(400, "tool_choice asks for a tool call but the request has no tools", param="tool_choice")
+        if req.tools:
+            tool_format = tool_calls.detect(getattr(self.tokenizer, "chat_template", None))
+            if tool_format is None:
+                raise APIError(
+                    400,
+                    "this model's chat template defines no tool-call format, so tools cannot be offered to it",
+                    param="tools",
+                )
+        return ChatReply(
+            self.model_name,
+            self.fingerprint,
+            self.tokenizer,
+            self.vocabulary,
+            tool_format=tool_format if choice != "none" else None,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+        )
+
+    def grammar(self, req: ChatCompletionRequest, reply: ChatReply) -> Grammar | None:
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+        fmt = req.response_format
+        structured = fmt is not None and fmt.type != "text"
+        if forced and structured:
+            raise APIError(400, "a forced tool call and a response_format cannot both shape one answer", param="response_format")
+        if forced:
+            choice = req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.model_dump()
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+            try:
+                text = reply.tool_format.grammar(
+                    tools, choice, added_tokens=self.tokenizer.get_added_vocab(), parallel=req.parallel_tool_calls is not False
+                )
+                grammar = Grammar.lark(text)
+            except (GrammarError, ValueError) as e:
+                raise APIError(400, f"the tools cannot be turned into a grammar: {e}", param="tools") from None
+            return self._compiled(grammar, "tools")
+        if not structured:
+            return None
+        if fmt.type == "json_object":
+            return self._compiled(Grammar.json_object(), "response_format")
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", param="response_format")
+        try:
+            grammar = Grammar.json_schema(fmt.json_schema.schema_)
+        except GrammarError as e:
+            raise APIError(400, str(e), param="response_format") from None
+        return self._compiled(grammar, "response_format")
+
+    def logprobs(self, req: ChatCompletionRequest) -> int | None:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs true", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
 
 
 class Completions(Endpoint):
-    """POST /v1/completions: a plain prompt, as text or token ids."""
+    """POST /v1/completions: plain prompts, as text or token ids (one, or a list: choices per prompt)."""
 
     name = "completions"
     request_model = CompletionRequest
     prompt_param = "prompt"
 
-    def __init__(self, tokenizer, model_name: str, context: int | None, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS):
-        super().__init__(tokenizer, model_name, context, default_max_tokens)
+    def __init__(
+        self, tokenizer, model_name: str, context: int | None, default_max_tokens: int = COMPLETIONS_DEFAULT_MAX_TOKENS, **kw
+    ):
+        super().__init__(tokenizer, model_name, context, default_max_tokens, **kw)
 
-    def prompt_ids(self, req: CompletionRequest) -> list[int]:
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+    def prompts(self, req: CompletionRequest, reply: CompletionReply) -> list[list[int]]:
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "send one prompt per request", param="prompt")
-            prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._tokenize(prompt, templated=False)
+            prompts: list = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"send between 1 and {MAX_PROMPTS} prompts", param="prompt")
         vocab = len(self.tokenizer)
-        if any(not 0 <= i < vocab for i in prompt):
-            raise APIError(400, f"token ids must lie in [0, {vocab})", param="prompt")
-        return list(prompt)
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(self._tokenize(p, templated=False))
+                continue
+            if any(not 0 <= i < vocab for i in p):
+                raise APIError(400, f"token ids must lie in [0, {vocab})", param="prompt")
+            out.append(list(p))
+        if req.echo:
+            reply.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        return out
 
-    def reply(self) -> CompletionReply:
-        return CompletionReply(self.model_name)
+    def reply(self, req: CompletionRequest) -> CompletionReply:
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise APIError(400, "best_of other than n is not supported: every answer generated is returned", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo")
+        return CompletionReply(self.model_name, self.fingerprint, self.tokenizer, self.vocabulary)
+
+    def logprobs(self, req: CompletionRequest) -> int | None:
+        return req.logprobs
 
 
 # -- generations into responses ---------------------------------------------------------------------------
-
-
-def usage(result: GenerationResult) -> dict:
-    n = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
 
 
 def finish_reason(result: GenerationResult) -> str:
@@ -314,47 +587,93 @@ def finish_reason(result: GenerationResult) -> str:
 
 
 class Reply(ABC):
-    """One request's answer, as one response object or as a stream of chunk objects: opening() (None:
-    no opening chunk), chunk(piece) per piece of text, last_chunk(result), then usage_chunk(result) when
-    the client asked for it."""
+    """One request's answer, as one response object (`response`) or as a stream of chunk objects:
+    `opening(i)` as choice i starts, `chunk(piece)` per piece of text, `last_chunks(done)` as a choice
+    ends, then `usage_chunk` when the client asked for it. Chunk methods return lists (possibly empty:
+    text held back)."""
 
     id_prefix: ClassVar[str]
     response_object: ClassVar[str]
     chunk_object: ClassVar[str]
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, fingerprint: str, tokenizer, vocabulary: Callable[[], Vocabulary] | None = None):
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.vocabulary = vocabulary
         self.created = int(time.time())
         self.model_name = model_name
+        self.fingerprint = fingerprint
+        self.tokenizer = tokenizer
+        self.prompt_of: list[int] = []  # each choice's prompt (usage counts a prompt once)
+
+    def start(self, prompts: list[list[int]], n: int) -> None:
+        self.prompt_of = [p for p in range(len(prompts)) for _ in range(n)]
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompt_of)
 
     def _header(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name}
-
-    def _chunk_with(self, choice: dict) -> dict:
-        return {**self._header(self.chunk_object), "choices": [{"index": 0, **choice}]}
-
-    def usage_chunk(self, result: GenerationResult) -> dict:
-        return {**self._header(self.chunk_object), "choices": [], "usage": usage(result)}
-
-    def response(self, text: str, result: GenerationResult) -> dict:
         return {
-            **self._header(self.response_object),
-            "choices": [{"index": 0, **self._whole(text, result)}],
-            "usage": usage(result),
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model_name,
+            "system_fingerprint": self.fingerprint,
         }
 
-    @abstractmethod
-    def opening(self) -> dict | None: ...
+    def _chunk_with(self, index: int, choice: dict) -> dict:
+        return {**self._header(self.chunk_object), "choices": [{"index": index, **choice}]}
+
+    def usage(self, results: dict[int, GenerationResult]) -> dict:
+        prompt, cached = {}, {}
+        for i, r in results.items():
+            prompt[self.prompt_of[i]] = r.prompt_tokens
+            cached[self.prompt_of[i]] = max(cached.get(self.prompt_of[i], 0), r.cached_tokens)
+        completion = sum(len(r.token_ids) for r in results.values())
+        return {
+            "prompt_tokens": sum(prompt.values()),
+            "completion_tokens": completion,
+            "total_tokens": sum(prompt.values()) + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+        }
+
+    def usage_chunk(self, results: dict[int, GenerationResult]) -> dict:
+        return {**self._header(self.chunk_object), "choices": [], "usage": self.usage(results)}
+
+    def response(self, results: dict[int, GenerationResult]) -> dict:
+        return {
+            **self._header(self.response_object),
+            "choices": [{"index": i, **self._whole(i, results[i])} for i in sorted(results)],
+            "usage": self.usage(results),
+        }
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's exact bytes (a byte-level token may hold part of a character)."""
+        if self.vocabulary is not None:
+            return self.vocabulary().words.decode_bytes([token])
+        return self.tokenizer.decode([token]).encode()
+
+    def token_text(self, token: int) -> str:
+        """A token as text; one that is not whole UTF-8 as "bytes:\\x.." (vLLM's spelling), so that tokens
+        differ in the text too (the completions format keys alternatives by their text)."""
+        data = self.token_bytes(token)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     @abstractmethod
-    def chunk(self, text: str) -> dict: ...
+    def opening(self, index: int) -> list[dict]: ...
 
     @abstractmethod
-    def last_chunk(self, result: GenerationResult) -> dict: ...
+    def chunk(self, piece: Piece) -> list[dict]: ...
 
     @abstractmethod
-    def _whole(self, text: str, result: GenerationResult) -> dict:
-        """The one choice of the non-streamed response, without its index."""
+    def last_chunks(self, done: Done) -> list[dict]: ...
+
+    @abstractmethod
+    def _whole(self, index: int, result: GenerationResult) -> dict:
+        """Choice `index` of the non-streamed response, without its index."""
 
 
 class ChatReply(Reply):
@@ -362,17 +681,86 @@ class ChatReply(Reply):
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def opening(self) -> dict:
-        return self._chunk_with({"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+    def __init__(
+        self, model_name: str, fingerprint: str, tokenizer, vocabulary=None, tool_format=None, parallel_tool_calls: bool = True
+    ):
+        super().__init__(model_name, fingerprint, tokenizer, vocabulary)
+        self.tool_format = tool_format  # tool_calls.ToolFormat: the answers are parsed for calls
+        self.parallel_tool_calls = parallel_tool_calls
+        # A streamed answer that may hold a call: its text so far and what of it went out as content (what
+        # the format says is safe: never a call's first characters). Where the call's opening marker is a
+        # special token (not in the text), nothing goes out before the end.
+        self.seen: dict[int, str] = {}
+        self.sent: dict[int, str] = {}
+        self.held_logprobs: dict[int, list] = {}
+        self.incremental = tool_format is not None and _survives_decoding(tokenizer, tool_format.start_marker)
 
-    def chunk(self, text: str) -> dict:
-        return self._chunk_with({"delta": {"content": text}, "logprobs": None, "finish_reason": None})
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        if entries is None:
+            return None
 
-    def last_chunk(self, result: GenerationResult) -> dict:
-        return self._chunk_with({"delta": {}, "logprobs": None, "finish_reason": finish_reason(result)})
+        def item(token: int, logprob: float) -> dict:
+            return {"token": self.token_text(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
 
-    def _whole(self, text: str, result: GenerationResult) -> dict:
-        return {"message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason(result)}
+        content = [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+        return {"content": content, "refusal": None}
+
+    def opening(self, index: int) -> list[dict]:
+        return [self._chunk_with(index, {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
+
+    def chunk(self, piece: Piece) -> list[dict]:
+        text, entries = piece.text, piece.logprobs
+        if self.tool_format is not None:
+            i = piece.index
+            self.seen[i] = self.seen.get(i, "") + text
+            self.held_logprobs[i] = self.held_logprobs.get(i, []) + entries
+            sent = self.sent.get(i, "")
+            safe = self.tool_format.streamable(self.seen[i]) if self.incremental else ""
+            text = safe[len(sent) :] if safe.startswith(sent) else ""
+            if not text:
+                return []
+            self.sent[i] = self.sent.get(i, "") + text
+            entries, self.held_logprobs[i] = self.held_logprobs[i], []
+        logprobs = self._logprobs(entries) if entries else None
+        return [self._chunk_with(piece.index, {"delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})]
+
+    def last_chunks(self, done: Done) -> list[dict]:
+        i, result = done.index, done.result
+        chunks = []
+        if self.tool_format is not None:
+            content, calls = self._parsed(result)
+            sent = self.sent.get(i, "")
+            rest = (content or "")[len(sent) :] if (content or "").startswith(sent) else ""
+            held = self.held_logprobs.pop(i, [])
+            if rest or held:
+                logprobs = self._logprobs(held) if held else None
+                chunks.append(self._chunk_with(i, {"delta": {"content": rest}, "logprobs": logprobs, "finish_reason": None}))
+            if calls:
+                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+                chunks.append(self._chunk_with(i, {"delta": delta, "logprobs": None, "finish_reason": None}))
+                return chunks + [self._chunk_with(i, {"delta": {}, "logprobs": None, "finish_reason": "tool_calls"})]
+        return chunks + [self._chunk_with(i, {"delta": {}, "logprobs": None, "finish_reason": finish_reason(result)})]
+
+    def _parsed(self, result: GenerationResult) -> tuple[str | None, list[dict]]:
+        """The answer's content and its tool calls (OpenAI's shape), from its text with special tokens."""
+        ids = result.token_ids[:-1] if result.eos else result.token_ids
+        parsed = self.tool_format.parse(self.tokenizer.decode(ids, skip_special_tokens=False))
+        calls = parsed.calls if self.parallel_tool_calls else parsed.calls[:1]
+        shaped = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+        return (parsed.content, shaped) if calls else (result.text, [])
+
+    def _whole(self, index: int, result: GenerationResult) -> dict:
+        message = {"role": "assistant", "content": result.text}
+        reason = finish_reason(result)
+        if self.tool_format is not None:
+            content, calls = self._parsed(result)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = "tool_calls"
+        return {"message": message, "logprobs": self._logprobs(result.logprobs), "finish_reason": reason}
 
 
 class CompletionReply(Reply):
@@ -380,14 +768,48 @@ class CompletionReply(Reply):
     response_object = "text_completion"
     chunk_object = "text_completion"
 
-    def opening(self) -> None:
-        return None  # OpenAI opens a completions stream with the first piece of text
+    def __init__(self, model_name: str, fingerprint: str, tokenizer, vocabulary=None):
+        super().__init__(model_name, fingerprint, tokenizer, vocabulary)
+        self.echo: list[str] | None = None  # each prompt's text, put before its answers (`echo`)
+        self.offset: dict[int, int] = {}  # characters of each choice's text so far (text_offset)
 
-    def chunk(self, text: str) -> dict:
-        return self._chunk_with({"text": text, "logprobs": None, "finish_reason": None})
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict | None:
+        if entries is None:
+            return None
+        tokens = [self.token_text(e.token) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset.get(index, 0))
+            self.offset[index] = offsets[-1] + len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
 
-    def last_chunk(self, result: GenerationResult) -> dict:
-        return self._chunk_with({"text": "", "logprobs": None, "finish_reason": finish_reason(result)})
+    def opening(self, index: int) -> list[dict]:
+        # OpenAI opens a completions stream with the first piece of text: the prompt, when echoed.
+        if self.echo is None:
+            return []
+        return [self._chunk_with(index, {"text": self.echo[self.prompt_of[index]], "logprobs": None, "finish_reason": None})]
 
-    def _whole(self, text: str, result: GenerationResult) -> dict:
-        return {"text": text, "logprobs": None, "finish_reason": finish_reason(result)}
+    def chunk(self, piece: Piece) -> list[dict]:
+        logprobs = self._logprobs(piece.index, piece.logprobs) if piece.logprobs else None
+        return [self._chunk_with(piece.index, {"text": piece.text, "logprobs": logprobs, "finish_reason": None})]
+
+    def last_chunks(self, done: Done) -> list[dict]:
+        return [self._chunk_with(done.index, {"text": "", "logprobs": None, "finish_reason": finish_reason(done.result)})]
+
+    def _whole(self, index: int, result: GenerationResult) -> dict:
+        echo = self.echo[self.prompt_of[index]] if self.echo is not None else ""
+        return {
+            "text": echo + result.text,
+            "logprobs": self._logprobs(index, result.logprobs),
+            "finish_reason": finish_reason(result),
+        }
+
+
+def _survives_decoding(tokenizer, text: str) -> bool:
+    """Whether `text` stays in the answer's text (it is not a special token that decoding drops)."""
+    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False), skip_special_tokens=True) == text

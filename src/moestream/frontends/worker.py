@@ -7,9 +7,11 @@ computes every needed expert once for all of them) and prefills each newcomer be
 job's event loop as it is produced. Nothing here knows about HTTP or OpenAI: a handler learns how its
 job ended from what `Job.output` yields or raises.
 
-A job joins the batch when a row is free and the running sequences' KV budget holds with it (prompt plus
-max tokens of every row); until then it waits in the queue. A job whose KV could never fit that budget
-is refused at submission (`KVBudgetExceeded`).
+A job asks for one or more answers ("choices": OpenAI's n, and a completions request's list of
+prompts); the answers to one prompt join the batch together, sharing that prompt's prefill, when rows
+are free and the running sequences' KV budget holds with them (prompt plus max tokens of every row);
+until then they wait in the queue. A job whose KV could never fit that budget, or that needs more rows
+than the batch has, is refused at submission (`KVBudgetExceeded`, `TooManyChoices`).
 
 Cancellation and deadlines: every job has a cancel flag and a deadline (time.monotonic()). A job
 cancelled while queued leaves the queue at once; a running one stops after its current token
@@ -28,7 +30,8 @@ from dataclasses import dataclass, field
 
 from ..core.loading import engine_of
 from .batching import BatchGenerator
-from .generate import Decoding, GenerationResult
+from .constraints import Constraint, Grammar, Vocabulary
+from .generate import Decoding, GenerationResult, TokenLogprob, vocabulary_of
 from .kv_cache import PrefixCache
 
 # How often a waiter checks whether its client is still connected.
@@ -46,6 +49,11 @@ class GenerationParams:
     seed: int
     stop: list[str]
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: Grammar | None = None  # the answer must follow it (structured outputs, forced tool calls)
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
 
 
 class WorkerError(Exception):
@@ -65,6 +73,14 @@ class TimedOut(WorkerError):
         super().__init__(f"the job ran past its timeout ({timeout:g} s){' in the queue' if queued else ''}")
         self.timeout = timeout
         self.queued = queued
+
+
+class TooManyChoices(WorkerError):
+    """A job whose answers to one prompt need more rows than the batch has (they run together)."""
+
+    def __init__(self, rows: int, max_batch: int):
+        super().__init__(f"{rows} answers to one prompt need {rows} batch rows; the server decodes at most {max_batch} together")
+        self.rows, self.max_batch = rows, max_batch
 
 
 class ShuttingDown(WorkerError):
@@ -87,17 +103,36 @@ class ClientGone(Exception):
 Disconnected = Callable[[], Awaitable[bool]]
 
 
+@dataclass(frozen=True)
+class Piece:
+    """New final text of choice `index`, with the log-probabilities of the tokens that made it (when
+    they were asked for; a token whose text is held back comes with a later piece)."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
+class Done:
+    """Choice `index` has ended."""
+
+    index: int
+    result: GenerationResult
+
+
 @dataclass(eq=False)  # a job is equal only to itself (the queue removes jobs by identity)
 class Job:
-    """One submitted generation: its parameters, its deadline, and the events the worker posts to it.
+    """One submitted request: its choices (one GenerationParams each), its deadline, and the events the
+    worker posts to it.
 
-    Events, in order: ("start",) when the worker takes the job, ("text", piece) for each piece of text,
-    then ("done", GenerationResult) or ("error", exception). The worker posts nothing for a job it
-    skips because it was cancelled or past its deadline before its turn: its waiter has given up already,
-    or gives up at the deadline.
+    Events, in order: ("start",) when the worker takes the job's first choices, then per choice
+    ("text", Piece) for each piece of text and ("done", Done) at its end; or ("error", exception), which
+    ends the job. The worker posts nothing for a job it skips because it was cancelled or past its
+    deadline before its turn: its waiter has given up already, or gives up at the deadline.
     """
 
-    params: GenerationParams
+    choices: list[GenerationParams]
     timeout: float  # seconds from submission to the last token, queueing included
     deadline: float  # time.monotonic()
     _worker: Worker
@@ -106,7 +141,18 @@ class Job:
     _cancel: threading.Event = field(default_factory=threading.Event)
     started: bool = False  # set by the worker thread before it posts "start"
     submitted: float = field(default_factory=time.perf_counter)
-    decoding: Decoding | None = None  # made when the worker takes the job
+    decodings: dict[int, Decoding] = field(default_factory=dict)  # choice index -> its decoding, once admitted
+    admitted: int = 0  # choices taken into the batch so far (in order)
+    first_token: bool = False  # any of its choices has a token
+    failed: bool = False  # an error was posted: it ended the job
+
+    def next_group(self) -> list[int]:
+        """The choices to admit next: the next one and those after it with the same prompt."""
+        first = self.choices[self.admitted].prompt_ids
+        end = self.admitted
+        while end < len(self.choices) and self.choices[end].prompt_ids == first:
+            end += 1
+        return list(range(self.admitted, end))
 
     def cancel(self) -> None:
         """Stop the job: out of the queue at once if it waits, after the current token if it runs.
@@ -118,13 +164,15 @@ class Job:
         kind, _ = await self._next_event(disconnected)
         assert kind == "start", kind  # the worker posts nothing before it
 
-    async def output(self, disconnected: Disconnected | None = None) -> AsyncIterator[str | GenerationResult]:
-        """The job's text, piece by piece as it is generated, then its GenerationResult.
+    async def output(self, disconnected: Disconnected | None = None) -> AsyncIterator[Piece | Done]:
+        """The job's text, piece by piece as it is generated (choices interleaved), and a Done as each
+        choice ends; it returns after the last one.
 
         Raises TimedOut, ClientGone (when `disconnected()` turns true), ShuttingDown or GenerationFailed;
         each of them has cancelled the job, so the worker is free for the next one by the next token.
         """
-        while True:
+        left = len(self.choices)
+        while left:
             kind, value = await self._next_event(disconnected)
             if kind == "text":
                 yield value
@@ -133,12 +181,12 @@ class Job:
             elif kind == "done":
                 # Only the worker's closing cancels a job whose waiter is still there: a waiter that
                 # leaves cancels its own job and reads no more.
-                if value.finish_reason == "cancelled":
+                if value.result.finish_reason == "cancelled":
                     raise ShuttingDown("the worker is closing")
-                if value.finish_reason == "timeout":
+                if value.result.finish_reason == "timeout":
                     raise TimedOut(self.timeout, queued=False)
+                left -= 1
                 yield value
-                return
             # "start": the output begins after it
 
     async def _next_event(self, disconnected: Disconnected | None):
@@ -200,6 +248,7 @@ class Worker:
         self.model = model
         self.tokenizer = tokenizer
         self.max_queue = max_queue
+        self.max_batch = max_batch
         self._batch_options = dict(
             max_batch=max_batch, prefix_cache=prefix_cache, kv_budget_bytes=kv_budget_bytes, prefill_chunk=prefill_chunk
         )
@@ -227,12 +276,20 @@ class Worker:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
-    def submit(self, params: GenerationParams, timeout: float) -> Job:
-        """Queue a generation from the running event loop; raises QueueFull when `max_queue` jobs wait,
-        KVBudgetExceeded when its KV could never fit."""
+    def submit(self, choices: list[GenerationParams], timeout: float) -> Job:
+        """Queue a request's choices from the running event loop; raises QueueFull when `max_queue` jobs
+        wait, KVBudgetExceeded when a choice's KV could never fit, TooManyChoices when the answers to one
+        prompt need more rows than the batch has."""
+        job = Job(list(choices), timeout, time.monotonic() + timeout, self, asyncio.get_running_loop())
         if self.batch is not None:
-            self.batch.check(len(params.prompt_ids) + params.max_tokens)
-        job = Job(params, timeout, time.monotonic() + timeout, self, asyncio.get_running_loop())
+            for p in choices:
+                self.batch.check(len(p.prompt_ids) + p.max_tokens)
+            while job.admitted < len(choices):  # (a dry run of the groups)
+                rows = len(job.next_group())
+                if rows > self.batch.max_batch:
+                    raise TooManyChoices(rows, self.batch.max_batch)
+                job.admitted += rows
+            job.admitted = 0
         with self._cond:
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(self.max_queue)
@@ -269,13 +326,13 @@ class Worker:
                     self._cond.wait()
                 if self._closed:
                     break
-            while (job := self._next_joining()) is not None:
-                self._admit(job)
+            while (joining := self._next_joining()) is not None:
+                self._admit(*joining)
             self._prefill_step()
             try:
                 ended = batch.decode()
             except Exception as e:  # a disk error, a damaged record: the running jobs fail, the worker goes on
-                for job in self._take_all():
+                for job in {id(job): job for _, job in self._take_all()}.values():
                     self._fail(job, e)
                 continue
             for decoding in ended:
@@ -284,24 +341,62 @@ class Worker:
                 s = self._stats
                 s.batch_steps, s.batch_rows, s.batch_kv_bytes = batch.stats.steps, batch.stats.rows, batch.kv_bytes()
                 s.batch_kv_peak_bytes = max(s.batch_kv_peak_bytes, s.batch_kv_bytes)
-        for job in self._take_all():  # closing: the running jobs end as cancelled
-            job.decoding.finish_reason = "cancelled"
-            job._post("done", job.decoding.result())
+        for decoding, job in self._take_all():  # closing: the running jobs end as cancelled
+            decoding.finish_reason = "cancelled"
+            job._post("done", Done(_index(job, decoding), decoding.result()))
 
-    def _next_joining(self) -> Job | None:
-        """The first queued job if it may join the batch now (FIFO: a job that must wait holds back the rest)."""
+    def _next_joining(self) -> tuple[Job, list[int]] | None:
+        """The first queued job's next choices (those sharing a prompt) if they may join the batch now
+        (FIFO: choices that must wait hold back the rest); the job leaves the queue with its last ones."""
         with self._cond:
             if not self._pending or self._closed:
                 return None
-            p = self._pending[0].params
-            return self._pending.popleft() if self.batch.has_room(len(p.prompt_ids) + p.max_tokens) else None
+            job = self._pending[0]
+            group = job.next_group()
+            p = job.choices[group[0]]
+            if not self.batch.has_room(len(p.prompt_ids) + p.max_tokens, len(group)):
+                return None
+            job.admitted += len(group)
+            if job.admitted == len(job.choices):
+                self._pending.popleft()
+            return job, group
 
-    def _admit(self, job: Job) -> None:
-        """Start a job taken from the queue: its prefill and first token (it may end right there)."""
+    def _admit(self, job: Job, group: list[int]) -> None:
+        """Start choices of a job taken from the queue: their prompt's prefill and their first tokens
+        (they may end right there)."""
         if job._cancel.is_set() or time.monotonic() >= job.deadline:
             return  # its waiter has given up, or gives up at the deadline (timed out in the queue)
-        p = job.params
-        job.decoding = Decoding(
+        try:
+            decodings = [self._decoding(job, i) for i in group]
+        except Exception as e:  # a grammar that fails to compile against the vocabulary
+            self._fail(job, e)
+            return
+        with self._cond:
+            if not job.started:
+                self._stats.started += 1
+                self._stats.queue_seconds += time.perf_counter() - job.submitted
+            for decoding in decodings:
+                self._running[decoding] = job
+        if not job.started:
+            job.started = True
+            job._post("start")
+        try:
+            ended = self.batch.admit(decodings[0], decodings[1:])
+        except Exception as e:  # this job fails; the batch is unchanged
+            with self._cond:
+                for decoding in decodings:
+                    del self._running[decoding]
+            self._fail(job, e)
+            return
+        for decoding in ended:
+            self._finish(decoding)
+
+    def _decoding(self, job: Job, index: int) -> Decoding:
+        p = job.choices[index]
+        constraint = None
+        if p.grammar is not None:
+            constraint = Constraint(p.grammar, self.vocabulary())
+        decoding = Decoding(
             self.model,
             self.tokenizer,
             p.prompt_ids,
@@ -311,26 +406,22 @@ class Worker:
             seed=p.seed,
             stop=p.stop,
             ignore_eos=p.ignore_eos,
-            on_text=lambda text: job._post("text", text),
+            logit_bias=p.logit_bias,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            constraint=constraint,
+            logprobs=p.logprobs,
+            on_text=lambda text: job._post("text", Piece(index, text, decoding.take_logprobs())),
             on_first_token=lambda: self._first_token(job),
             cancel=job._cancel,
             deadline=job.deadline,
         )
-        with self._cond:
-            self._stats.started += 1
-            self._stats.queue_seconds += time.perf_counter() - job.submitted
-            self._running[job.decoding] = job
-        job.started = True
-        job._post("start")
-        try:
-            ended = self.batch.admit(job.decoding)
-        except Exception as e:  # this job fails; the batch is unchanged
-            with self._cond:
-                del self._running[job.decoding]
-            self._fail(job, e)
-            return
-        if ended:
-            self._finish(job.decoding)
+        job.decodings[index] = decoding
+        return decoding
+
+    def vocabulary(self) -> Vocabulary:
+        """The grammar engine's view of this model's tokenizer (built once, on first use)."""
+        return vocabulary_of(self.model, self.tokenizer)
 
     def _prefill_step(self) -> None:
         """The next part of a newcomer's prompt, between two steps of the batch (--prefill-chunk)."""
@@ -342,12 +433,17 @@ class Worker:
         except Exception as e:  # this job fails; the batch is unchanged
             with self._cond:
                 job = self._running.pop(prefilling.decoding)
+                for sibling in prefilling.siblings:
+                    del self._running[sibling]
             self._fail(job, e)
             return
         for decoding in ended:
             self._finish(decoding)
 
     def _first_token(self, job: Job) -> None:
+        if job.first_token:
+            return  # the job's first token came already (from another of its choices)
+        job.first_token = True
         seconds = time.perf_counter() - job.submitted
         with self._cond:
             s = self._stats
@@ -367,20 +463,32 @@ class Worker:
                 s.last_decode_tps = result.decode_tokens_per_second
             if result.finish_reason in ("cancelled", "timeout"):
                 s.ended_early[result.finish_reason] += 1
-        job._post("done", result)
+        job._post("done", Done(_index(job, decoding), result))
 
     def _fail(self, job: Job, e: Exception) -> None:
+        """End the job with an error: once, whichever of its choices met it; its other choices stop
+        (queued ones leave the queue, running ones end after their current token)."""
+        job._cancel.set()
         with self._cond:
+            if job in self._pending:
+                self._pending.remove(job)
+            if job.failed:
+                return
+            job.failed = True
             self._stats.ended_early["error"] += 1
         job._post("error", e)
 
-    def _take_all(self) -> list[Job]:
-        """Every running job, out of the batch."""
+    def _take_all(self) -> list[tuple[Decoding, Job]]:
+        """Every running choice and its job, out of the batch."""
         with self._cond:
-            jobs = list(self._running.values())
+            running = list(self._running.items())
             self._running.clear()
-        for job in jobs:
-            prefilling = self.batch.prefilling is not None and self.batch.prefilling.decoding is job.decoding
-            if prefilling or job.decoding in self.batch.running:
-                self.batch.drop(job.decoding)
-        return jobs
+        for decoding, _ in running:
+            prefilling = self.batch.prefilling
+            if decoding in self.batch.running or (prefilling is not None and prefilling.decoding is decoding):
+                self.batch.drop(decoding)  # (a newcomer's siblings join only with it)
+        return running
+
+
+def _index(job: Job, decoding: Decoding) -> int:
+    return next(i for i, d in job.decodings.items() if d is decoding)
