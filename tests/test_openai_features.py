@@ -235,6 +235,11 @@ def test_n_choices_share_a_prefill_and_each_equals_its_solo_run(server):
     assert len(set(texts)) == 3
     solo = [server.client.completions.create(prompt="Once upon", seed=40 + i, **body).choices[0].text for i in range(3)]
     assert texts == solo
+    streamed = {}
+    for chunk in server.client.completions.create(prompt="Once upon", n=3, seed=40, stream=True, **body):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == texts
     prompt_tokens = len(byte_tokenizer()("Once upon")["input_ids"])
     assert three.usage.prompt_tokens == prompt_tokens  # the prompt counted once
     # a list of prompts, two answers each
@@ -308,3 +313,14 @@ def test_generate_json_schema(checkpoint, tmp_path, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     jsonschema.validate(json.loads(out["text"]), SCHEMA)
+
+
+def test_generate_json_schema_errors_name_the_file(checkpoint, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"type": "object", "properties": 5}))
+    for path, words in ((tmp_path / "missing.json", "cannot read"), (bad, "not valid JSON"), (wrong, "cannot be")):
+        code = main(["generate", str(checkpoint[1]), "--memory", "1MiB", "--prompt", "Hi", "--json-schema", str(path)])
+        err = capsys.readouterr().err
+        assert code != 0 and str(path) in err and words in err and "Traceback" not in err, err
