@@ -200,7 +200,9 @@ def decode(args) -> None:
     for _ in range(args.rounds):
         plain.append(run(False))
         schema.append(run(True))
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.tokens} tokens per run, decode tok/s (prefill excluded)")
+    print(
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.tokens} tokens per run, decode tok/s (prefill excluded)"
+    )
     for i, (p, s) in enumerate(zip(plain, schema)):
         print(f"round {i + 1}: without {p:.2f} tok/s, with the schema {s:.2f} tok/s: {s / p:.3f}x")
     print(f"median ratio {statistics.median(s / p for p, s in zip(plain, schema)):.3f}x")
