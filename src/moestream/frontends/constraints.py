@@ -25,8 +25,9 @@ import llguidance.hf
 import numpy as np
 import torch
 
-# JSON as json.dumps writes it (", " and ": ", no other whitespace): a model cannot pad its answer with
-# whitespace for ever, which flexible whitespace would let a weak or random model do.
+# JSON as json.dumps (and chat templates' `tojson`) write it (", " and ": ", no other whitespace): a model
+# cannot pad its answer with whitespace for ever, which flexible whitespace would let a weak or random model
+# do. Structured outputs and forced tool calls' arguments both use it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -386,7 +386,8 @@ class Decoding:
             logits[:, ids] -= self.frequency_penalty * seen + self.presence_penalty
         if self.bias is not None:
             ids, values = self.bias
-            logits[:, ids[ids < logits.shape[-1]]] += values[ids < logits.shape[-1]]
+            within = ids < logits.shape[-1]  # (a tokenizer may know ids past the model's logits)
+            logits[:, ids[within]] += values[within]
         if self.constraint is not None:
             self.constraint.mask(logits)
         token = self.sampler(logits)

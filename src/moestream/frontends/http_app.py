@@ -20,13 +20,12 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import xxhash
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..conversion.store import MANIFEST
+from ..conversion.store import MANIFEST, file_checksum
 from ..core import loading
 from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
@@ -43,7 +42,7 @@ from .openai_api import (
     model_card,
     model_not_found,
 )
-from .worker import ClientGone, Done, Job, TooManyChoices, Worker, WorkerError, WorkerStats
+from .worker import ClientGone, Done, Job, Worker, WorkerError, WorkerStats
 
 # A request body larger than this is refused (413) before it is parsed: prompts are text, and a body
 # of gigabytes would otherwise be read into memory.
@@ -151,7 +150,7 @@ class Service:
         except asyncio.CancelledError:  # the handler's task was cancelled: the server is shutting down
             outcome = "cancelled"
             raise
-        except (WorkerError, KVBudgetExceeded, TooManyChoices) as e:
+        except (WorkerError, KVBudgetExceeded) as e:
             raise error_for(e) from None
         finally:
             if not streaming:
@@ -224,7 +223,7 @@ def system_fingerprint(model) -> str:
     from .. import __version__
 
     manifest = engine_of(model).store.directory / MANIFEST
-    return f"moestream-{__version__}-{xxhash.xxh3_64_hexdigest(manifest.read_bytes())[:12]}"
+    return f"moestream-{__version__}-{file_checksum(manifest)[:12]}"
 
 
 def prometheus_text(

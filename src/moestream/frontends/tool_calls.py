@@ -30,10 +30,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-# JSON as json.dumps and the templates' `tojson` write it (", " and ": ", no other whitespace), so the
-# forced arguments look like the calls the model saw in training, and a weak model cannot pad them with
-# whitespace for ever. Given to llguidance through the schema's "x-guidance" options.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The forced arguments are written as json.dumps and the templates' `tojson` write JSON, so they look like
+# the calls the model saw in training (given to llguidance through the schema's "x-guidance" options).
+from .constraints import JSON_OPTIONS
 
 # End-of-turn tokens an answer may end with when decoded with its special tokens (the stop token is not
 # always cut off): none of them is content.
@@ -142,7 +141,7 @@ class ToolFormat:
         rules = [f"start: {self._start_rule(lark, many)}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
         for i, (name, schema) in enumerate(functions):
             rules.append(f"call_{i}: {self._call_rule(lark, name, f'args_{i}')}")
-            rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': _JSON_OPTIONS})}")
+            rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}")
         rules.extend(self._extra_rules(lark))
         return "\n".join(rules) + "\n"
 

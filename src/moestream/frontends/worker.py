@@ -141,18 +141,17 @@ class Job:
     _cancel: threading.Event = field(default_factory=threading.Event)
     started: bool = False  # set by the worker thread before it posts "start"
     submitted: float = field(default_factory=time.perf_counter)
-    decodings: dict[int, Decoding] = field(default_factory=dict)  # choice index -> its decoding, once admitted
+    index: dict[Decoding, int] = field(default_factory=dict)  # each admitted choice's decoding -> its index
     admitted: int = 0  # choices taken into the batch so far (in order)
     first_token: bool = False  # any of its choices has a token
     failed: bool = False  # an error was posted: it ended the job
 
-    def next_group(self) -> list[int]:
-        """The choices to admit next: the next one and those after it with the same prompt."""
-        first = self.choices[self.admitted].prompt_ids
-        end = self.admitted
-        while end < len(self.choices) and self.choices[end].prompt_ids == first:
+    def group_at(self, start: int) -> list[int]:
+        """The choices admitted together from `start` on: that one and those after it with the same prompt."""
+        end = start
+        while end < len(self.choices) and self.choices[end].prompt_ids == self.choices[start].prompt_ids:
             end += 1
-        return list(range(self.admitted, end))
+        return list(range(start, end))
 
     def cancel(self) -> None:
         """Stop the job: out of the queue at once if it waits, after the current token if it runs.
@@ -248,7 +247,6 @@ class Worker:
         self.model = model
         self.tokenizer = tokenizer
         self.max_queue = max_queue
-        self.max_batch = max_batch
         self._batch_options = dict(
             max_batch=max_batch, prefix_cache=prefix_cache, kv_budget_bytes=kv_budget_bytes, prefill_chunk=prefill_chunk
         )
@@ -284,12 +282,12 @@ class Worker:
         if self.batch is not None:
             for p in choices:
                 self.batch.check(len(p.prompt_ids) + p.max_tokens)
-            while job.admitted < len(choices):  # (a dry run of the groups)
-                rows = len(job.next_group())
+            start = 0
+            while start < len(choices):
+                rows = len(job.group_at(start))
                 if rows > self.batch.max_batch:
                     raise TooManyChoices(rows, self.batch.max_batch)
-                job.admitted += rows
-            job.admitted = 0
+                start += rows
         with self._cond:
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(self.max_queue)
@@ -343,7 +341,7 @@ class Worker:
                 s.batch_kv_peak_bytes = max(s.batch_kv_peak_bytes, s.batch_kv_bytes)
         for decoding, job in self._take_all():  # closing: the running jobs end as cancelled
             decoding.finish_reason = "cancelled"
-            job._post("done", Done(_index(job, decoding), decoding.result()))
+            job._post("done", Done(job.index[decoding], decoding.result()))
 
     def _next_joining(self) -> tuple[Job, list[int]] | None:
         """The first queued job's next choices (those sharing a prompt) if they may join the batch now
@@ -352,7 +350,7 @@ class Worker:
             if not self._pending or self._closed:
                 return None
             job = self._pending[0]
-            group = job.next_group()
+            group = job.group_at(job.admitted)
             p = job.choices[group[0]]
             if not self.batch.has_room(len(p.prompt_ids) + p.max_tokens, len(group)):
                 return None
@@ -416,7 +414,7 @@ class Worker:
             cancel=job._cancel,
             deadline=job.deadline,
         )
-        job.decodings[index] = decoding
+        job.index[decoding] = index
         return decoding
 
     def vocabulary(self) -> Vocabulary:
@@ -463,7 +461,7 @@ class Worker:
                 s.last_decode_tps = result.decode_tokens_per_second
             if result.finish_reason in ("cancelled", "timeout"):
                 s.ended_early[result.finish_reason] += 1
-        job._post("done", Done(_index(job, decoding), result))
+        job._post("done", Done(job.index[decoding], result))
 
     def _fail(self, job: Job, e: Exception) -> None:
         """End the job with an error: once, whichever of its choices met it; its other choices stop
@@ -488,7 +486,3 @@ class Worker:
             if decoding in self.batch.running or (prefilling is not None and prefilling.decoding is decoding):
                 self.batch.drop(decoding)  # (a newcomer's siblings join only with it)
         return running
-
-
-def _index(job: Job, decoding: Decoding) -> int:
-    return next(i for i, d in job.decodings.items() if d is decoding)
