@@ -2,6 +2,7 @@
 
     python benchmarks/make_synthetic_checkpoint.py OUT [--layers 16] [--experts 64] [--hidden 1024] [--expert-width 512] [--zipf 1.2]
     python benchmarks/make_synthetic_checkpoint.py OUT --shape qwen3-30b-a3b [--layers 8]
+    python benchmarks/make_synthetic_checkpoint.py OUT --shape qwen3-30b-a3b --tokenizer DIR   # a real-size vocabulary
 
 --zipf skews expert popularity (router biases, moestream.conversion.synthetic.skew_router) so that a cache has
 something to find; without it random routers pick experts almost uniformly. --calibrated routes with
@@ -11,7 +12,9 @@ between consecutive tokens; its CALIBRATED parameters, or e.g. --calibrated zipf
 --shape qwen3-30b-a3b takes Qwen3-30B-A3B's per-layer shape (hidden 2048, 32 query / 4 KV heads of
 head_dim 128, 128 experts of width 768, top-8 with normalized weights, rope theta 1e6) with 8 of its 48
 layers and the byte-level vocabulary: 9.3 GiB of bf16, built in memory once. Options given explicitly
-override the preset's values.
+override the preset's values. --tokenizer takes a Hugging Face tokenizer directory instead of the byte-level
+one (the embedding and LM head grow to its vocabulary: what a per-token cost over the vocabulary, such as a
+grammar's mask, is measured with).
 
 The checkpoint is written one decoder layer at a time (save_layerwise): `save_pretrained` turns the
 fused experts back into per-expert tensors for the whole model at once, copying gate_up (2/3 of the
@@ -61,7 +64,7 @@ SHAPES = {
 }
 
 
-def save_layerwise(model, directory: str | Path, max_shard_size: str = "1GB") -> Path:
+def save_layerwise(model, directory: str | Path, max_shard_size: str = "1GB", tokenizer=None) -> Path:
     """What save_checkpoint (save_pretrained, then the byte tokenizer) writes, holding at most one layer's
     converted tensors and one shard beyond the model. A shard ends before it would pass max_shard_size."""
     from safetensors.torch import save_file
@@ -109,7 +112,7 @@ def save_layerwise(model, directory: str | Path, max_shard_size: str = "1GB") ->
     model.config.save_pretrained(directory)
     if model.can_generate():
         model.generation_config.save_pretrained(directory)
-    byte_tokenizer().save_pretrained(directory)
+    (tokenizer or byte_tokenizer()).save_pretrained(directory)
     return directory
 
 
@@ -138,7 +141,13 @@ def main() -> None:
         "qwen3-30b-a3b), with these overrides",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", help="a Hugging Face tokenizer directory to use instead of the byte-level one")
     args = parser.parse_args()
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     shape = dict(DEFAULTS, **SHAPES.get(args.shape, {}))
     for key in shape:
         if getattr(args, key, None) is not None:
@@ -146,7 +155,7 @@ def main() -> None:
     model = make_model(
         "qwen3_moe",
         seed=args.seed,
-        vocab_size=VOCAB_SIZE,
+        vocab_size=len(tokenizer) if tokenizer is not None else VOCAB_SIZE,
         hidden_size=shape["hidden"],
         intermediate_size=2 * shape["hidden"],  # unused: every layer is MoE
         moe_intermediate_size=shape["expert_width"],
@@ -180,7 +189,7 @@ def main() -> None:
             getattr(synthetic, "CALIBRATED_30B", synthetic.CALIBRATED) if args.shape == "qwen3-30b-a3b" else synthetic.CALIBRATED
         )
         synthetic.calibrated_router(model, dataclasses.replace(base, **typed))
-    save_layerwise(model, args.out, max_shard_size=args.shard_size)
+    save_layerwise(model, args.out, max_shard_size=args.shard_size, tokenizer=tokenizer)
 
 
 if __name__ == "__main__":

@@ -261,6 +261,81 @@ def test_echo_fingerprint_and_cached_tokens(server):
     assert again.usage.prompt_tokens_details.cached_tokens >= len(prompt) - 1
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, checkpoint):
+    """Completions' echo with logprobs (how evaluation harnesses score a text): each prompt token's
+    logprob is the log-softmax of transformers' own logits at the position before it, the first has none,
+    the answer's follow; streamed, the same entries and text arrive."""
+    prompt = torch.randint(3, 250, (10,), generator=torch.Generator().manual_seed(21)).tolist()
+    body = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    answer = server.client.completions.create(**body).choices[0]
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    lp = answer.logprobs
+    assert len(lp.token_logprobs) == len(prompt) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        assert lp.token_logprobs[i] == pytest.approx(float(expected[i - 1, prompt[i]]), abs=1e-4)
+        assert sorted(lp.top_logprobs[i].values()) == pytest.approx(
+            sorted(torch.topk(expected[i - 1], 2).values.tolist()), abs=1e-4
+        )
+    assert lp.token_logprobs[len(prompt)] == pytest.approx(float(expected[-1].max()), abs=1e-4)  # greedy's first token
+    assert answer.text.startswith(byte_tokenizer().decode(prompt))
+    text, entries = "", []
+    for chunk in server.client.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            entries += c.logprobs.token_logprobs if c.logprobs else []
+    assert text == answer.text
+    assert entries[0] is None and entries[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+
+def test_prompt_logprobs_in_pieces_equal_one_pass(checkpoint, monkeypatch):
+    """A prompt longer than a piece is scored in pieces with the KV carried over: the same numbers as
+    transformers' forward over the whole prompt, and the prefill that follows picks the same token."""
+    import moestream
+    from moestream.frontends import generate
+
+    model, _ = moestream.load(checkpoint[1], memory="64MiB")
+    prompt = torch.randint(3, 250, (23,), generator=torch.Generator().manual_seed(5)).tolist()
+    monkeypatch.setattr(generate, "PROMPT_LOGPROBS_PIECE", 4)
+    entries, (cache, fed) = generate.prompt_logprobs(model, prompt, top=1)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    assert fed == len(prompt) - 1 and entries[0].logprob is None
+    assert [e.logprob for e in entries[1:]] == pytest.approx(
+        [float(expected[i - 1, prompt[i]]) for i in range(1, len(prompt))], abs=1e-4
+    )
+    steps = generate.generate_step(model, prompt, start=(cache, fed))
+    assert next(steps) == int(expected[-1].argmax())
+    steps.close()
+
+
+def test_api_key_chat_template_and_bare_paths(checkpoint, tmp_path, capsys):
+    """--api-key: /v1 answers only with the key (401 naming what to send), /health stays open; --chat-template
+    replaces the checkpoint's; the endpoints answer without /v1 too; a template that does not render is
+    refused before the model loads."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.content }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}")
+    s = Server(checkpoint[1], tmp_path / "server.log", "--api-key", "sk-test", "--chat-template", str(template))
+    try:
+        assert s.http.get("/health").status_code == 200
+        refused = s.http.get("/v1/models")
+        assert refused.status_code == 401 and "--api-key" in refused.json()["error"]["message"]
+        assert s.http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        client = openai.OpenAI(base_url=s.url, api_key="sk-test", max_retries=0, timeout=120)  # no /v1: bare paths
+        answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi you"}], max_tokens=2)
+        assert answer.usage.prompt_tokens == len(byte_tokenizer()("<<Hi you>>=>", add_special_tokens=False)["input_ids"])
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="sk-other", max_retries=0).models.list()
+    finally:
+        s.stop()
+    template.write_text("{% for m in messages %}")
+    assert main(["serve", str(checkpoint[1]), "--chat-template", str(template)]) == 2
+    assert "does not render" in capsys.readouterr().err
+
+
 def test_unknown_paths_name_the_endpoints(server):
     response = server.http.post("/v1/responses", json={"model": MODEL, "input": "hi"})
     assert response.status_code == 404 and "/v1/chat/completions" in response.json()["error"]["message"]

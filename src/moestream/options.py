@@ -222,12 +222,40 @@ def engine_options(args: argparse.Namespace) -> dict:
     )
 
 
+def add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template file used instead of the checkpoint's (e.g. one that defines tool calls, or for "
+        "a checkpoint that has none); it is tried on a short conversation before the model loads",
+    )
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template file, once it has rendered a one-message conversation; a UsageError
+    saying what is wrong otherwise (a template that fails only at the first request would fail every one)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    text = read_text_file(path, "--chat-template")
+    conversation = [{"role": "user", "content": "Hello"}]  # no system message: some templates refuse one
+    try:
+        render_jinja_template(conversations=[conversation], chat_template=text, add_generation_prompt=True)
+    except Exception as e:  # jinja2's syntax errors, and whatever the template raises itself
+        raise UsageError(
+            f"--chat-template {path} does not render a one-message conversation ({type(e).__name__}: {e}); "
+            "pass a Jinja chat template such as a checkpoint's chat_template.jinja"
+        ) from None
+    return text
+
+
 def load_model(args: argparse.Namespace, need_tokenizer: bool = True):
     """(model, tokenizer) of args.store under args.memory with the engine options; MoestreamError when
-    the store has no tokenizer files and the verb needs them (tokenizer is None when need_tokenizer is False)."""
+    the store has no tokenizer files and the verb needs them (tokenizer is None when need_tokenizer is False).
+    A --chat-template replaces the tokenizer's template."""
     from .core.loading import close, fast_paths, load
 
     options = engine_options(args)
+    chat_template = read_chat_template(args.chat_template) if getattr(args, "chat_template", None) else None
     model, tokenizer = load(args.store, args.memory, **options)
     print(fast_paths(model), file=sys.stderr)  # a slower path is never silent
     if tokenizer is None and need_tokenizer:
@@ -236,6 +264,8 @@ def load_model(args: argparse.Namespace, need_tokenizer: bool = True):
             f"{args.store} has no tokenizer files; convert it again from a checkpoint directory that includes them "
             "(tokenizer.json or tokenizer.model)"
         )
+    if chat_template is not None and tokenizer is not None:
+        tokenizer.chat_template = chat_template
     return model, tokenizer
 
 

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from .generate import Decoding, Forward, GenerationResult, encode, generate_step
+from .generate import Decoding, Forward, GenerationResult, encode, generate_step, prompt_logprobs
 from .kv_cache import BatchKV, PrefixCache, batchable, kv_bytes
 
 
@@ -121,14 +121,24 @@ class BatchGenerator:
         no sequence is running, else `prefill_chunk` tokens per `prefill_step`. Once the prompt is in, its
         first token is chosen and it joins the batch; so do `siblings`, more answers to the same prompt
         (OpenAI's n), from the same prefill: each chooses its own first token from the prompt's logits and
-        gets a copy of its KV. Returns those that ended already (a one-token answer)."""
+        gets a copy of its KV. Returns those that ended already (a one-token answer). A decoding that asks
+        for its prompt's log-probabilities has all of its prompt but the last token fed now, every
+        position's logits kept (generate.prompt_logprobs), and no prefix reused."""
+        start = None
+        if decoding.prompt_logprobs is not None:
+            entries, start = prompt_logprobs(self.model, decoding.prompt_ids, decoding.prompt_logprobs)
+            for d in (decoding, *siblings):
+                d.prompt_token_logprobs = entries
         if self.not_batchable:
             if siblings:
                 raise ValueError("this model's KV cache does not batch: one answer per prompt")
-            return [decoding] if self._admit_lone(decoding) else []
-        cache, reused = self.prefix_cache.match(decoding.prompt_ids) if self.prefix_cache is not None else (None, 0)
-        for d in (decoding, *siblings):
-            d.cached_tokens = reused
+            return [decoding] if self._admit_lone(decoding, start) else []
+        if start is not None:
+            cache, reused = start
+        else:
+            cache, reused = self.prefix_cache.match(decoding.prompt_ids) if self.prefix_cache is not None else (None, 0)
+            for d in (decoding, *siblings):
+                d.cached_tokens = reused
         self.prefilling = _Prefill(decoding, Forward(self.model, cache), reused, list(siblings))
         return self.prefill_step() if not self.running else []
 
@@ -226,8 +236,8 @@ class BatchGenerator:
 
     # A model whose cache does not batch: one sequence at a time through generate_step.
 
-    def _admit_lone(self, decoding: Decoding) -> bool:
-        steps = generate_step(self.model, decoding.prompt_ids, decoding.choose, prefix_cache=self.prefix_cache)
+    def _admit_lone(self, decoding: Decoding, start=None) -> bool:
+        steps = generate_step(self.model, decoding.prompt_ids, decoding.choose, prefix_cache=self.prefix_cache, start=start)
         if decoding.accept(next(steps)):
             steps.close()
             return True

@@ -23,7 +23,14 @@ import torch
 
 from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
-from ..options import add_kv_memory_argument, add_sampling_arguments, add_store_arguments, check_sampling, load_model
+from ..options import (
+    add_chat_template_argument,
+    add_kv_memory_argument,
+    add_sampling_arguments,
+    add_store_arguments,
+    check_sampling,
+    load_model,
+)
 from ..units import format_bytes, parse_bytes
 from .generate import GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template, stream
 from .kv_cache import PrefixCache
@@ -245,6 +252,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, max_new_tokens=512, seed_help="seed the conversation's sampling: the same messages give the same answers"
     )
     add_kv_memory_argument(parser)
+    add_chat_template_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

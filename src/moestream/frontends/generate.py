@@ -176,6 +176,7 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     eos: bool = False  # the last token is an end-of-sequence token (not part of the text)
     logprobs: list | None = None  # TokenLogprob per new token, when they were asked for
+    prompt_logprobs: list | None = None  # TokenLogprob per prompt token (the first's logprob None), when asked for
 
     @staticmethod
     def of(text: str, prompt_tokens: int, token_ids: list[int], timing: Timing, finish_reason: str) -> "GenerationResult":
@@ -250,14 +251,16 @@ class Forward:
         self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.cache = cache
 
-    def __call__(self, ids: torch.Tensor, **inputs) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, *, every_position: bool = False, **inputs) -> torch.Tensor:
         """Logits [rows, positions, vocab] of the ids fed after everything fed so far (`inputs`: an
-        attention mask and position ids for a padded batch), on the model's device."""
+        attention mask and position ids for a padded batch), on the model's device: of the last position
+        only, unless `every_position`."""
+        extra = {} if every_position else self.extra
         device = self.model.device
         if device.type == "cuda":  # (a model offloaded by accelerate may name another device: its hooks move inputs)
             ids, inputs = ids.to(device), {name: t.to(device) for name, t in inputs.items()}
         try:
-            out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **self.extra, **inputs)
+            out = self.model(input_ids=ids, use_cache=True, **{self.cache_name: self.cache}, **extra, **inputs)
         except torch.OutOfMemoryError as e:
             raise MoestreamError(
                 f"the GPU ran out of memory ({str(e).splitlines()[0]}): lower --gpu-memory (the experts kept in VRAM), "
@@ -267,15 +270,19 @@ class Forward:
         return out.logits
 
 
-def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = None, *, prefix_cache=None):
+def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = None, *, prefix_cache=None, start=None):
     """Yield new token ids after `prompt_ids`, without end: the prompt goes in as one forward pass (the
     prefill), then each new token alone with the KV cache. The caller decides when to stop (closing the
     generator frees the cache). `prefix_cache`
     (kv_cache.PrefixCache): the prefill starts after the longest prefix it holds, and on closing the
-    sequence's KV goes into it; the tokens are the same either way."""
+    sequence's KV goes into it; the tokens are the same either way. `start`: (KV cache, prompt tokens it
+    holds) to start from instead of the prefix cache's match (prompt_logprobs's)."""
     prompt_ids = _token_list(prompt_ids)
     sampler = sampler or make_sampler(greedy=True)
-    cache, reused = prefix_cache.match(prompt_ids) if prefix_cache is not None else (None, 0)
+    if start is not None:
+        cache, reused = start
+    else:
+        cache, reused = prefix_cache.match(prompt_ids) if prefix_cache is not None else (None, 0)
     forward = Forward(model, cache)
     fed = list(prompt_ids)  # the ids whose KV the cache holds whenever a token is yielded
     step = torch.tensor([fed[reused:]], dtype=torch.long)
@@ -294,6 +301,29 @@ def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = No
                 prefix_cache.put(fed, forward.cache)
             raise
         fed.append(int(token[0]))
+
+
+# Prompt tokens per forward pass when their log-probabilities are asked for: every position's logits are
+# computed then ([tokens, vocab] floats: 256 x 150k is 150 MB), so a long prompt goes in pieces.
+PROMPT_LOGPROBS_PIECE = 256
+
+
+def prompt_logprobs(model, prompt_ids: Sequence[int], top: int) -> tuple[list[TokenLogprob], tuple]:
+    """Each prompt token's log-probability under the model given the tokens before it, with the `top`
+    most likely alternatives (OpenAI's completions `echo` with `logprobs`); the first token has none
+    (logprob None). Feeds all but the last token, in pieces of PROMPT_LOGPROBS_PIECE, and returns with the
+    entries the (KV cache, tokens it holds) that a prefill continues from (`generate_step`'s `start`), so
+    the prompt is not fed twice."""
+    ids = _token_list(prompt_ids)
+    entries = [TokenLogprob(ids[0], None, ())] if ids else []
+    forward = Forward(model)
+    with torch.inference_mode():
+        for begin in range(0, len(ids) - 1, PROMPT_LOGPROBS_PIECE):
+            end = min(len(ids) - 1, begin + PROMPT_LOGPROBS_PIECE)
+            logits = forward(torch.tensor([ids[begin:end]], dtype=torch.long), every_position=True)[0]
+            logprobs = torch.log_softmax(logits.to("cpu", torch.float32), dim=-1)
+            entries += [TokenLogprob.of(row, ids[i + 1], top) for i, row in zip(range(begin, end), logprobs)]
+    return entries, (forward.cache, max(0, len(ids) - 1))
 
 
 def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> int:
@@ -345,6 +375,7 @@ class Decoding:
         frequency_penalty: float = 0.0,
         constraint: Constraint | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
@@ -365,6 +396,9 @@ class Decoding:
         self.logprobs = logprobs
         self.token_logprobs: list[TokenLogprob] = []  # one per new token when `logprobs` is not None
         self._logprobs_taken = 0
+        self.prompt_logprobs = prompt_logprobs  # how many alternatives per prompt token (None: not asked for)
+        self.prompt_token_logprobs: list[TokenLogprob] | None = None  # set by who prefills (prompt_logprobs())
+        self._prompt_logprobs_taken = False
         self.cached_tokens = 0  # prompt tokens whose KV came from a prefix cache (set by who prefills)
         self.ended_on_eos = False
         self.new: list[int] = []
@@ -443,22 +477,26 @@ class Decoding:
         result.cached_tokens = self.cached_tokens
         result.eos = self.ended_on_eos
         result.logprobs = self.token_logprobs if self.logprobs is not None else None
+        result.prompt_logprobs = self.prompt_token_logprobs
         return result
 
     def take_logprobs(self) -> list[TokenLogprob]:
         """The log-probabilities of the tokens not taken yet (a streamed answer sends each token's with
-        the piece of text that holds it)."""
+        the piece of text that holds it); the prompt's, when asked for, come first with the first piece."""
         taken = self._logprobs_taken
         self._logprobs_taken = len(self.token_logprobs)
-        return self.token_logprobs[taken:]
+        head = []
+        if self.prompt_token_logprobs is not None and not self._prompt_logprobs_taken:
+            head, self._prompt_logprobs_taken = self.prompt_token_logprobs, True
+        return head + self.token_logprobs[taken:]
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One new token's log-probability under the model, and the `top` most likely tokens' (id, logprob)."""
+    """One token's log-probability under the model, and the `top` most likely tokens' (id, logprob)."""
 
     token: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: tuple[tuple[int, float], ...]
 
     @staticmethod

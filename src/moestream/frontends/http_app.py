@@ -1,7 +1,8 @@
 """The HTTP app of `moestream serve` (FastAPI): routes, error handlers, server-sent events, metrics.
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream` true:
-server-sent events ending in `data: [DONE]`, or false), GET /health, GET /metrics (Prometheus text).
+server-sent events ending in `data: [DONE]`, or false), the same three without /v1, GET /health, GET
+/metrics (Prometheus text). With an API key, all but /health and /metrics need it.
 
 The async handlers only read, validate and tokenize (openai_api), then submit the generation to the
 one worker thread (worker), which decodes up to --max-batch requests together, and wait for its
@@ -15,6 +16,7 @@ the server.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from contextlib import asynccontextmanager
@@ -59,6 +61,7 @@ class ServerConfig:
     batch_kv_memory: int = 2 * 2**30  # bytes of KV the running sequences may hold together
     kv_memory: int = 2**30  # bytes of recent prefixes' KV kept for reuse (0: none)
     prefill_chunk: int | None = None  # a newcomer's prompt tokens per step while others decode (None: one pass)
+    api_key: str | None = None  # when set, /v1 requests must carry `Authorization: Bearer <api_key>`
 
 
 def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
@@ -81,11 +84,41 @@ def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected)
     app.add_api_route("/health", service.health, methods=["GET"])
     app.add_api_route("/metrics", service.metrics, methods=["GET"])
-    app.add_api_route("/v1/models", service.models, methods=["GET"])
-    app.add_api_route("/v1/models/{name:path}", service.retrieve_model, methods=["GET"])
-    app.add_api_route("/v1/chat/completions", service.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", service.completions, methods=["POST"])
+    # The API under /v1 (OpenAI's base URL) and, as llama.cpp's server does, without the prefix, for clients
+    # whose base URL is the bare host.
+    for prefix in ("/v1", ""):
+        app.add_api_route(f"{prefix}/models", service.models, methods=["GET"])
+        app.add_api_route(f"{prefix}/models/{{name:path}}", service.retrieve_model, methods=["GET"])
+        app.add_api_route(f"{prefix}/chat/completions", service.chat_completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/completions", service.completions, methods=["POST"])
+    if config.api_key:
+        app.middleware("http")(_api_key_check(config.api_key))
     return app
+
+
+# Paths anyone may read when the server has an API key: a load balancer's probe and a metrics scraper.
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def _api_key_check(api_key: str):
+    """Middleware that answers 401, as OpenAI does, to a request without `Authorization: Bearer <api_key>`."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request, call_next):
+        if request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):  # constant time: the key is not guessed byte by byte
+                told = "no API key was sent" if not given else "the API key is not this server's"
+                error = APIError(
+                    401,
+                    f"{told}; send the server's key (moestream serve --api-key) as `Authorization: Bearer KEY`, "
+                    "e.g. OpenAI(api_key=KEY)",
+                    code="invalid_api_key",
+                )
+                return _json_error(error)
+        return await call_next(request)
+
+    return check
 
 
 class Service:
@@ -355,7 +388,7 @@ async def _api_error(request, e: APIError):
 
 
 # What a client that asks for a path this server does not have is told (e.g. /v1/responses, /v1/embeddings).
-ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics"
+ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models (each also without /v1), GET /health, GET /metrics"
 
 
 async def _http_error(request, e: StarletteHTTPException):

@@ -211,7 +211,7 @@ REFUSED = {
 
 
 class _Common(_Strict):
-    model: str
+    model: str | None = None  # none: the served model (one per server), as vLLM and llama.cpp take it
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -338,7 +338,7 @@ class Endpoint(ABC):
             req = self.request_model.model_validate(data)
         except ValidationError as e:
             raise _error_from_validation(e) from None
-        if req.model != self.model_name:
+        if req.model is not None and req.model != self.model_name:
             raise model_not_found(req.model, self.model_name)
         req.refused()
         reply = self.reply(req)
@@ -424,10 +424,15 @@ class Endpoint(ABC):
             frequency_penalty=req.frequency_penalty or 0.0,
             grammar=grammar,
             logprobs=self.logprobs(req),
+            prompt_logprobs=self.prompt_logprobs(req),
         )
 
     def logprobs(self, req) -> int | None:
         """None, or how many alternatives to report per token."""
+        return None
+
+    def prompt_logprobs(self, req) -> int | None:
+        """None, or how many alternatives to report per prompt token."""
         return None
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -565,17 +570,20 @@ class Completions(Endpoint):
             out.append(list(p))
         if req.echo:
             reply.echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+            reply.scores_prompt = req.logprobs is not None
         return out
 
     def reply(self, req: CompletionRequest) -> CompletionReply:
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise APIError(400, "best_of other than n is not supported: every answer generated is returned", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs (the prompt's log-probabilities) is not supported", param="echo")
         return CompletionReply(self.model_name, self.fingerprint, self.tokenizer, self.vocabulary)
 
     def logprobs(self, req: CompletionRequest) -> int | None:
         return req.logprobs
+
+    def prompt_logprobs(self, req: CompletionRequest) -> int | None:
+        # Echo with logprobs scores the prompt too (what evaluation harnesses ask for: max_tokens 1, echo, logprobs).
+        return req.logprobs if req.echo else None
 
 
 # -- generations into responses ---------------------------------------------------------------------------
@@ -771,6 +779,8 @@ class CompletionReply(Reply):
     def __init__(self, model_name: str, fingerprint: str, tokenizer, vocabulary=None):
         super().__init__(model_name, fingerprint, tokenizer, vocabulary)
         self.echo: list[str] | None = None  # each prompt's text, put before its answers (`echo`)
+        self.scores_prompt = False  # echo with logprobs: the prompt's tokens are scored too
+        self.echo_due: set[int] = set()  # streamed choices whose echo waits for the prompt's logprobs
         self.offset: dict[int, int] = {}  # characters of each choice's text so far (text_offset)
 
     def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict | None:
@@ -784,30 +794,45 @@ class CompletionReply(Reply):
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+            # (a prompt's first token has neither: nothing predicts it)
+            "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} if e.logprob is not None else None for e in entries],
             "text_offset": offsets,
         }
 
     def opening(self, index: int) -> list[dict]:
-        # OpenAI opens a completions stream with the first piece of text: the prompt, when echoed.
+        # OpenAI opens a completions stream with the first piece of text: the prompt, when echoed. With
+        # logprobs the prompt's come with the first piece of the answer (the prefill computes them).
         if self.echo is None:
+            return []
+        if self.scores_prompt:
+            self.echo_due.add(index)
             return []
         return [self._chunk_with(index, {"text": self.echo[self.prompt_of[index]], "logprobs": None, "finish_reason": None})]
 
     def chunk(self, piece: Piece) -> list[dict]:
+        # The first piece's logprobs start with the prompt's when they were asked for (Decoding.take_logprobs).
+        echo = self.echo[self.prompt_of[piece.index]] if piece.index in self.echo_due else ""
+        self.echo_due.discard(piece.index)
         logprobs = self._logprobs(piece.index, piece.logprobs) if piece.logprobs else None
-        return [self._chunk_with(piece.index, {"text": piece.text, "logprobs": logprobs, "finish_reason": None})]
+        return [self._chunk_with(piece.index, {"text": echo + piece.text, "logprobs": logprobs, "finish_reason": None})]
 
     def last_chunks(self, done: Done) -> list[dict]:
-        return [self._chunk_with(done.index, {"text": "", "logprobs": None, "finish_reason": finish_reason(done.result)})]
+        i, result = done.index, done.result
+        chunks = []
+        if i in self.echo_due:  # an answer without text: the echo and the prompt's logprobs go out now
+            self.echo_due.discard(i)
+            logprobs = self._logprobs(i, result.prompt_logprobs) if result.prompt_logprobs else None
+            chunks.append(
+                self._chunk_with(i, {"text": self.echo[self.prompt_of[i]], "logprobs": logprobs, "finish_reason": None})
+            )
+        return chunks + [self._chunk_with(i, {"text": "", "logprobs": None, "finish_reason": finish_reason(result)})]
 
     def _whole(self, index: int, result: GenerationResult) -> dict:
         echo = self.echo[self.prompt_of[index]] if self.echo is not None else ""
-        return {
-            "text": echo + result.text,
-            "logprobs": self._logprobs(index, result.logprobs),
-            "finish_reason": finish_reason(result),
-        }
+        entries = result.logprobs
+        if echo and result.prompt_logprobs is not None:
+            entries = result.prompt_logprobs + (result.logprobs or [])
+        return {"text": echo + result.text, "logprobs": self._logprobs(index, entries), "finish_reason": finish_reason(result)}
 
 
 def _survives_decoding(tokenizer, text: str) -> bool:

@@ -15,16 +15,19 @@ missing.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 
 from ..errors import MoestreamError, UsageError
-from ..options import add_kv_memory_argument, add_store_arguments, load_model, non_negative, positive
+from ..options import add_chat_template_argument, add_kv_memory_argument, add_store_arguments, load_model, non_negative, positive
 from ..units import format_bytes, parse_bytes
 
 DESCRIPTION = (
     "Serve a store over HTTP with OpenAI's API, so that the `openai` package and other clients work unchanged: "
-    "GET /v1/models, POST /v1/chat/completions and /v1/completions (stream true or false; max_tokens, "
-    "temperature, top_p, stop, seed; usage), GET /health, GET /metrics (Prometheus). Up to --max-batch requests "
+    "GET /v1/models, POST /v1/chat/completions and /v1/completions (also without the /v1 prefix; streamed or not; "
+    "sampling, stop sequences, seed, n, logprobs, logit_bias, JSON-schema outputs, tool calls; the README lists "
+    "every field, and one that is not honoured is refused by name), GET /health, GET /metrics (Prometheus). Up "
+    "to --max-batch requests "
     "are decoded together, so each step reads every needed expert once for all of them; more wait in a "
     "first-in first-out queue. Recent conversations' KV is kept (--kv-memory), so a follow-up prefills only its "
     "new tokens. A seeded request gets the answer it would get alone. A client that disconnects cancels its "
@@ -40,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one and prints it)"
     )
     parser.add_argument("--model-name", default=None, help="the model id clients send (default: the store directory's name)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MOESTREAM_API_KEY"),
+        metavar="KEY",
+        help="answer /v1 requests only when they carry `Authorization: Bearer KEY` (the openai client's api_key); "
+        "others get 401. /health and /metrics stay open. Default: $MOESTREAM_API_KEY, or no key",
+    )
+    add_chat_template_argument(parser)
     parser.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="requests that may wait for the model; more get 429 (default 64)"
     )
@@ -121,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         batch_kv,
         kv_memory,
         args.prefill_chunk,
+        args.api_key or None,
     )
     app = create_app(model, tokenizer, config)
 

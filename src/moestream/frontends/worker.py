@@ -54,6 +54,7 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     grammar: Grammar | None = None  # the answer must follow it (structured outputs, forced tool calls)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
+    prompt_logprobs: int | None = None  # the same for each prompt token (completions' echo with logprobs)
 
 
 class WorkerError(Exception):
@@ -409,6 +410,7 @@ class Worker:
             frequency_penalty=p.frequency_penalty,
             constraint=constraint,
             logprobs=p.logprobs,
+            prompt_logprobs=p.prompt_logprobs,
             on_text=lambda text: job._post("text", Piece(index, text, decoding.take_logprobs())),
             on_first_token=lambda: self._first_token(job),
             cancel=job._cancel,

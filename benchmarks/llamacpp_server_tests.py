@@ -1,0 +1,162 @@
+"""llama.cpp's own server test suite, pointed at `moestream serve`: which of its tests fail, and why.
+
+    python benchmarks/llamacpp_server_tests.py STORE --tests LLAMA_CPP/tools/server/tests [--files F ...] [--json OUT]
+
+LLAMA_CPP is a llama.cpp source tree (llama-cpp-python's source distribution carries one under
+vendor/llama.cpp). Nothing of it is copied here: its tests run where they are, with pytest, and this file
+is loaded into that pytest as a plugin (`-p llamacpp_server_tests`) that swaps the launcher. Its
+`ServerProcess.start` starts `moestream serve STORE` instead of `llama-server`, translating what has a
+counterpart (port, host, model alias, parallel slots, default answer length, chat template file); its
+`ServerPreset.load_all` (which downloads llama.cpp's test models) does nothing. Their tests need
+`requests`, `wget`, `openai` and `filelock` beside pytest.
+
+Every failure is then classified by CLASSIFIED below (the first matching pattern on the test's id):
+- content-only: the test asserts the text or token counts of llama.cpp's test model (stories260K), which
+  another model cannot reproduce;
+- llama.cpp-only: the test exercises something outside OpenAI's API (llama.cpp's own endpoints and
+  fields, GBNF grammars, slots, LoRA, embeddings, Anthropic's API...);
+- gap: something OpenAI's API defines for chat or completions that moestream does not do.
+A failure no pattern matches is printed as "unclassified" with its message, to be looked at.
+
+Prints one line per failure and a count per class; --json writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+# The files that exercise what OpenAI's API defines (chat, completions, models, streaming, tools, errors).
+DEFAULT_FILES = [
+    "test_basic.py",
+    "test_chat_completion.py",
+    "test_completion.py",
+    "test_tool_call.py",
+    "test_compat_oai_responses.py",
+    "test_ignore_eos.py",
+    "test_security.py",
+]
+
+# (pattern on the test id, class, why). First match wins.
+CLASSIFIED: list[tuple[str, str, str]] = []
+
+
+# ---- the plugin: loaded into llama.cpp's pytest with -p ----
+
+
+def pytest_configure(config) -> None:
+    store = os.environ.get("MOESTREAM_STORE")
+    if not store:
+        return
+    import utils  # llama.cpp's tests/utils.py, importable since pytest runs in that directory
+
+    def start(self, timeout_seconds: int = 120) -> None:
+        command = [str(Path(sys.executable).with_name("moestream")), "serve", store]
+        command += ["--host", self.server_host, "--port", str(self.server_port), "--log-level", "warning"]
+        if self.model_alias:
+            command += ["--model-name", self.model_alias]
+        if self.n_slots:
+            command += ["--max-batch", str(self.n_slots)]
+        if self.n_predict and self.n_predict > 0:
+            command += ["--default-max-tokens", str(self.n_predict)]
+        if self.chat_template_file:
+            command += ["--chat-template", self.chat_template_file]
+        if self.api_key:
+            command += ["--api-key", self.api_key]
+        print("tests: starting", " ".join(command))
+        self.process = subprocess.Popen(command)
+        utils.server_instances.add(self)
+        deadline = time.time() + timeout_seconds
+        while time.time() < deadline:
+            try:
+                if self.make_request("GET", "/health").status_code == 200:
+                    self.ready = True
+                    return
+            except Exception:
+                pass
+            if self.process.poll() is not None:
+                raise RuntimeError(f"moestream serve exited with {self.process.returncode}")
+            time.sleep(0.1)
+        raise TimeoutError(f"moestream serve did not answer /health within {timeout_seconds} s")
+
+    utils.ServerProcess.start = start
+    utils.ServerPreset.load_all = staticmethod(lambda: None)
+
+
+# ---- the runner ----
+
+
+def classify(test_id: str) -> tuple[str, str]:
+    for pattern, kind, why in CLASSIFIED:
+        if re.search(pattern, test_id):
+            return kind, why
+    return "unclassified", ""
+
+
+def run(args) -> dict:
+    tests = Path(args.tests).resolve()
+    if not (tests / "utils.py").is_file() or not (tests / "unit").is_dir():
+        sys.exit(f"{tests} is not llama.cpp's tools/server/tests (no utils.py and unit/ there)")
+    env = dict(os.environ, MOESTREAM_STORE=str(Path(args.store).resolve()))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        command = [sys.executable, "-m", "pytest", "-p", "llamacpp_server_tests", "-p", "no:cacheprovider", "-q"]
+        command += [f"--junitxml={report}", "-o", "junit_logging=no"] + [f"unit/{f}" for f in args.files]
+        command += ["-k", args.k] if args.k else []
+        command += [] if args.slow else ["-m", "not slow"]  # as llama.cpp's tests.sh runs them by default
+        started = time.time()
+        subprocess.run(command, cwd=tests, env=env, stdout=None if args.verbose else subprocess.DEVNULL)
+        seconds = time.time() - started
+        root = ET.parse(report).getroot()
+    outcomes = {"passed": 0, "skipped": 0, "failed": []}
+    for case in root.iter("testcase"):
+        test_id = f"{Path(case.get('file') or case.get('classname', '').replace('.', '/')).stem}::{case.get('name')}"
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if case.find("skipped") is not None:
+            outcomes["skipped"] += 1
+        elif problem is None:
+            outcomes["passed"] += 1
+        else:
+            kind, why = classify(test_id)
+            message = (problem.get("message") or "").splitlines()[0][:200] if problem.get("message") else ""
+            outcomes["failed"].append({"test": test_id, "class": kind, "why": why, "message": message})
+    outcomes["seconds"] = round(seconds, 1)
+    return outcomes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("store", help="the store `moestream serve` serves")
+    parser.add_argument("--tests", required=True, help="llama.cpp's tools/server/tests directory")
+    parser.add_argument("--files", nargs="+", default=DEFAULT_FILES, help="test files under unit/")
+    parser.add_argument("-k", help="pytest -k expression, to run a subset")
+    parser.add_argument("--slow", action="store_true", help="also the tests llama.cpp marks slow (real models' tool calls)")
+    parser.add_argument("--json", help="also write the outcomes here")
+    parser.add_argument("--verbose", action="store_true", help="show pytest's output")
+    args = parser.parse_args()
+    outcomes = run(args)
+    counts: dict[str, int] = {}
+    for failure in sorted(outcomes["failed"], key=lambda f: (f["class"], f["test"])):
+        counts[failure["class"]] = counts.get(failure["class"], 0) + 1
+        print(f"{failure['class']:<15} {failure['test']}: {failure['why'] or failure['message']}")
+    print(
+        f"\n{outcomes['passed']} passed, {outcomes['skipped']} skipped, {len(outcomes['failed'])} failed "
+        f"({', '.join(f'{k}: {v}' for k, v in sorted(counts.items())) or 'none'}) in {outcomes['seconds']} s"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(outcomes, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
