@@ -7,8 +7,9 @@ vendor/llama.cpp). Nothing of it is copied here: its tests run where they are, w
 is loaded into that pytest as a plugin (`-p llamacpp_server_tests`) that swaps the launcher. Its
 `ServerProcess.start` starts `moestream serve STORE` instead of `llama-server`, translating what has a
 counterpart (port, host, model alias, parallel slots, default answer length, chat template file); its
-`ServerPreset.load_all` (which downloads llama.cpp's test models) does nothing. Their tests need
-`requests`, `wget`, `openai` and `filelock` beside pytest.
+`ServerPreset.load_all` (which downloads llama.cpp's test models) does nothing. Requests through the
+`openai` client carry the served model name (llama.cpp answers any name, moestream answers 404 to one it
+does not serve, as OpenAI does). Their tests need `requests`, `wget`, `openai` and `filelock` beside pytest.
 
 Every failure is then classified by CLASSIFIED below (the first matching pattern on the test's id):
 - content-only: the test asserts the text or token counts of llama.cpp's test model (stories260K), which
@@ -45,8 +46,99 @@ DEFAULT_FILES = [
     "test_security.py",
 ]
 
-# (pattern on the test id, class, why). First match wins.
-CLASSIFIED: list[tuple[str, str, str]] = []
+CONTENT, LLAMA, GAP = "content-only", "llama.cpp-only", "gap"
+
+# (pattern on the test id, class, why). First match wins; each was read in the test's source.
+CLASSIFIED: list[tuple[str, str, str]] = [
+    # llama.cpp's own endpoints and request/response fields
+    (
+        r"test_basic::test_(load_split_model|server_props|server_slots|no_ui|server_model_aliases_and_tags)",
+        LLAMA,
+        "llama.cpp's /props, /slots, web UI, split GGUF, model aliases and tags",
+    ),
+    (r"test_basic::test_server_multiple_addresses", LLAMA, "--host with a comma-separated list of addresses"),
+    (
+        r"test_chat_completion::test_apply_chat_template|test_chat_completions_token_count",
+        LLAMA,
+        "llama.cpp's /apply-template and /tokenize",
+    ),
+    (
+        r"test_chat_completion::test_chat_completion\[codellama70b",
+        LLAMA,
+        "llama.cpp answers any model name; moestream answers 404 to one it does not serve, as OpenAI and vLLM do",
+    ),
+    (r"test_chat_completion::test_chat_completion\[", CONTENT, "the text and token counts of llama.cpp's test model"),
+    (
+        r"test_chat_completion::test_chat_completion_cached_tokens",
+        CONTENT,
+        "prompt token counts of llama.cpp's test model's tokenizer (cached_tokens itself is reported)",
+    ),
+    (
+        r"test_chat_completion::test_chat_completion_stream",
+        LLAMA,
+        'expects the first chunk\'s content null; OpenAI (and moestream) send "" beside the role',
+    ),
+    (
+        r"test_chat_completion::test_chat_completion_with_timings_per_token|test_return_progress|test_verbose_debug|"
+        r"test_chat_template\b|test_chat_template_assistant_prefill",
+        LLAMA,
+        "llama.cpp's timings_per_token, return_progress, __verbose fields",
+    ),
+    (r"test_chat_completion::test_chat_completions_multiple_choices", LLAMA, "llama.cpp's id_slot field (n=2 itself is served)"),
+    (
+        r"test_chat_template_continue_final_message_vllm_compat",
+        LLAMA,
+        "vLLM's continue_final_message/add_generation_prompt fields, outside OpenAI's schema",
+    ),
+    (r"test_completion_with_grammar|test_invalid_grammar", LLAMA, "GBNF grammars (structured outputs take json_schema)"),
+    (r"test_completion_with_json_schema", LLAMA, "a top-level json_schema field (OpenAI's is response_format)"),
+    (r"test_completion_with_response_format\[response_format[01]\]", LLAMA, "json_object with a schema (an extension)"),
+    (
+        r"test_completion_with_response_format\[response_format2\]",
+        LLAMA,
+        "json_schema without its required name (OpenAI and vLLM refuse it too)",
+    ),
+    (
+        r"test_context_size_exceeded",
+        LLAMA,
+        "llama.cpp's error type exceed_context_size_error; moestream answers OpenAI's invalid_request_error "
+        "with code context_length_exceeded",
+    ),
+    (
+        r"test_invalid_chat_completion_req\[messages7\]",
+        LLAMA,
+        "two assistant messages in a row are refused by llama.cpp, accepted by OpenAI",
+    ),
+    (r"test_compat_oai_responses::", GAP, "/v1/responses (the newer API) is not served: a 404 lists the endpoints"),
+    # /completion and /completions are llama.cpp's native endpoint (content, n_probs, slots, tokens, ...)
+    (
+        r"test_completion::test_(cancel_request|completion\[|completion_parallel_slots|completion_prompt_cache|"
+        r"completion_response_fields|completion_stream\[|completion_stream_vs_non_stream|completion_unified|"
+        r"completion_with_tokens_input|consistent_result|different_result|json_prompt_no_mtmd|logit_bias|n_probs|"
+        r"nocache_long_input_prompt)",
+        LLAMA,
+        "llama.cpp's native /completion endpoint and its fields (content, n_probs, /slots)",
+    ),
+    (r"test_ignore_eos::", LLAMA, "llama.cpp's native /completion endpoint"),
+    (r"test_security::test_correct_api_key\b", LLAMA, "the key is accepted; the test reads the native endpoint's content field"),
+    (r"test_security::test_correct_api_key_anthropic_header", LLAMA, "Anthropic's X-Api-Key header"),
+    (
+        r"test_security::test_incorrect_api_key",
+        LLAMA,
+        "401 is answered; llama.cpp's error type authentication_error, OpenAI's (and moestream's) invalid_request_error "
+        "with code invalid_api_key",
+    ),
+    (
+        r"test_security::test_(access_static_assets|cors_|local_media_file)",
+        LLAMA,
+        "the web UI's assets, CORS for browsers, local image files",
+    ),
+    (
+        r"test_tool_call::test_completion_without_tool_call_fast.*STREAMED",
+        LLAMA,
+        'the harness refuses an empty content delta; OpenAI (and moestream) open with content ""',
+    ),
+]
 
 
 # ---- the plugin: loaded into llama.cpp's pytest with -p ----
@@ -89,6 +181,33 @@ def pytest_configure(config) -> None:
 
     utils.ServerProcess.start = start
     utils.ServerPreset.load_all = staticmethod(lambda: None)
+    _send_the_served_model_name(utils)
+
+
+def _send_the_served_model_name(utils) -> None:
+    """llama.cpp answers any model name; moestream, as OpenAI and vLLM, answers 404 to a name it does not
+    serve. So that the rest of a test that sends another name ("gpt-3.5-turbo") runs, requests go out
+    with the served one (the tests that check the name itself are classified)."""
+    import openai.resources.chat.completions as chat
+    import openai.resources.completions as completions
+
+    served = {"name": None}
+    start = utils.ServerProcess.start
+
+    def start_and_remember(self, *args, **kwargs):
+        served["name"] = self.model_alias
+        return start(self, *args, **kwargs)
+
+    utils.ServerProcess.start = start_and_remember
+    for cls in (chat.Completions, completions.Completions):
+        create = cls.create
+
+        def create_with_served_name(self, *args, _create=create, **kwargs):
+            if served["name"] and "model" in kwargs:
+                kwargs["model"] = served["name"]
+            return _create(self, *args, **kwargs)
+
+        cls.create = create_with_served_name
 
 
 # ---- the runner ----

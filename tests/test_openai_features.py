@@ -172,6 +172,11 @@ def test_tool_results_go_back_through_the_template(server, checkpoint):
     prompt = chat_prompt(tokenizer, expected, tools=[WEATHER])
     assert "<tool_response>sunny, 21 C</tool_response>" in prompt and '"city": "Oslo"' in prompt and "get_weather" in prompt
     assert answer.usage.prompt_tokens == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    # tool_choice "none" (a text answer after the results): the same prompt, and the answer is not parsed for calls
+    plain = server.client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=3
+    )
+    assert plain.usage.prompt_tokens == answer.usage.prompt_tokens and not plain.choices[0].message.tool_calls
 
 
 def test_tool_requests_that_cannot_be_served_are_refused(server):

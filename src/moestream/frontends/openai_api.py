@@ -463,12 +463,15 @@ class ChatCompletions(Endpoint):
         if req.tools:
             options["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         if req.reasoning_effort is not None:
-            if "reasoning_effort" not in (getattr(self.tokenizer, "chat_template", None) or ""):
+            if "reasoning_effort" not in (self._template() or ""):
                 raise APIError(400, "this model's chat template takes no reasoning effort", param="reasoning_effort")
             options["reasoning_effort"] = req.reasoning_effort
-        if reply.tool_format is not None:
-            messages = reply.tool_format.template_messages(messages)
-        elif any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        earlier_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        # (with tool_choice "none" the answer is not parsed for calls, but earlier ones still go through the template)
+        template_format = reply.tool_format or (tool_calls.detect(self._template()) if earlier_calls else None)
+        if template_format is not None:
+            messages = template_format.template_messages(messages)
+        elif earlier_calls:
             raise APIError(
                 400, "this model's chat template defines no tool-call format: send no tool calls or results", param="messages"
             )
@@ -478,6 +481,9 @@ class ChatCompletions(Endpoint):
             raise APIError(400, f"the chat template cannot format these messages: {e}", param="messages") from None
         return [self._tokenize(prompt, templated=True)]
 
+    def _template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
     def reply(self, req: ChatCompletionRequest) -> ChatReply:
         tool_format = None
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
@@ -485,12 +491,14 @@ class ChatCompletions(Endpoint):
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice")
         if choice != "none" and not req.tools:
             raise APIError(400, "tool_choice asks for a tool call but the request has no tools", param="tool_choice")
-        if req.tools:
-            tool_format = tool_calls.detect(getattr(self.tokenizer, "chat_template", None))
+        if req.tools and choice != "none":  # ("none": the template shows the tools; nothing is parsed)
+            tool_format = tool_calls.detect(self._template())
             if tool_format is None:
                 raise APIError(
                     400,
-                    "this model's chat template defines no tool-call format, so tools cannot be offered to it",
+                    "this model's chat template defines no tool-call format that moestream parses, so tools cannot be "
+                    "offered to it (tool_choice none can); a --chat-template with a known format (Hermes/Qwen, Mistral, "
+                    "DeepSeek, gpt-oss) can",
                     param="tools",
                 )
         return ChatReply(
@@ -498,7 +506,7 @@ class ChatCompletions(Endpoint):
             self.fingerprint,
             self.tokenizer,
             self.vocabulary,
-            tool_format=tool_format if choice != "none" else None,
+            tool_format=tool_format,
             parallel_tool_calls=req.parallel_tool_calls is not False,
         )
 
