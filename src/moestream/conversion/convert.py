@@ -233,7 +233,8 @@ def convert(
     progress: bool = True,
     trust_remote_code: bool = False,
 ) -> Path:
-    """Convert the Hugging Face checkpoint directory `src` into a moestream store at `dst`.
+    """Convert the Hugging Face checkpoint directory `src` (or a llama.cpp GGUF file, gguf_source.py) into a
+    moestream store at `dst`.
 
     experts_dtype: "bf16", "fp16", "fp32" (floats) or "int8", "int4", "int3", "int2" (quant.py); default:
         the checkpoint's own float dtype (bf16 for FP8/MXFP4 sources).
@@ -253,13 +254,20 @@ def convert(
         raise UsageError(f"unknown dense dtype {dense_dtype!r}; choose one of {', '.join(DENSE_FORMATS)}")
     if dst.exists() and not overwrite:
         raise UsageError(f"{dst} already exists; choose another path, delete it, or pass --overwrite")
-    config = load_source_config(src, trust_remote_code)
+    gguf = None
+    if src.is_file():  # a llama.cpp GGUF file: its metadata is the config, its tensors are decoded to float
+        from .gguf_source import GGUFCheckpoint
+
+        gguf = GGUFCheckpoint(src)
+        config = gguf.config
+    else:
+        config = load_source_config(src, trust_remote_code)
     quantized_source = getattr(config, "quantization_config", None) is not None
     if quantized_source:
         # The store holds decoded floats; the quantization settings of the source no longer apply.
         del config.quantization_config
     model = build_skeleton(config, model_dtype(config))
-    ckpt = DecodedCheckpoint(src)
+    ckpt = gguf or DecodedCheckpoint(src)
     try:
         plan = plan_conversion(model, ckpt)
         rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
@@ -402,7 +410,8 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
     flush_shard()
     bar.close()
 
-    extra = []
+    # A GGUF source writes the tokenizer it rebuilt from its metadata; a checkpoint directory has the files.
+    extra = ckpt.write_extra_files(tmp) if hasattr(ckpt, "write_extra_files") else []
     for name in EXTRA_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, tmp / name)
@@ -454,7 +463,11 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .quant import GROUP_SIZES
 
-    parser.add_argument("src", help="checkpoint directory: config.json, *.safetensors, tokenizer files")
+    parser.add_argument(
+        "src",
+        help="checkpoint directory (config.json, *.safetensors, tokenizer files), or a llama.cpp .gguf file of a "
+        "qwen3moe, qwen2moe or Mixtral model (its tensors are dequantized to float, then stored as the options say)",
+    )
     parser.add_argument("dst", help="store directory to create")
     parser.add_argument(
         "--experts-dtype",
@@ -495,9 +508,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .inspect_store import print_inspect
 
-    if not Path(args.src).is_dir():
-        what = "does not exist" if not Path(args.src).exists() else "is not a directory"
-        raise UsageError(f"{args.src} {what}; pass a Hugging Face checkpoint directory (config.json, *.safetensors)")
+    if not Path(args.src).is_dir() and not Path(args.src).is_file():
+        what = "does not exist" if not Path(args.src).exists() else "is neither a directory nor a file"
+        raise UsageError(
+            f"{args.src} {what}; pass a Hugging Face checkpoint directory (config.json, *.safetensors) or a .gguf file"
+        )
     if Path(args.dst).exists() and not Path(args.dst).is_dir():
         raise UsageError(
             f"{args.dst} is a file; pass the path of a store directory to create (--overwrite replaces only a directory)"

@@ -1,0 +1,505 @@
+"""A llama.cpp GGUF file as a checkpoint the converter reads: Hugging Face tensor names, one tensor (or one
+expert) at a time, dequantized to float.
+
+`GGUFCheckpoint` has the interface of `source.DecodedCheckpoint` (keys / dtype / read / close), plus:
+- `config`: the transformers config rebuilt from the GGUF metadata (llama.cpp's key names);
+- `write_extra_files(dir)`: the tokenizer transformers builds from the GGUF metadata, saved there.
+
+Names. llama.cpp merges each layer's experts into one 3D tensor (`blk.N.ffn_gate_exps`, [E, rows, cols]);
+here every expert appears under its Hugging Face checkpoint name (`model.layers.N.mlp.experts.E.gate_proj
+.weight`, Mixtral's `block_sparse_moe.experts.E.w1.weight`), so the converter fuses them with transformers'
+own conversion mapping exactly as it does for a safetensors checkpoint. An expert's rows are contiguous in
+the file whatever the block type (a block never spans two rows), so reading one expert reads only its bytes.
+
+Values. Block-quantized tensors (Q4_0, Q8_0, Q4_K, ...) are decoded with `gguf.quants.dequantize` into
+float32, a bounded number of rows at a time; F32/F16/BF16 tensors keep their dtype. llama.cpp permutes the
+rows of the query and key projections of llama-family models (its rotary layout); that is undone here the
+way transformers' GGUF loader does (`LlamaTensorProcessor`). Qwen models are stored unpermuted.
+
+Bytes are read with `pread` and dropped from the page cache afterwards, like the safetensors reader: the
+GGUF header is parsed through gguf's memory-mapped reader, but only its header pages are touched.
+
+Split files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's sharding) are read as one checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SourceError
+from .source import _pread_exact
+
+# llama.cpp architecture -> (transformers model_type, what it is)
+SUPPORTED_ARCHITECTURES = {
+    "qwen3moe": ("qwen3_moe", "Qwen3-MoE"),
+    "qwen2moe": ("qwen2_moe", "Qwen1.5/Qwen2-MoE"),
+    "llama": ("mixtral", "Mixtral: llama with experts"),
+}
+_DEQUANT_ELEMENTS = 1 << 24  # rows decoded per step: bounds gguf's numpy temporaries to a few times 64 MiB
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+# Top-level tensors, then per-layer ones (`blk.N.<leaf>.weight|bias`), llama.cpp name -> HF checkpoint name.
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_ATTENTION = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_QWEN_LAYER = {
+    **_ATTENTION,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate": "mlp.gate_proj",  # a dense layer (Qwen3-MoE's mlp_only_layers)
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_QWEN_EXPERTS = {
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+_MIXTRAL_LAYER = {**_ATTENTION, "ffn_gate_inp": "block_sparse_moe.gate"}
+_MIXTRAL_EXPERTS = {
+    "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+}
+# Files written before llama.cpp merged experts (early 2024 Mixtral GGUFs) hold one tensor per expert.
+_MIXTRAL_EXPERT = {
+    "ffn_gate": "block_sparse_moe.experts.{e}.w1",
+    "ffn_down": "block_sparse_moe.experts.{e}.w2",
+    "ffn_up": "block_sparse_moe.experts.{e}.w3",
+}
+_NAMES = {
+    "qwen3moe": (_QWEN_LAYER, _QWEN_EXPERTS),
+    "qwen2moe": (_QWEN_LAYER, _QWEN_EXPERTS),
+    "llama": (_MIXTRAL_LAYER, _MIXTRAL_EXPERTS),
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>[a-z0-9_]+?)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)$")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor of the file: where its bytes are and how they are stored."""
+
+    file: Path
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # torch order (ggml lists dimensions fastest first)
+    start: int  # absolute byte offset
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What one Hugging Face tensor is made of: a GGUF tensor, or one expert's slice of it."""
+
+    tensor: _Tensor
+    expert: int | None = None
+    unpermute_heads: int | None = None  # undo llama.cpp's q/k row permutation with this many heads
+    shape: tuple[int, ...] | None = None  # a reshape the model expects (a [1, H] gate stored as [H])
+
+
+def _describe_supported() -> str:
+    return ", ".join(f"{arch} ({what})" for arch, (_, what) in SUPPORTED_ARCHITECTURES.items())
+
+
+class GGUFCheckpoint:
+    """A GGUF file (or a split set of them) as a `DecodedCheckpoint`: HF names, float tensors, one at a time."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        files = _split_files(self.path)
+        self.metadata, tables = {}, []
+        for i, f in enumerate(files):
+            metadata, tensors = _read_header(f)
+            if i == 0:
+                self.metadata = metadata
+            tables.append(tensors)
+        tensors: dict[str, _Tensor] = {}
+        for table in tables:
+            for t in table:
+                if t.name in tensors:
+                    raise SourceError(f"{self.path}: tensor {t.name} appears in two of the split files; the set is damaged")
+                tensors[t.name] = t
+        self.files = files
+        self.architecture = str(self.metadata.get("general.architecture", ""))
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise SourceError(
+                f"{self.path}: GGUF architecture {self.architecture!r} is not supported; moestream converts GGUF files "
+                f"of {_describe_supported()}. Convert the model's Hugging Face checkpoint (safetensors) instead."
+            )
+        self.tensors = tensors
+        self.config = _build_config(self.architecture, self.metadata, tensors, self.path)
+        self.sources = self._map_names()
+        self._tokenizer = _build_tokenizer(files[0])
+        self._fds: dict[Path, int] = {}
+
+    # ---- the DecodedCheckpoint interface
+
+    def keys(self) -> list[str]:
+        return list(self.sources)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype to store this tensor in by default: a float tensor's own, bfloat16 for decoded blocks
+        (as for FP8/MXFP4 sources; `--experts-dtype fp32` keeps the decoded values exactly)."""
+        return _FLOAT_TYPES.get(self.sources[key].tensor.ggml_type, torch.bfloat16)
+
+    def read(self, key: str, index: int | None = None) -> torch.Tensor:
+        """Tensor `key` (float; blocks decoded to float32), or only its slice `[index]` along dim 0."""
+        src = self.sources[key]
+        expert = src.expert
+        if index is not None:
+            if expert is not None:
+                raise SourceError(f"{key} is one expert's tensor already; it has no slice [{index}]")
+            expert = index
+        t = self._read_tensor(src.tensor, expert)
+        if src.unpermute_heads is not None:
+            t = _unpermute(t, src.unpermute_heads)
+        if src.shape is not None and index is None:
+            t = t.reshape(src.shape)
+        return t
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def write_extra_files(self, directory: Path) -> list[str]:
+        """Save the tokenizer rebuilt from the GGUF metadata into `directory`; return the file names."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self._tokenizer.save_pretrained(tmp)
+            names = sorted(p.name for p in Path(tmp).iterdir() if p.is_file())
+            for name in names:
+                shutil.copyfile(Path(tmp) / name, Path(directory) / name)
+        return names
+
+    # ---- reading
+
+    def _fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def _read_tensor(self, t: _Tensor, expert: int | None) -> torch.Tensor:
+        shape, start, nbytes = t.shape, t.start, t.nbytes
+        if expert is not None:
+            if not 0 <= expert < shape[0]:
+                raise SourceError(f"{t.name} has {shape[0]} experts, not {expert + 1}")
+            per = nbytes // shape[0]
+            shape, start, nbytes = shape[1:], start + expert * per, per
+        fd = self._fd(t.file)
+        buf = _pread_exact(fd, nbytes, start) if nbytes else bytearray()
+        # Read once: keep the page cache for what the converter writes (the source can be 100s of GB).
+        os.posix_fadvise(fd, start, nbytes, os.POSIX_FADV_DONTNEED)
+        if t.ggml_type in _FLOAT_TYPES or t.ggml_type in _INT_TYPES:
+            dtype = _FLOAT_TYPES.get(t.ggml_type) or _INT_TYPES[t.ggml_type]
+            if not nbytes:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+        return _dequantize(buf, t.ggml_type, shape)
+
+    # ---- names
+
+    def _map_names(self) -> dict[str, _Source]:
+        layer_names, expert_names = _NAMES[self.architecture]
+        heads = self.config.num_attention_heads
+        kv_heads = self.config.num_key_value_heads
+        permuted = self.architecture == "llama"  # llama.cpp's LlamaModel.permute; Qwen is written as is
+        sources: dict[str, _Source] = {}
+        for name, t in self.tensors.items():
+            base, _, kind = name.rpartition(".")
+            if base in _TOP and kind in ("weight", "bias"):
+                sources[f"{_TOP[base]}.{kind}"] = _Source(t)
+                continue
+            m = _LAYER_TENSOR.match(name)
+            if m is None:
+                sources[name] = _Source(t)  # unknown: kept under its GGUF name, the converter reports it unused
+                continue
+            layer, leaf, kind = int(m["layer"]), m["leaf"], m["kind"]
+            prefix = f"model.layers.{layer}."
+            if m["expert"] is not None:
+                if self.architecture != "llama" or leaf not in _MIXTRAL_EXPERT:
+                    sources[name] = _Source(t)
+                    continue
+                sources[prefix + _MIXTRAL_EXPERT[leaf].format(e=int(m["expert"])) + f".{kind}"] = _Source(t)
+            elif leaf in expert_names:
+                if len(t.shape) != 3:
+                    raise SourceError(f"{self.path}: {name} has shape {t.shape}; expected [experts, rows, columns]")
+                for e in range(t.shape[0]):
+                    sources[prefix + expert_names[leaf].format(e=e) + f".{kind}"] = _Source(t, expert=e)
+            elif leaf in layer_names:
+                unpermute = None
+                if permuted and leaf in ("attn_q", "attn_k"):
+                    unpermute = heads if leaf == "attn_q" else kv_heads
+                shape = (1, t.shape[0]) if leaf == "ffn_gate_inp_shexp" and len(t.shape) == 1 else None
+                sources[prefix + layer_names[leaf] + f".{kind}"] = _Source(t, unpermute_heads=unpermute, shape=shape)
+            else:
+                sources[name] = _Source(t)
+        return sources
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Header
+
+
+_FLOAT_TYPES: dict[int, torch.dtype] = {}
+_INT_TYPES: dict[int, torch.dtype] = {}
+
+
+def _init_types() -> None:
+    from gguf import GGMLQuantizationType as Q
+
+    _FLOAT_TYPES.update({Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F64: torch.float64})
+    _INT_TYPES.update({Q.I8: torch.int8, Q.I16: torch.int16, Q.I32: torch.int32, Q.I64: torch.int64})
+
+
+_init_types()
+
+
+def _split_files(path: Path) -> list[Path]:
+    """The files of a split GGUF (all of them, in order, whichever one was named), or [path]."""
+    if not path.is_file():
+        raise SourceError(f"{path} does not exist or is not a file")
+    m = _SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise SourceError(
+            f"{path} is part {int(m['no'])} of a GGUF split into {count} files, and {', '.join(missing[:5])} "
+            f"{'is' if len(missing) == 1 else 'are'} missing; put all the parts in one directory"
+        )
+    return files
+
+
+def _field_value(field):
+    """A metadata value as Python: numbers, strings, small arrays; large arrays (a vocabulary) as their length."""
+    from gguf import GGUFValueType
+
+    if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 4096:
+        return len(field.data)
+    return field.contents()
+
+
+def _read_header(path: Path) -> tuple[dict, list[_Tensor]]:
+    """Metadata and tensor table of one GGUF file, checked against the file's size (a truncated download)."""
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise SourceError(
+            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); pass a llama.cpp .gguf file "
+            "or a Hugging Face checkpoint directory"
+        )
+    try:
+        reader = GGUFReader(path)
+        metadata = {key: _field_value(field) for key, field in reader.fields.items()}
+        tensors = []
+        for rt in reader.tensors:
+            block, type_size = GGML_QUANT_SIZES[rt.tensor_type]
+            shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
+            if shape and shape[-1] % block:
+                raise ValueError(f"tensor {rt.name}: rows of {shape[-1]} values do not fill {block}-value blocks")
+            tensors.append(_Tensor(path, rt.name, int(rt.tensor_type), shape, int(rt.data_offset), int(rt.n_bytes)))
+    except SourceError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, EOFError) as e:
+        # gguf's reader raises what numpy does when the header runs past the end of the file
+        raise SourceError(
+            f"{path} is a truncated or damaged GGUF file ({size} bytes; reading its header and tensor table failed: "
+            f"{type(e).__name__}: {e}); download it again"
+        ) from None
+    finally:
+        reader = None  # the memory map goes with it
+    for t in tensors:
+        if t.start + t.nbytes > size:
+            raise SourceError(
+                f"{path} is truncated: tensor {t.name} ends at byte {t.start + t.nbytes}, the file has {size} bytes; "
+                "download it again"
+            )
+    if "general.architecture" not in metadata and "split.no" not in metadata:
+        raise SourceError(f"{path} has no general.architecture in its metadata; it is not a model GGUF")
+    return metadata, tensors
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Values
+
+
+def _dequantize(buf: bytearray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Blocks -> float32 [*shape], decoded a bounded number of rows at a time."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    cols = shape[-1]
+    rows = len(buf) // (cols // block * type_size)
+    raw = np.frombuffer(buf, dtype=np.uint8).reshape(rows, cols // block * type_size)
+    out = np.empty((rows, cols), dtype=np.float32)
+    step = max(1, _DEQUANT_ELEMENTS // cols)
+    try:
+        for r in range(0, rows, step):
+            out[r : r + step] = dequantize(raw[r : r + step], GGMLQuantizationType(ggml_type))
+    except NotImplementedError:
+        raise SourceError(
+            f"the gguf package cannot dequantize ggml type {GGMLQuantizationType(ggml_type).name}; "
+            "upgrade it (pip install -U gguf) or use a GGUF of another quantization"
+        ) from None
+    return torch.from_numpy(out).reshape(shape)
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's `LlamaModel.permute` of q/k rows (its rotary pairs interleaved per head), as
+    transformers' `LlamaTensorProcessor._reverse_permute_weights` does."""
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config and tokenizer
+
+
+def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
+    """The transformers config of the model, from llama.cpp's metadata keys (and tensor shapes where the
+    metadata is silent). transformers' own GGUF config reader misses some keys (e.g. Qwen3-MoE's expert width,
+    `expert_feed_forward_length`, falls back to the config class's default), so every field is set here."""
+    from transformers import AutoConfig
+
+    def key(name, default=KeyError):
+        value = md.get(f"{arch}.{name}", default)
+        if value is KeyError:
+            raise SourceError(f"{path}: the GGUF metadata lacks {arch}.{name}; the file is incomplete or not a model")
+        return value
+
+    def shape(name):
+        t = tensors.get(name)
+        return t.shape if t is not None else None
+
+    layers = int(key("block_count"))
+    embed = shape("token_embd.weight")
+    if embed is None:
+        raise SourceError(f"{path} has no token_embd.weight tensor; it is not a complete model GGUF")
+    heads = int(key("attention.head_count"))
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # one count per layer in some files
+        if len(set(kv_heads)) != 1:
+            raise SourceError(f"{path}: layers with different key/value head counts ({sorted(set(kv_heads))}) are not supported")
+        kv_heads = kv_heads[0]
+    experts = int(key("expert_count", 0))
+    if experts == 0:
+        raise SourceError(
+            f"{path} is a dense {arch} model (no {arch}.expert_count); moestream streams the experts of MoE models only"
+        )
+    config = dict(
+        vocab_size=embed[0],
+        hidden_size=int(key("embedding_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        max_position_embeddings=int(key("context_length", 4096)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=_rope_parameters(key, path),
+        num_experts_per_tok=int(key("expert_used_count")),
+        # llama.cpp writes the output projection only when it is not the embedding matrix
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
+        dtype=_model_dtype(tensors),
+    )
+    if (head_dim := key("attention.key_length", None)) is not None:
+        config["head_dim"] = int(head_dim)
+    gate_exps = shape("blk.0.ffn_gate_exps.weight") or next(
+        (t.shape for n, t in tensors.items() if n.endswith(".ffn_gate_exps.weight")), None
+    )
+    if arch in ("qwen3moe", "qwen2moe"):
+        width = key("expert_feed_forward_length", None) or (gate_exps[1] if gate_exps else None)
+        if width is None:
+            raise SourceError(
+                f"{path}: neither {arch}.expert_feed_forward_length nor an ffn_gate_exps tensor says the experts' width"
+            )
+        moe_layers = {int(n.split(".")[1]) for n in tensors if n.startswith("blk.") and ".ffn_gate_inp." in n}
+        config.update(
+            num_experts=experts,
+            moe_intermediate_size=int(width),
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(layers) if i not in moe_layers],
+            # llama.cpp's qwen3moe graph normalizes the top-k weights, its qwen2moe graph does not
+            norm_topk_prob=arch == "qwen3moe",
+        )
+        if (ff := key("feed_forward_length", None)) is not None:
+            config["intermediate_size"] = int(ff)
+        if arch == "qwen2moe":
+            shared = key("expert_shared_feed_forward_length", None) or (shape("blk.0.ffn_gate_shexp.weight") or (0,))[0]
+            config["shared_expert_intermediate_size"] = int(shared)
+    else:  # llama with experts: Mixtral
+        width = key("feed_forward_length", None) or (
+            gate_exps[1] if gate_exps else (shape("blk.0.ffn_gate.0.weight") or (None,))[0]
+        )
+        if width is None:
+            raise SourceError(f"{path}: neither {arch}.feed_forward_length nor an expert tensor says the experts' width")
+        config.update(num_local_experts=experts, intermediate_size=int(width), sliding_window=None)
+        if "head_dim" not in config and (rope_dim := key("rope.dimension_count", None)) is not None:
+            config["head_dim"] = int(rope_dim)
+    model_type = SUPPORTED_ARCHITECTURES[arch][0]
+    try:
+        return AutoConfig.for_model(model_type, **config)
+    except Exception as e:  # config classes validate with their own error types
+        raise SourceError(f"{path}: the GGUF metadata does not make a valid {model_type} config ({e})") from None
+
+
+def _rope_parameters(key, path: Path) -> dict:
+    params = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
+    kind = key("rope.scaling.type", None) or "none"
+    if kind == "none":
+        return params
+    if kind not in ("linear", "yarn"):
+        raise SourceError(f"{path}: rope scaling {kind!r} is not supported for GGUF import (linear and yarn are)")
+    params.update(rope_type=kind, factor=float(key("rope.scaling.factor")))
+    if kind == "yarn":
+        params["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (value := key(f"rope.scaling.{gguf_key}", None)) is not None:
+                params[hf_key] = float(value)
+    return params
+
+
+def _model_dtype(tensors: dict[str, _Tensor]) -> str:
+    """The resident weights' dtype: float32 for an all-F32 file; else bfloat16, what these models are trained
+    and run in (an F16 file's dense weights round to bfloat16; `--experts-dtype fp16` keeps its experts exact)."""
+    full = {t.ggml_type for t in tensors.values() if t.ggml_type not in _INT_TYPES}
+    return "float32" if all(_FLOAT_TYPES.get(ggml_type) == torch.float32 for ggml_type in full) else "bfloat16"
+
+
+def _build_tokenizer(path: Path):
+    """transformers' tokenizer rebuilt from the GGUF metadata (vocabulary, merges, special tokens, chat
+    template). It reads the metadata only: no tensor data."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:  # transformers' GGUF tokenizer builders raise ValueError, KeyError, ...
+        raise SourceError(
+            f"{path}: transformers cannot build a tokenizer from this GGUF's metadata ({type(e).__name__}: {e})"
+        ) from None

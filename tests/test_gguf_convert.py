@@ -1,0 +1,306 @@
+"""`moestream convert FILE.gguf STORE`: a llama.cpp GGUF converts to a store whose streamed model equals
+transformers' forward on the GGUF's dequantized weights, and bad files are refused in one clear line.
+
+The GGUF files are written here the way llama.cpp's convert_hf_to_gguf.py writes them: its tensor names
+(gguf-py's own TensorNameMap), experts merged into one [E, rows, cols] tensor per projection, the q/k rows of
+llama-family models permuted (LlamaModel.permute), its metadata keys, and a byte-level BPE vocabulary. The
+reference weights are each tensor's own quantize -> dequantize round trip, computed without any of the
+converter's name mapping or permutation logic.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFWriter, TokenType, get_tensor_name_map
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from tiny import TINY
+
+import moestream
+from moestream.cli import main
+from moestream.conversion.skeleton import config_from_dict
+from moestream.conversion.store import Store
+from moestream.conversion.synthetic import make_model
+
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+VOCAB = 256 + len(MERGES) + 2  # bytes, merged tokens, two specials
+
+ARCHS = {"qwen3_moe": MODEL_ARCH.QWEN3MOE, "qwen2_moe": MODEL_ARCH.QWEN2MOE, "mixtral": MODEL_ARCH.LLAMA}
+# Widths that fill the 32-value blocks of Q4_0/Q8_0; Qwen3-MoE's top-k weights normalized, as llama.cpp does.
+CONFIGS = {
+    "qwen3_moe": dict(TINY["qwen3_moe"], vocab_size=VOCAB, moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(TINY["qwen2_moe"], vocab_size=VOCAB, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "mixtral": dict(TINY["mixtral"], vocab_size=VOCAB, intermediate_size=32),
+}
+# A mix of what real files hold: F32 norms and routers, F16/BF16 and block-quantized matrices.
+TYPES = {
+    "attn_q": Q.Q8_0,
+    "attn_k": Q.Q4_0,
+    "attn_v": Q.F16,
+    "attn_output": Q.BF16,
+    "ffn_gate_exps": Q.Q8_0,
+    "ffn_up_exps": Q.Q4_0,
+    "ffn_down_exps": Q.F16,
+    "ffn_gate_shexp": Q.Q8_0,
+    "ffn_up_shexp": Q.Q4_1,
+    "ffn_down_shexp": Q.Q5_0,
+    "token_embd": Q.Q8_0,
+    "output": Q.Q4_0,
+}
+
+
+def bpe_tokenizer():
+    """A small byte-level BPE: the 256 byte tokens, three merges, two special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    for special in ("<|endoftext|>", "<|pad|>"):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def _ggml_type(gguf_name: str, ndim: int) -> Q:
+    leaf = gguf_name.split(".")[-2]
+    return Q.F32 if ndim == 1 else TYPES.get(leaf, Q.F32)
+
+
+def _round_trip(values: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
+    """(what the file stores, the values it decodes to) for float32 `values` stored as `qtype`."""
+    if qtype == Q.F32:
+        return values, values
+    if qtype == Q.F16:
+        stored = values.astype(np.float16)
+        return stored, stored.astype(np.float32)
+    stored = quantize(values, qtype)
+    return stored, dequantize(stored, qtype).reshape(values.shape)
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (convert_hf_to_gguf.py): the rotary halves of each head interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None = None):
+    """`model` as llama.cpp would write it; returns {model parameter: the float32 values the file decodes to}."""
+    config = model.config
+    arch = ARCHS[config.model_type]
+    names = get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = GGUFWriter(path, architecture or MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_file_type(1)
+    if config.model_type == "mixtral":
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    else:
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if config.model_type == "qwen2_moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+        else:
+            writer.add_key_length(config.head_dim)
+            writer.add_value_length(config.head_dim)
+    # llama.cpp's gpt2 vocabulary: tokens by id, their types, the merges, the special ids.
+    vocab = bpe_tokenizer().get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t.startswith("<|") else TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    writer.add_eos_token_id(vocab["<|endoftext|>"])
+    writer.add_pad_token_id(vocab["<|pad|>"])
+
+    decoded = {}
+    llama = config.model_type == "mixtral"
+    for name, value in model.state_dict().items():
+        value = value.float().numpy()
+        base = name.removesuffix(".weight").removesuffix(".bias")
+        suffix = name[len(base) :] or ".weight"
+        if base.endswith("experts.gate_up_proj") or base.endswith("experts.down_proj"):
+            layer = int(name.split(".")[2])
+            parts = (
+                [("gate_proj", "w1", value[:, : value.shape[1] // 2]), ("up_proj", "w3", value[:, value.shape[1] // 2 :])]
+                if base.endswith("gate_up_proj")
+                else [("down_proj", "w2", value)]
+            )
+            out = []
+            for qwen_name, mixtral_name, part in parts:
+                # the merged names llama.cpp gives the stacked experts before mapping them
+                merged = (
+                    f"layers.{layer}.feed_forward.experts.{mixtral_name}"
+                    if llama
+                    else f"model.layers.{layer}.mlp.experts.{qwen_name}"
+                )
+                gguf_name = names.get_name(merged) + ".weight"
+                stored, back = _round_trip(np.ascontiguousarray(part), _ggml_type(gguf_name, part.ndim))
+                writer.add_tensor(gguf_name, stored, raw_dtype=_ggml_type(gguf_name, part.ndim))
+                out.append(back)
+            decoded[name] = np.concatenate(out, axis=1)
+            continue
+        gguf_name = names.get_name(base) + suffix
+        qtype = _ggml_type(gguf_name, value.ndim)
+        stored_value = value
+        if llama and base.endswith("q_proj"):
+            stored_value = _llama_permute(value, config.num_attention_heads)
+        elif llama and base.endswith("k_proj"):
+            stored_value = _llama_permute(value, config.num_key_value_heads)
+        stored, _ = _round_trip(stored_value, qtype)
+        writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
+        # Rows are quantized independently, so the round trip commutes with the row permutation.
+        decoded[name] = _round_trip(value, qtype)[1]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return decoded
+
+
+def _reference(family, decoded, resident_dtype):
+    """transformers' float32 model on the decoded weights: resident ones rounded as the store keeps them."""
+    model = make_model(family, **CONFIGS[family])
+    with torch.no_grad():
+        for name, value in decoded.items():
+            t = torch.from_numpy(np.ascontiguousarray(value))
+            if ".experts." not in name:
+                t = t.to(resident_dtype).float()
+            model.get_parameter(name).copy_(t)
+    return model
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moestream: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(tmp_path_factory):
+    model = make_model("qwen3_moe", seed=11, **CONFIGS["qwen3_moe"])
+    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen3moe-Q8_0.gguf"
+    return model, path, write_gguf(model, path)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_gguf_converts_to_the_model_of_its_dequantized_weights(family, tmp_path):
+    model = make_model(family, seed=11, **CONFIGS[family])
+    decoded = write_gguf(model, tmp_path / "model.gguf")
+    store = tmp_path / "store"
+    assert main(["convert", str(tmp_path / "model.gguf"), str(store), "--experts-dtype", "fp32"]) == 0
+
+    manifest = Store(store).manifest
+    config = config_from_dict(manifest.model_config)
+    assert config.model_type == family and config.dtype == torch.bfloat16
+    for field, value in CONFIGS[family].items():  # every size the metadata states, and the file's shapes
+        assert getattr(config, field) == value, (field, getattr(config, field), value)
+
+    # Every parameter the store holds is the GGUF's own decoding (bf16-rounded where resident).
+    reference = _reference(family, decoded, torch.bfloat16)
+    streamed, _ = moestream.load(store, manifest.expert_bytes // 2, compute_dtype="fp32")
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, streamed(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
+
+    # The tokenizer rebuilt from the GGUF metadata encodes as the original one does.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(store)
+    text = "the theme: def f(x):\n    return x * 2  # ünïcode"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids == bpe_tokenizer().encode(text, add_special_tokens=False)
+    assert 256 + len(MERGES) - 1 in ids and tokenizer.decode(ids) == text  # " the" merged, and it round-trips
+    assert tokenizer.eos_token == "<|endoftext|>"
+
+
+def test_gguf_agrees_with_transformers_gguf_loader(qwen3_gguf):
+    """transformers' own GGUF reader (names, dequantization) decodes the test file to the same weights."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model, path, decoded = qwen3_gguf
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    assert set(tensors) == set(decoded)
+    for name, value in decoded.items():
+        assert torch.equal(tensors[name].float(), torch.from_numpy(np.ascontiguousarray(value))), name
+
+
+def test_default_and_quantized_formats_of_a_gguf(qwen3_gguf, tmp_path):
+    """Without --experts-dtype, decoded blocks are stored bf16; int4 experts and int8 dense layers work too."""
+    _, path, _ = qwen3_gguf
+    default = moestream.convert(path, tmp_path / "bf16", progress=False)
+    assert Store(default).manifest.experts_dtype == "bfloat16"
+    small = moestream.convert(path, tmp_path / "int4", "int4", dense_dtype="int8", progress=False)
+    assert Store(small).manifest.experts_dtype.startswith("int4")
+    streamed, _ = moestream.load(small, "1MiB")
+    with torch.no_grad():
+        assert torch.isfinite(streamed(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_split_gguf_converts_as_one_file(tmp_path, capsys):
+    model = make_model("qwen3_moe", seed=12, **CONFIGS["qwen3_moe"])
+    decoded = write_gguf(model, tmp_path / "model.gguf", split_max_tensors=10)
+    parts = sorted(tmp_path.glob("model-*-of-*.gguf"))
+    assert len(parts) >= 3, parts
+    store = moestream.convert(parts[1], tmp_path / "store", "fp32", progress=False)  # any part names the set
+    reference = _reference("qwen3_moe", decoded, torch.bfloat16)
+    streamed, _ = moestream.load(store, "1MiB", compute_dtype="fp32")
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, streamed(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
+
+    parts[-1].unlink()
+    capsys.readouterr()
+    assert main(["convert", str(parts[0]), str(tmp_path / "again")]) == 2
+    line = _one_line_error(capsys)
+    assert f"split into {len(parts)} files" in line and f"{parts[-1].name} is missing" in line, line
+
+
+def test_bad_gguf_files_are_one_line_errors(qwen3_gguf, tmp_path, capsys):
+    _, path, _ = qwen3_gguf
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) * 2 // 3])  # the tensor data cut short
+    header_cut = tmp_path / "header-cut.gguf"
+    header_cut.write_bytes(data[:300])  # inside the metadata
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    mixtral = make_model("mixtral", seed=1, **CONFIGS["mixtral"])
+    write_gguf(mixtral, tmp_path / "gemma.gguf", architecture="gemma3")
+    dense = make_model("mixtral", seed=1, **CONFIGS["mixtral"])
+    dense.config.num_local_experts = 0  # a llama file without experts: a dense model
+    write_gguf(dense, tmp_path / "dense.gguf")
+
+    for src, expected in (
+        (truncated, "is a truncated or damaged GGUF file"),
+        (header_cut, "is a truncated or damaged GGUF file"),
+        (foreign, "is not a GGUF file"),
+        (empty, "is not a GGUF file"),
+        (tmp_path / "gemma.gguf", "architecture 'gemma3' is not supported"),
+        (tmp_path / "dense.gguf", "dense llama model"),
+    ):
+        assert main(["convert", str(src), str(tmp_path / "out")]) == 2, src
+        line = _one_line_error(capsys)
+        assert expected in line, line
+        assert not (tmp_path / "out").exists()
+    main(["convert", str(tmp_path / "gemma.gguf"), str(tmp_path / "out")])
+    line = _one_line_error(capsys)
+    assert "qwen3moe" in line and "qwen2moe" in line and "Mixtral" in line, line
