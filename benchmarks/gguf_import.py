@@ -1,0 +1,77 @@
+"""A GGUF made by llama.cpp, imported by `moestream convert`, against llama.cpp running the same file.
+
+    python benchmarks/gguf_import.py FILE.gguf STORE --text ../shared/models/tiny-code-moe/heldout.txt [--positions 256]
+
+STORE is `moestream convert FILE.gguf STORE --experts-dtype fp32` (made first when it does not exist), so the
+store holds the GGUF's dequantized weights. The text's first --positions + 1 tokens (the GGUF's own
+tokenizer) are fed teacher-forced through both: moestream (`moestream.load`, one forward pass) and llama.cpp
+(llama-cpp-python, `logits_all`). Printed per position set: the share of positions whose top-1 token is
+the same, the first position where they differ, the mean KL(llama.cpp || moestream) of the next-token
+distributions, and each one's perplexity of the text. Both run on this CPU with float32 activations
+(llama.cpp quantizes activations to 8 bits for its K-quant dot products, so the two are not bit-equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def moestream_logits(store: str, ids: list[int]) -> np.ndarray:
+    import moestream
+
+    model, _ = moestream.load(store, memory="1GiB")
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    moestream.close(model) if hasattr(moestream, "close") else None
+    return logits.numpy()
+
+
+def llama_cpp_logits(gguf: str, ids: list[int], threads: int) -> np.ndarray:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=max(512, len(ids) + 8), logits_all=True, n_threads=threads, verbose=False)
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("gguf")
+    parser.add_argument("store")
+    parser.add_argument("--text", required=True, help="a text file (held-out text of the model)")
+    parser.add_argument("--positions", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if not Path(args.store).exists():
+        command = ["moestream", "convert", args.gguf, args.store, "--experts-dtype", "fp32"]
+        subprocess.run([str(Path(sys.executable).with_name("moestream")), *command[1:]], check=True)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.store)
+    ids = tokenizer(Path(args.text).read_text(), add_special_tokens=False)["input_ids"][: args.positions + 1]
+    ours = log_softmax(moestream_logits(args.store, ids)[:-1])
+    theirs = log_softmax(llama_cpp_logits(args.gguf, ids, args.threads)[:-1])
+    targets = np.array(ids[1:])
+    same = ours.argmax(-1) == theirs.argmax(-1)
+    first = int(np.argmin(same)) if not same.all() else None
+    kl = (np.exp(theirs) * (theirs - ours)).sum(-1).mean()
+    ppl = [float(np.exp(-lp[np.arange(len(targets)), targets].mean())) for lp in (ours, theirs)]
+    print(f"{Path(args.gguf).name}: {len(targets)} positions, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"top-1 identical {same.mean():.1%}, first divergence at {first}, mean KL {kl:.2e}")
+    print(f"perplexity moestream {ppl[0]:.4f}, llama.cpp {ppl[1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
