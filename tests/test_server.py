@@ -359,7 +359,7 @@ def test_bad_requests_get_their_4xx_and_the_server_goes_on(server):
         ("/v1/completions", {**ok, "seed": "abc"}, 400, "invalid_value"),
         ("/v1/completions", {**ok, "stop": 5}, 400, "invalid_value"),
         ("/v1/completions", {**ok, "prompt": None}, 400, "invalid_value"),
-        ("/v1/completions", {"prompt": "hi"}, 400, "invalid_value"),
+        ("/v1/completions", {"model": 5, "prompt": "hi"}, 400, "invalid_value"),
         ("/v1/chat/completions", {**chat, "messages": "hi"}, 400, "invalid_value"),
         ("/v1/chat/completions", {**chat, "messages": []}, 400, "invalid_value"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value"),
@@ -398,6 +398,8 @@ def test_bad_requests_get_their_4xx_and_the_server_goes_on(server):
         assert server.http.get("/health").status_code == 200
     assert server.http.get("/v1/nothing").status_code == 404
     assert server.http.get("/v1/completions").status_code == 405
+    # no model named: the served one answers (as vLLM and llama.cpp do; a wrong name is the 404 above)
+    assert server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()["model"] == MODEL
     assert server.http.get("/v1/models/gpt-4").json()["error"]["code"] == "model_not_found"
     # The real client turns them into its exceptions.
     with pytest.raises(openai.NotFoundError):
