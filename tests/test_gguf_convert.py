@@ -11,7 +11,7 @@ converter's name mapping or permutation logic.
 import numpy as np
 import pytest
 import torch
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFWriter, TokenType, get_tensor_name_map
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFWriter, RopeScalingType, TokenType, get_tensor_name_map
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from tiny import TINY
@@ -25,12 +25,37 @@ from moestream.conversion.synthetic import make_model
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
 VOCAB = 256 + len(MERGES) + 2  # bytes, merged tokens, two specials
 
-ARCHS = {"qwen3_moe": MODEL_ARCH.QWEN3MOE, "qwen2_moe": MODEL_ARCH.QWEN2MOE, "mixtral": MODEL_ARCH.LLAMA}
+ARCHS = {
+    "qwen3_moe": MODEL_ARCH.QWEN3MOE,
+    "qwen2_moe": MODEL_ARCH.QWEN2MOE,
+    "mixtral": MODEL_ARCH.LLAMA,
+    "deepseek_v3": MODEL_ARCH.DEEPSEEK2,
+}
 # Widths that fill the 32-value blocks of Q4_0/Q8_0; Qwen3-MoE's top-k weights normalized, as llama.cpp does.
 CONFIGS = {
     "qwen3_moe": dict(TINY["qwen3_moe"], vocab_size=VOCAB, moe_intermediate_size=32, norm_topk_prob=True),
     "qwen2_moe": dict(TINY["qwen2_moe"], vocab_size=VOCAB, moe_intermediate_size=32, shared_expert_intermediate_size=32),
     "mixtral": dict(TINY["mixtral"], vocab_size=VOCAB, intermediate_size=32),
+    # A dense first layer, a shared expert, grouped sigmoid routing, MLA with LoRA ranks that fill Q8_0
+    # blocks, DeepSeek-V3's yarn rope; no multi-token-prediction layer (llama.cpp leaves it out).
+    "deepseek_v3": dict(
+        TINY["deepseek_v3"],
+        vocab_size=VOCAB,
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        num_mtp_layers=0,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
 }
 # A mix of what real files hold: F32 norms and routers, F16/BF16 and block-quantized matrices.
 TYPES = {
@@ -44,6 +69,15 @@ TYPES = {
     "ffn_gate_shexp": Q.Q8_0,
     "ffn_up_shexp": Q.Q4_1,
     "ffn_down_shexp": Q.Q5_0,
+    "attn_q_a": Q.Q8_0,
+    "attn_q_b": Q.Q4_0,
+    "attn_kv_a_mqa": Q.Q8_0,
+    "attn_kv_b": Q.Q8_0,
+    "attn_k_b": Q.F16,  # rows of qk_nope_head_dim (8): no whole blocks
+    "attn_v_b": Q.Q8_0,
+    "ffn_gate": Q.Q8_0,
+    "ffn_up": Q.BF16,
+    "ffn_down": Q.Q4_0,
     "token_embd": Q.Q8_0,
     "output": Q.Q4_0,
 }
@@ -86,7 +120,61 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None = None):
+def _write_deepseek2_metadata(writer, config):
+    """DeepseekV2Model.set_gguf_parameters: MLA written as one latent key/value head, sizes of the absorbed
+    graph as key/value_length and the per-head ones as *_mla, the router and yarn keys."""
+    from gguf import ExpertGatingFuncType
+
+    writer.add_head_count_kv(1)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    writer.add_value_length(config.kv_lora_rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    rope = config.rope_parameters
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _write_kv_b(writer, names, name, value, config, split: bool) -> np.ndarray:
+    """kv_b_proj as llama.cpp writes it: split into attn_k_b (transposed) and attn_v_b, or (older files) whole.
+    Returns the values the file decodes to, in kv_b_proj's own layout."""
+    base = name.removesuffix(".weight")
+    if not split:
+        gguf_name = names.get_name(base) + ".weight"
+        stored, back = _round_trip(value, _ggml_type(gguf_name, 2))
+        writer.add_tensor(gguf_name, stored, raw_dtype=_ggml_type(gguf_name, 2))
+        return back
+    heads, nope, v_dim = config.num_key_value_heads, config.qk_nope_head_dim, config.v_head_dim
+    kv_b = value.reshape(heads, nope + v_dim, value.shape[-1])
+    k_b, v_b = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(kv_b[:, nope:])
+    decoded = []
+    for hf_name, part in (("k_b_proj", k_b), ("v_b_proj", v_b)):
+        gguf_name = names.get_name(base.replace("kv_b_proj", hf_name)) + ".weight"
+        stored, back = _round_trip(part, _ggml_type(gguf_name, 3))
+        writer.add_tensor(gguf_name, stored, raw_dtype=_ggml_type(gguf_name, 3))
+        decoded.append(back.reshape(part.shape))
+    return np.concatenate([decoded[0].transpose(0, 2, 1), decoded[1]], axis=1).reshape(value.shape)
+
+
+def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None = None, split_kv_b: bool = True):
     """`model` as llama.cpp would write it; returns {model parameter: the float32 values the file decodes to}."""
     config = model.config
     arch = ARCHS[config.model_type]
@@ -96,12 +184,15 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    if config.model_type != "deepseek_v3":  # MLA: one latent head, below
+        writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_file_type(1)
-    if config.model_type == "mixtral":
+    if config.model_type == "deepseek_v3":
+        _write_deepseek2_metadata(writer, config)
+    elif config.model_type == "mixtral":
         writer.add_feed_forward_length(config.intermediate_size)
         writer.add_expert_count(config.num_local_experts)
         writer.add_vocab_size(config.vocab_size)
@@ -132,7 +223,7 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
         value = value.float().numpy()
         base = name.removesuffix(".weight").removesuffix(".bias")
         suffix = name[len(base) :] or ".weight"
-        if base.endswith("experts.gate_up_proj") or base.endswith("experts.down_proj"):
+        if base.endswith(".experts.gate_up_proj") or base.endswith(".experts.down_proj"):
             layer = int(name.split(".")[2])
             parts = (
                 [("gate_proj", "w1", value[:, : value.shape[1] // 2]), ("up_proj", "w3", value[:, value.shape[1] // 2 :])]
@@ -153,6 +244,11 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
                 out.append(back)
             decoded[name] = np.concatenate(out, axis=1)
             continue
+        if base.endswith("kv_b_proj"):
+            decoded[name] = _write_kv_b(writer, names, name, value, config, split_kv_b)
+            continue
+        if name.endswith("e_score_correction_bias"):  # llama.cpp renames it e_score_correction.bias
+            base, suffix = base.removesuffix("_bias"), ".bias"
         gguf_name = names.get_name(base) + suffix
         qtype = _ggml_type(gguf_name, value.ndim)
         stored_value = value
@@ -177,9 +273,11 @@ def _reference(family, decoded, resident_dtype):
     with torch.no_grad():
         for name, value in decoded.items():
             t = torch.from_numpy(np.ascontiguousarray(value))
-            if ".experts." not in name:
+            # DeepSeek-V3's router is float32 whatever the model's dtype (transformers' DeepseekV3TopkRouter)
+            fp32_router = family == "deepseek_v3" and ".mlp.gate." in name
+            if ".experts." not in name and not fp32_router:
                 t = t.to(resident_dtype).float()
-            model.get_parameter(name).copy_(t)
+            model.state_dict()[name].copy_(t)  # a parameter, or a buffer (DeepSeek's score correction)
     return model
 
 
@@ -197,10 +295,18 @@ def qwen3_gguf(tmp_path_factory):
     return model, path, write_gguf(model, path)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_gguf_converts_to_the_model_of_its_dequantized_weights(family, tmp_path):
+@pytest.mark.parametrize(
+    "family, split_kv_b",
+    [("qwen3_moe", True), ("qwen2_moe", True), ("mixtral", True), ("deepseek_v3", True), ("deepseek_v3", False)],
+    ids=["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3-whole-kv_b"],
+)
+def test_gguf_converts_to_the_model_of_its_dequantized_weights(family, split_kv_b, tmp_path):
     model = make_model(family, seed=11, **CONFIGS[family])
-    decoded = write_gguf(model, tmp_path / "model.gguf")
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a bias that changes which experts are chosen
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+    decoded = write_gguf(model, tmp_path / "model.gguf", split_kv_b=split_kv_b)
     store = tmp_path / "store"
     assert main(["convert", str(tmp_path / "model.gguf"), str(store), "--experts-dtype", "fp32"]) == 0
 

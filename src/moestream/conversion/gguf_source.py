@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3-MoE"),
     "qwen2moe": ("qwen2_moe", "Qwen1.5/Qwen2-MoE"),
     "llama": ("mixtral", "Mixtral: llama with experts"),
+    "deepseek2": ("deepseek_v3", "DeepSeek-V3/R1 and models built on them"),
 }
 _DEQUANT_ELEMENTS = 1 << 24  # rows decoded per step: bounds gguf's numpy temporaries to a few times 64 MiB
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -86,10 +87,32 @@ _MIXTRAL_EXPERT = {
     "ffn_down": "block_sparse_moe.experts.{e}.w2",
     "ffn_up": "block_sparse_moe.experts.{e}.w3",
 }
+# DeepSeek-V2/V3 (MLA attention). llama.cpp splits kv_b_proj into attn_k_b (transposed) and attn_v_b for its
+# absorbed-MLA graph; older files hold attn_kv_b whole. Both are read back as kv_b_proj (see `_Source.v_b`).
+_DEEPSEEK_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",  # without a query LoRA (V2-Lite)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate": "mlp.gate_proj",  # the leading dense layers
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 _NAMES = {
     "qwen3moe": (_QWEN_LAYER, _QWEN_EXPERTS),
     "qwen2moe": (_QWEN_LAYER, _QWEN_EXPERTS),
     "llama": (_MIXTRAL_LAYER, _MIXTRAL_EXPERTS),
+    "deepseek2": (_DEEPSEEK_LAYER, _QWEN_EXPERTS),
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>[a-z0-9_]+?)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)$")
 
@@ -114,6 +137,7 @@ class _Source:
     expert: int | None = None
     unpermute_heads: int | None = None  # undo llama.cpp's q/k row permutation with this many heads
     shape: tuple[int, ...] | None = None  # a reshape the model expects (a [1, H] gate stored as [H])
+    v_b: _Tensor | None = None  # MLA: `tensor` is attn_k_b [H, kv_lora, nope], this attn_v_b [H, v, kv_lora]
 
 
 def _describe_supported() -> str:
@@ -148,7 +172,7 @@ class GGUFCheckpoint:
         self.tensors = tensors
         self.config = _build_config(self.architecture, self.metadata, tensors, self.path)
         self.sources = self._map_names()
-        self._tokenizer = _build_tokenizer(files[0])
+        self._tokenizer = _build_tokenizer(files[0], self.architecture)
         self._fds: dict[Path, int] = {}
 
     # ---- the DecodedCheckpoint interface
@@ -159,7 +183,11 @@ class GGUFCheckpoint:
     def dtype(self, key: str) -> torch.dtype:
         """The dtype to store this tensor in by default: a float tensor's own, bfloat16 for decoded blocks
         (as for FP8/MXFP4 sources; `--experts-dtype fp32` keeps the decoded values exactly)."""
-        return _FLOAT_TYPES.get(self.sources[key].tensor.ggml_type, torch.bfloat16)
+        src = self.sources[key]
+        dtype = _FLOAT_TYPES.get(src.tensor.ggml_type, torch.bfloat16)
+        if src.v_b is not None and _FLOAT_TYPES.get(src.v_b.ggml_type) != dtype:
+            return torch.bfloat16
+        return dtype
 
     def read(self, key: str, index: int | None = None) -> torch.Tensor:
         """Tensor `key` (float; blocks decoded to float32), or only its slice `[index]` along dim 0."""
@@ -169,6 +197,9 @@ class GGUFCheckpoint:
             if expert is not None:
                 raise SourceError(f"{key} is one expert's tensor already; it has no slice [{index}]")
             expert = index
+        if src.v_b is not None:
+            t = _join_kv_b(self._read_tensor(src.tensor, None), self._read_tensor(src.v_b, None))
+            return t if index is None else t[index]
         t = self._read_tensor(src.tensor, expert)
         if src.unpermute_heads is not None:
             t = _unpermute(t, src.unpermute_heads)
@@ -244,6 +275,18 @@ class GGUFCheckpoint:
                     raise SourceError(f"{self.path}: {name} has shape {t.shape}; expected [experts, rows, columns]")
                 for e in range(t.shape[0]):
                     sources[prefix + expert_names[leaf].format(e=e) + f".{kind}"] = _Source(t, expert=e)
+            elif self.architecture == "deepseek2" and leaf in ("attn_k_b", "attn_v_b", "exp_probs_b"):
+                if leaf == "exp_probs_b":  # the router's score correction (a buffer: no .bias suffix)
+                    sources[prefix + "mlp.gate.e_score_correction_bias"] = _Source(t)
+                elif leaf == "attn_k_b":
+                    v_b = self.tensors.get(f"blk.{layer}.attn_v_b.weight")
+                    if v_b is None or kind != "weight":
+                        raise SourceError(f"{self.path}: {name} has no blk.{layer}.attn_v_b.weight to rebuild kv_b_proj with")
+                    heads_kv, nope, v_dim = _check_kv_b(t, v_b, self.config, self.path)
+                    shape = (heads_kv * (nope + v_dim), t.shape[1])
+                    sources[prefix + "self_attn.kv_b_proj.weight"] = _Source(t, shape=shape, v_b=v_b)
+                elif f"blk.{layer}.attn_k_b.weight" not in self.tensors:
+                    raise SourceError(f"{self.path}: {name} has no blk.{layer}.attn_k_b.weight to rebuild kv_b_proj with")
             elif leaf in layer_names:
                 unpermute = None
                 if permuted and leaf in ("attn_q", "attn_k"):
@@ -369,6 +412,27 @@ def _dequantize(buf: bytearray, ggml_type: int, shape: tuple[int, ...]) -> torch
     return torch.from_numpy(out).reshape(shape)
 
 
+def _check_kv_b(k_b: _Tensor, v_b: _Tensor, config, path: Path) -> tuple[int, int, int]:
+    """(heads, qk_nope_head_dim, v_head_dim) of a split kv_b_proj, checked against the config."""
+    want_k = (config.num_attention_heads, config.kv_lora_rank, config.qk_nope_head_dim)
+    want_v = (config.num_attention_heads, config.v_head_dim, config.kv_lora_rank)
+    if k_b.shape != want_k or v_b.shape != want_v:
+        raise SourceError(
+            f"{path}: {k_b.name} {k_b.shape} and {v_b.name} {v_b.shape} do not have the shapes the metadata implies "
+            f"([heads, kv_lora_rank, qk_nope_head_dim] = {list(want_k)}, [heads, v_head_dim, kv_lora_rank] = {list(want_v)})"
+        )
+    return want_k[0], want_k[2], want_v[1]
+
+
+def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """Undo llama.cpp's MLA split (DeepseekV2Model.modify_tensors): kv_b_proj viewed [H, nope + v, kv_lora] was
+    split into k_b [H, nope, kv_lora] (stored transposed, [H, kv_lora, nope]) and v_b [H, v, kv_lora]."""
+    if k_b.dtype != v_b.dtype:
+        k_b, v_b = k_b.float(), v_b.float()
+    kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return kv.reshape(-1, kv.shape[-1])
+
+
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's `LlamaModel.permute` of q/k rows (its rotary pairs interleaved per head), as
     transformers' `LlamaTensorProcessor._reverse_permute_weights` does."""
@@ -428,7 +492,7 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
         pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
         dtype=_model_dtype(tensors),
     )
-    if (head_dim := key("attention.key_length", None)) is not None:
+    if arch != "deepseek2" and (head_dim := key("attention.key_length", None)) is not None:
         config["head_dim"] = int(head_dim)
     gate_exps = shape("blk.0.ffn_gate_exps.weight") or next(
         (t.shape for n, t in tensors.items() if n.endswith(".ffn_gate_exps.weight")), None
@@ -453,6 +517,10 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
         if arch == "qwen2moe":
             shared = key("expert_shared_feed_forward_length", None) or (shape("blk.0.ffn_gate_shexp.weight") or (0,))[0]
             config["shared_expert_intermediate_size"] = int(shared)
+    elif arch == "deepseek2":
+        config.update(_deepseek2_config(key, tensors, path, experts, layers))
+        config["num_key_value_heads"] = heads  # llama.cpp writes MLA as one shared latent head (1)
+        config["rope_parameters"] = _rope_parameters(key, path, deepseek=True)
     else:  # llama with experts: Mixtral
         width = key("feed_forward_length", None) or (
             gate_exps[1] if gate_exps else (shape("blk.0.ffn_gate.0.weight") or (None,))[0]
@@ -469,7 +537,51 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
         raise SourceError(f"{path}: the GGUF metadata does not make a valid {model_type} config ({e})") from None
 
 
-def _rope_parameters(key, path: Path) -> dict:
+def _deepseek2_config(key, tensors: dict[str, _Tensor], path: Path, experts: int, layers: int) -> dict:
+    """DeepSeek-V3's fields from llama.cpp's deepseek2 keys (DeepseekV2Model.set_gguf_parameters)."""
+    gating = int(key("expert_gating_func", 0))  # absent in V2/V2.5 files: llama.cpp then routes with softmax
+    if gating != 2:
+        raise SourceError(
+            f"{path}: this deepseek2 GGUF routes its experts with softmax (DeepSeek-V2/V2.5); moestream converts the "
+            "sigmoid-routed ones (DeepSeek-V3/R1 and models built on them). Convert the Hugging Face checkpoint instead."
+        )
+
+    def one(name):  # a per-layer array with one value, or a number
+        value = key(name)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise SourceError(f"{path}: layers with different {name} ({sorted(set(value))}) are not supported")
+            value = value[0]
+        return int(value)
+
+    rope = one("rope.dimension_count")
+    # Files written since llama.cpp absorbed MLA state the per-head sizes as *_mla; before, as key/value_length.
+    qk = key("attention.key_length_mla", None)
+    v = key("attention.value_length_mla", None)
+    if qk is None:
+        qk, v = key("attention.key_length"), key("attention.value_length")
+    q_lora = key("attention.q_lora_rank", None)
+    return dict(
+        n_routed_experts=experts,
+        moe_intermediate_size=one("expert_feed_forward_length"),
+        intermediate_size=one("feed_forward_length"),
+        n_shared_experts=int(key("expert_shared_count", 0)),
+        first_k_dense_replace=int(key("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(key("expert_weights_norm", False)),
+        n_group=int(key("expert_group_count", 1)),
+        topk_group=int(key("expert_group_used_count", 1)),
+        q_lora_rank=int(q_lora) if q_lora is not None else None,
+        kv_lora_rank=int(key("attention.kv_lora_rank")),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=int(qk) - rope,
+        v_head_dim=int(v),
+        rope_interleave=True,  # llama.cpp rotates DeepSeek's adjacent pairs (its NORM rope), as the original does
+        num_mtp_layers=0,  # llama.cpp leaves the multi-token-prediction layers out of deepseek2 files
+    )
+
+
+def _rope_parameters(key, path: Path, deepseek: bool = False) -> dict:
     params = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
     kind = key("rope.scaling.type", None) or "none"
     if kind == "none":
@@ -482,6 +594,10 @@ def _rope_parameters(key, path: Path) -> dict:
         for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if (value := key(f"rope.scaling.{gguf_key}", None)) is not None:
                 params[hf_key] = float(value)
+        if deepseek and (log_mul := key("rope.scaling.yarn_log_multiplier", None)) is not None:
+            # llama.cpp's converter writes 0.1 * mscale_all_dim, and its graph scales attention by
+            # yarn_get_mscale(factor, mscale_all_dim)**2 with cos/sin left unscaled: mscale == mscale_all_dim.
+            params["mscale_all_dim"] = params["mscale"] = round(float(log_mul) / 0.1, 6)
     return params
 
 
@@ -492,13 +608,16 @@ def _model_dtype(tensors: dict[str, _Tensor]) -> str:
     return "float32" if all(_FLOAT_TYPES.get(ggml_type) == torch.float32 for ggml_type in full) else "bfloat16"
 
 
-def _build_tokenizer(path: Path):
+def _build_tokenizer(path: Path, arch: str):
     """transformers' tokenizer rebuilt from the GGUF metadata (vocabulary, merges, special tokens, chat
     template). It reads the metadata only: no tensor data."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    # AutoTokenizer also reads the model config from the file, which transformers cannot for deepseek2;
+    # the fast tokenizer class reads the tokenizer keys alone.
+    cls = PreTrainedTokenizerFast if arch == "deepseek2" else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        return cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # transformers' GGUF tokenizer builders raise ValueError, KeyError, ...
         raise SourceError(
             f"{path}: transformers cannot build a tokenizer from this GGUF's metadata ({type(e).__name__}: {e})"
