@@ -5,13 +5,16 @@ backend (no display needed); matplotlib is an optional dependency (`pip install 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import UsageError
 from ..units import format_bytes
-from .simulate import SimResult
 from .trace import Trace, popularity, reuse_distances
+
+if TYPE_CHECKING:  # (plots draw results; simulate computes them and calls plots: no import back)
+    from .simulate import SimResult
 
 
 def _pyplot():
@@ -114,15 +117,3 @@ def plot_all(trace: Trace, rows: list[list[SimResult]], directory: str | Path) -
         plot_popularity(trace, directory / "expert_popularity.png"),
         plot_reuse(trace, directory / "reuse_distance.png"),
     ]
-
-
-def plot_sweep(trace: Trace, budgets: list[int], policies: list[str], directory: str | Path) -> list[Path]:
-    """The three plots, the hit-rate curve on the requested budgets plus a grid from the minimum to every
-    expert cached, so that the curve has a shape whatever was asked."""
-    from .simulate import minimum_slots, sweep
-
-    records = int(trace.layer_experts.sum())
-    slots = {b // trace.slot_bytes for b in budgets}
-    slots |= {max(1, round(f * records)) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)}
-    grid = sorted(s * trace.slot_bytes for s in slots if s >= minimum_slots(trace))
-    return plot_all(trace, sweep(trace, grid, policies), directory)

@@ -381,8 +381,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(trace, rows))
     if args.plot:
-        from .plots import plot_sweep
+        from .plots import plot_all
 
-        for path in plot_sweep(trace, budgets, policies, args.plot):
+        for path in plot_all(trace, sweep(trace, plot_grid(trace, budgets), policies), args.plot):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def plot_grid(trace: Trace, budgets: list[int]) -> list[int]:
+    """The budgets the hit-rate plot is drawn on: the requested ones plus a grid from the minimum to every
+    expert cached, so that the curve has a shape whatever was asked."""
+    records = int(trace.layer_experts.sum())
+    slots = {b // trace.slot_bytes for b in budgets}
+    slots |= {max(1, round(f * records)) for f in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)}
+    return sorted(s * trace.slot_bytes for s in slots if s >= minimum_slots(trace))
