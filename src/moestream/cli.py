@@ -29,7 +29,7 @@ VERBS = {
         "conversion.upgrade",
         "rewrite a store from an earlier moestream in the current format, so it runs on any machine",
     ),
-    "generate": ("frontends.generate", "generate text, streaming experts under a memory budget"),
+    "generate": ("frontends.generate_cli", "generate text, streaming experts under a memory budget"),
     "chat": ("frontends.chat", "talk with a store in the terminal, through the checkpoint's chat template"),
     "serve": ("frontends.server", "serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)"),
     "eval": ("tools.quality", "how far a store's next-token predictions are from a reference's: perplexity, KL, top-1 agreement"),
