@@ -115,6 +115,14 @@ def _round_trip(values: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
     return stored, dequantize(stored, qtype).reshape(values.shape)
 
 
+def _add_tensor(writer, gguf_name: str, values: np.ndarray) -> np.ndarray:
+    """Write `values` under `gguf_name` in the type the test gives that tensor; the values the file decodes to."""
+    qtype = _ggml_type(gguf_name, values.ndim)
+    stored, back = _round_trip(np.ascontiguousarray(values), qtype)
+    writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
+    return back
+
+
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute (convert_hf_to_gguf.py): the rotary halves of each head interleaved."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -158,19 +166,14 @@ def _write_kv_b(writer, names, name, value, config, split: bool) -> np.ndarray:
     Returns the values the file decodes to, in kv_b_proj's own layout."""
     base = name.removesuffix(".weight")
     if not split:
-        gguf_name = names.get_name(base) + ".weight"
-        stored, back = _round_trip(value, _ggml_type(gguf_name, 2))
-        writer.add_tensor(gguf_name, stored, raw_dtype=_ggml_type(gguf_name, 2))
-        return back
+        return _add_tensor(writer, names.get_name(base) + ".weight", value)
     heads, nope, v_dim = config.num_key_value_heads, config.qk_nope_head_dim, config.v_head_dim
     kv_b = value.reshape(heads, nope + v_dim, value.shape[-1])
-    k_b, v_b = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(kv_b[:, nope:])
+    k_b, v_b = kv_b[:, :nope].transpose(0, 2, 1), kv_b[:, nope:]
     decoded = []
     for hf_name, part in (("k_b_proj", k_b), ("v_b_proj", v_b)):
         gguf_name = names.get_name(base.replace("kv_b_proj", hf_name)) + ".weight"
-        stored, back = _round_trip(part, _ggml_type(gguf_name, 3))
-        writer.add_tensor(gguf_name, stored, raw_dtype=_ggml_type(gguf_name, 3))
-        decoded.append(back.reshape(part.shape))
+        decoded.append(_add_tensor(writer, gguf_name, part).reshape(part.shape))
     return np.concatenate([decoded[0].transpose(0, 2, 1), decoded[1]], axis=1).reshape(value.shape)
 
 
@@ -238,10 +241,7 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
                     if llama
                     else f"model.layers.{layer}.mlp.experts.{qwen_name}"
                 )
-                gguf_name = names.get_name(merged) + ".weight"
-                stored, back = _round_trip(np.ascontiguousarray(part), _ggml_type(gguf_name, part.ndim))
-                writer.add_tensor(gguf_name, stored, raw_dtype=_ggml_type(gguf_name, part.ndim))
-                out.append(back)
+                out.append(_add_tensor(writer, names.get_name(merged) + ".weight", part))
             decoded[name] = np.concatenate(out, axis=1)
             continue
         if base.endswith("kv_b_proj"):
@@ -250,16 +250,14 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
         if name.endswith("e_score_correction_bias"):  # llama.cpp renames it e_score_correction.bias
             base, suffix = base.removesuffix("_bias"), ".bias"
         gguf_name = names.get_name(base) + suffix
-        qtype = _ggml_type(gguf_name, value.ndim)
         stored_value = value
         if llama and base.endswith("q_proj"):
             stored_value = _llama_permute(value, config.num_attention_heads)
         elif llama and base.endswith("k_proj"):
             stored_value = _llama_permute(value, config.num_key_value_heads)
-        stored, _ = _round_trip(stored_value, qtype)
-        writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
+        _add_tensor(writer, gguf_name, stored_value)
         # Rows are quantized independently, so the round trip commutes with the row permutation.
-        decoded[name] = _round_trip(value, qtype)[1]
+        decoded[name] = _round_trip(value, _ggml_type(gguf_name, value.ndim))[1]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
