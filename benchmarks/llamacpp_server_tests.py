@@ -177,6 +177,7 @@ def pytest_configure(config) -> None:
         if self.api_key:
             command += ["--api-key", self.api_key]
         print("tests: starting", " ".join(command))
+        SERVED["name"] = self.model_alias
         self.process = subprocess.Popen(command)
         utils.server_instances.add(self)
         deadline = time.time() + timeout_seconds
@@ -194,30 +195,26 @@ def pytest_configure(config) -> None:
 
     utils.ServerProcess.start = start
     utils.ServerPreset.load_all = staticmethod(lambda: None)
-    _send_the_served_model_name(utils)
+    _send_the_served_model_name()
 
 
-def _send_the_served_model_name(utils) -> None:
+# The model name the running server serves (set by the swapped launcher).
+SERVED: dict[str, str | None] = {"name": None}
+
+
+def _send_the_served_model_name() -> None:
     """llama.cpp answers any model name; moestream, as OpenAI and vLLM, answers 404 to a name it does not
     serve. So that the rest of a test that sends another name ("gpt-3.5-turbo") runs, requests go out
     with the served one (the tests that check the name itself are classified)."""
     import openai.resources.chat.completions as chat
     import openai.resources.completions as completions
 
-    served = {"name": None}
-    start = utils.ServerProcess.start
-
-    def start_and_remember(self, *args, **kwargs):
-        served["name"] = self.model_alias
-        return start(self, *args, **kwargs)
-
-    utils.ServerProcess.start = start_and_remember
     for cls in (chat.Completions, completions.Completions):
         create = cls.create
 
         def create_with_served_name(self, *args, _create=create, **kwargs):
-            if served["name"] and "model" in kwargs:
-                kwargs["model"] = served["name"]
+            if SERVED["name"] and "model" in kwargs:
+                kwargs["model"] = SERVED["name"]
             return _create(self, *args, **kwargs)
 
         cls.create = create_with_served_name
