@@ -230,3 +230,34 @@ def test_top_level_help_imports_no_verb_module_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "generate" in out and "simulate" in out  # the verbs are listed
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_every_verb_help_imports_neither_torch_nor_the_engine():
+    """`moestream VERB --help` answers at once: every verb's parser is built from light modules (commands/,
+    options, choices) without importing torch, transformers, numpy or the engine."""
+    code = """
+import sys
+from moestream.cli import build_parser
+build_parser()
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy', 'safetensors', 'llguidance'))
+engine = sorted(m for m in sys.modules if m.startswith(('moestream.core.', 'moestream.conversion.', 'moestream.frontends.', 'moestream.tools.')))
+print(heavy, engine)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[] []", done.stdout
+
+
+def test_the_choices_name_what_the_engine_implements():
+    """choices.py holds the names the parsers offer; each must be what its implementation's table takes."""
+    import torch
+
+    from moestream import choices
+    from moestream.conversion import convert
+    from moestream.core import kernels, policies
+    from moestream.tools import quality
+
+    assert tuple(policies.POLICIES) == choices.POLICIES and choices.DEFAULT_POLICY in policies.POLICIES
+    assert kernels.COMPUTE_DTYPES == {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+    assert convert.EXPERT_DTYPES == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    assert quality.REFERENCE_DTYPES == {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,10 +1,10 @@
-"""The `moestream` command: one subcommand per verb, each defined by its own module.
+"""The `moestream` command: one subcommand per verb, each defined by its own module in commands/.
 
 A verb module defines `DESCRIPTION` (optional), `add_arguments(parser)` and `run(args) -> int` (the exit
 code). This file lists the verbs with their one-line help, builds the parsers from those modules and turns
-moestream's own errors into one line. Only the verb being run is imported. Options several verbs
-share are in options.py. Verb modules import optional extras (FastAPI, matplotlib) inside `run`, so
-that every `--help` works without them.
+moestream's own errors into one line. Only the verb being run is imported. Options several verbs share are
+in options.py. Verb modules import torch, transformers, the engine and optional extras (FastAPI,
+matplotlib) inside `run`, so that every `--help` answers at once, without them.
 """
 
 from __future__ import annotations
@@ -19,25 +19,25 @@ from .errors import MoestreamError
 from .options import apply_threads
 
 #: verb -> (module of this package that defines it, its line in `moestream --help`), in the order listed.
-#: The line lives here, not in the module, so that `moestream --help` imports no verb module (they import
-#: torch and transformers, seconds of start-up) and `moestream VERB` imports only that verb's module.
+#: The line lives here, not in the module, so that `moestream --help` imports no verb module and
+#: `moestream VERB` imports only that verb's module.
 VERBS = {
-    "convert": ("conversion.convert", "convert a Hugging Face MoE checkpoint directory into a store"),
-    "inspect": ("conversion.inspect_store", "sizes of a store and what a memory budget buys"),
-    "verify": ("conversion.verify", "check a store's files and every record's checksum; exit 1 listing what is damaged"),
+    "convert": ("commands.convert", "convert a Hugging Face MoE checkpoint directory into a store"),
+    "inspect": ("commands.inspect", "sizes of a store and what a memory budget buys"),
+    "verify": ("commands.verify", "check a store's files and every record's checksum; exit 1 listing what is damaged"),
     "upgrade": (
-        "conversion.upgrade",
+        "commands.upgrade",
         "rewrite a store from an earlier moestream in the current format, so it runs on any machine",
     ),
-    "generate": ("frontends.generate_cli", "generate text, streaming experts under a memory budget"),
-    "chat": ("frontends.chat", "talk with a store in the terminal, through the checkpoint's chat template"),
-    "serve": ("frontends.server", "serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)"),
-    "eval": ("tools.quality", "how far a store's next-token predictions are from a reference's: perplexity, KL, top-1 agreement"),
-    "bench": ("tools.bench", "decode speed against the disk's limit, measured in one run (optionally against peers)"),
-    "trace": ("tools.trace", "record which experts a text routes to, per token and layer, into a trace file"),
-    "simulate": ("tools.simulate", "replay a trace through the cache policies at several budgets, next to the optimum"),
-    "plan": ("tools.plan", "sizes, cache and expected speed of a model from its config.json alone, before downloading it"),
-    "demo": ("tools.demo", "build a synthetic MoE, convert it and stream it under a sweep of budgets"),
+    "generate": ("commands.generate", "generate text, streaming experts under a memory budget"),
+    "chat": ("commands.chat", "talk with a store in the terminal, through the checkpoint's chat template"),
+    "serve": ("commands.serve", "serve a store over an OpenAI-compatible HTTP API (needs `pip install 'moestream[server]'`)"),
+    "eval": ("commands.eval", "how far a store's next-token predictions are from a reference's: perplexity, KL, top-1 agreement"),
+    "bench": ("commands.bench", "decode speed against the disk's limit, measured in one run (optionally against peers)"),
+    "trace": ("commands.trace", "record which experts a text routes to, per token and layer, into a trace file"),
+    "simulate": ("commands.simulate", "replay a trace through the cache policies at several budgets, next to the optimum"),
+    "plan": ("commands.plan", "sizes, cache and expected speed of a model from its config.json alone, before downloading it"),
+    "demo": ("commands.demo", "build a synthetic MoE, convert it and stream it under a sweep of budgets"),
 }
 
 EPILOG = """examples:

@@ -1,13 +1,12 @@
 """Command-line options shared by the verbs, each defined once.
 
-Every verb module (convert.py, generate.py, chat.py, server.py, ...) owns its parser: optionally
-`DESCRIPTION`, `add_arguments(parser)` and `run(args)`; cli.py only lists the verbs (and their help line). What several verbs
-share lives here: the store and its engine options (generate, chat, serve, bench), the policy and
-I/O-thread options (also plan), and checks of argument values that turn bad input into one-line errors.
+Every verb's module in commands/ owns its parser: optionally `DESCRIPTION`, `add_arguments(parser)` and
+`run(args)`; cli.py only lists the verbs (and their help line). What several verbs share lives here: the
+store and its engine options (generate, chat, serve, bench), the policy and I/O-thread options (also
+plan), and checks of argument values that turn bad input into one-line errors.
 
-The choices come from the modules that define them (policies.POLICIES, prefetch.PREFETCH_MODES,
-engine.VERIFY_MODES, kernels.COMPUTE_DTYPES), imported when a parser is built rather than at import time, so that a verb module
-can import this one without pulling in the engine (or an import cycle through it).
+The choices are choices.py's names, which the engine's modules take too; nothing here imports torch or the
+engine at import time, so that every verb's --help answers at once.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from .choices import ACTIVATIONS, COMPUTE_DTYPES, DEFAULT_POLICY, POLICIES, PREFETCH_MODES, VERIFY_MODES
 from .errors import MoestreamError, UsageError
 
 #: `--io`: direct = O_DIRECT reads, expert bytes live only in moestream's cache; buffered = through the page cache.
@@ -47,8 +47,6 @@ def add_kv_memory_argument(parser: argparse.ArgumentParser, default: str = "1GiB
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
-    from .core.policies import DEFAULT_POLICY, POLICIES
-
     parser.add_argument(
         "--policy",
         choices=list(POLICIES),
@@ -130,10 +128,6 @@ def apply_threads(args: argparse.Namespace) -> None:
 
 def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "4GiB") -> None:
     """The store positional, --memory and the engine options of load(): for every verb that loads a model."""
-    from .core.engine import VERIFY_MODES
-    from .core.kernels import COMPUTE_DTYPES
-    from .core.prefetch import PREFETCH_MODES
-
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_memory_argument(parser, memory_default)
     add_device_arguments(parser)
@@ -177,8 +171,6 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
 
 
 def add_activations_argument(parser: argparse.ArgumentParser) -> None:
-    from .core.kernels import ACTIVATIONS
-
     parser.add_argument(
         "--activations",
         choices=ACTIVATIONS,

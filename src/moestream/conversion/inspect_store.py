@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from ..units import format_bytes, parse_bytes
-
-DESCRIPTION = (
-    "Print a store's resident and expert bytes, bytes per expert and per token, the smallest --memory it "
-    "runs under, and how many experts a few budgets (or the one given) cache; with --gpu-memory, the split "
-    "of a --device cuda run between VRAM and RAM."
-)
+from ..units import format_bytes
 
 
 def print_inspect(store: str | os.PathLike, budget: int | None, gpu_budget: int | None = None) -> int:
@@ -91,22 +84,3 @@ def _describe_dense(manifest) -> str:
     names = [f"{f.name}-g{f.group_size}" if f.group_size else f.name for f in manifest.dense.values()]
     counts = ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names))
     return f"{counts} linear layers (routers, norms, embeddings and a tied LM head as the model)"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", help="store directory made by `moestream convert`")
-    parser.add_argument("--memory", default=None, metavar="SIZE", help="show what this expert cache budget holds")
-    parser.add_argument(
-        "--gpu-memory",
-        default=None,
-        metavar="SIZE",
-        help="show the VRAM and RAM split of a --device cuda run with this VRAM expert budget (and --memory in RAM)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..options import positive
-
-    budget = positive(parse_bytes(args.memory), "--memory") if args.memory is not None else None
-    gpu_budget = positive(parse_bytes(args.gpu_memory), "--gpu-memory") if args.gpu_memory is not None else None
-    return print_inspect(args.store, budget, gpu_budget)

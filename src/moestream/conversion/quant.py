@@ -29,15 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..choices import DEFAULT_GROUP_SIZE, DENSE_FORMATS, GROUP_SIZES, QUANT_FORMATS  # noqa: F401 (this module's names)
 from ..errors import UsageError
-
-QUANT_FORMATS = ("int8", "int4", "int3", "int2")
-# Resident linear layers (attention, shared experts, dense MLPs): kept in the model's float dtype, or
-# quantized into these kernel formats (core/dense.py runs them).
-DENSE_FORMATS = ("float", "int8", "int4")
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 32
-
 
 #: The int4 `packing` of format version 4: plain nibbles in row order, the same on every machine.
 PORTABLE_PACKING = "nibbles"

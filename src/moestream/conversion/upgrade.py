@@ -15,7 +15,6 @@ killed upgrade leaves the old store as it was.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 from dataclasses import replace
@@ -26,17 +25,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..errors import StoreError, UsageError
+from ..errors import StoreError
 from .convert import _cleanup_stale, _move_into_place
 from .quant import PORTABLE_PACKING, QuantFormat, compress_int4_bytes, expand_int4_bytes, legacy_codes, pack_nibbles
-from .store import DTYPES, MANIFEST, FileEntry, Store, checksum, file_checksum
-
-DESCRIPTION = (
-    "Rewrite a store written by an earlier moestream in the current store format, in place and without the "
-    "source checkpoint: format 3 stores kept int4/int3/int2 weights in the layout of torch's kernels on the "
-    "converting CPU, and run only on CPUs with the same kernels; the upgraded store runs on every machine and "
-    "computes the same numbers. Only the files that change are written; the others are linked."
-)
+from .store import DTYPES, FileEntry, Store, checksum, file_checksum
 
 
 def portable_bytes(stored: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -140,17 +132,3 @@ def _upgrade_resident(store: Store, entry: FileEntry, dense: dict[str, QuantForm
     with open(tmp / entry.path, "rb+") as f:
         os.fsync(f.fileno())
     return FileEntry(entry.path, (tmp / entry.path).stat().st_size, file_checksum(tmp / entry.path))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", help="store directory written by an earlier moestream")
-
-
-def run(args: argparse.Namespace) -> int:
-    if not (Path(args.store) / MANIFEST).is_file():
-        raise UsageError(f"{args.store} is not a store directory (no {MANIFEST}); pass the directory `moestream convert` wrote")
-    if upgrade(args.store):
-        print(f"{args.store}: upgraded to the current store format; it now runs on any machine")
-    else:
-        print(f"{args.store}: nothing in it depends on the machine; nothing to do")
-    return 0

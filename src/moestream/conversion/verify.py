@@ -7,7 +7,6 @@ lists everything that is wrong, instead of stopping at the first problem the way
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import time
@@ -184,33 +183,3 @@ def _check_resident(store: Store, entry, quick: bool, report: VerifyReport, bar)
     bar.update(entry.size)
     if actual != entry.checksum:
         report.problems.append(Problem(entry.path, f"checksum {actual} does not match the manifest's {entry.checksum}"))
-
-
-# ---- CLI: `moestream verify` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
-
-DESCRIPTION = (
-    "Check the manifest against the files (sizes, offsets, alignment), every expert record's "
-    "checksum and the resident safetensors files. Exits 0 when the store is intact, 1 with a list of "
-    "problems (file, layer, expert, offset) when it is not."
-)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", help="store directory made by `moestream convert`")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="check a sample of records per layer (first, last and random ones) and resident headers only",
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-
-
-def run(args: argparse.Namespace) -> int:
-    import json
-
-    if not Path(args.store).is_dir():
-        what = "does not exist" if not Path(args.store).exists() else "is not a directory"
-        raise StoreError(f"{args.store} {what}; pass a store directory made by `moestream convert`")
-    report = verify_store(args.store, quick=args.quick, progress=not args.json)
-    print(json.dumps(report.to_json()) if args.json else report.summary())
-    return 0 if report.ok else 1

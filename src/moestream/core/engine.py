@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
+from ..choices import VERIFY_MODES
 from ..conversion.sizes import ModelSizes
 from ..conversion.store import DTYPES, Store
 from ..errors import ExpertReadError, UsageError
@@ -38,11 +39,6 @@ from .policies import DEFAULT_POLICY, make_policy
 from .reader import RecordReader
 
 IMPLEMENTATION = "moestream"
-# When expert records are checked against their manifest checksums (docs/FORMAT.md, "Verification"):
-# "first": the first time each record is read by this process (the default: damage on disk is caught
-# before the bytes are used, and re-reads of an evicted expert cost no hashing); "always": every read;
-# "off": never.
-VERIFY_MODES = ("first", "always", "off")
 # A read that has not finished after this long means a stalled disk or network filesystem: the step
 # fails with an error instead of hanging the program.
 READ_TIMEOUT_SECONDS = 60.0

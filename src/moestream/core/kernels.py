@@ -33,6 +33,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .. import choices
+from ..choices import ACTIVATIONS
 from ..conversion.quant import QuantFormat, expand_int4_bytes, pack, quantize, torch_int4_packing, unpack_nibbles
 from ..errors import StoreError, UsageError
 from .repack import RecordPreparer
@@ -175,9 +177,6 @@ def expert_linear(
 
 # -- int8 activations ------------------------------------------------------------------------------------
 
-#: `load(activations=...)` / `--activations`: what the CPU's low-bit matmuls take. "auto": int8 where the
-#: compiled kernels exist and are measured faster on the model's shapes (`choose_activations`).
-ACTIVATIONS = ("auto", "int8", "float")
 #: What `load` takes when not told (the test suite's exactness tests set "float").
 DEFAULT_ACTIVATIONS = "auto"
 #: "auto" takes int8 activations only when they are at least this much faster: a near tie is not worth
@@ -282,7 +281,7 @@ def int8_activations_reference(x: torch.Tensor, qweight: torch.Tensor, params: t
 # -- the activations' dtype ------------------------------------------------------------------------------
 
 #: `load(compute_dtype=...)` / `--compute-dtype`: the dtype float weights and activations compute in.
-COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+COMPUTE_DTYPES = dict(zip(choices.COMPUTE_DTYPES, (None, torch.bfloat16, torch.float32)))
 
 
 def native_bf16() -> bool:

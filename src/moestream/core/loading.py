@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ..choices import GPU_HEADROOM
 from ..conversion.quant import expert_record_specs
 from ..conversion.sizes import ModelSizes, routed_top_k
 from ..conversion.skeleton import build_skeleton, config_from_dict, expert_parameters, experts_modules, model_dtype
@@ -175,11 +176,6 @@ def load(
         engine.close()  # its store files are open: a load that fails must not keep them
         raise
     return model, tokenizer
-
-
-#: VRAM a GPU run keeps free beside the resident weights and the expert budget: the KV cache, activations,
-#: CUDA's own workspace.
-GPU_HEADROOM = 2**30
 
 
 def _device(device) -> Device | None:

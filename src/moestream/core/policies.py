@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from ..choices import DEFAULT_POLICY  # noqa: F401 (the default among POLICIES, imported from here by the engine)
 from ..errors import UsageError
 
 Key = Hashable
@@ -451,12 +452,6 @@ class ForecastPolicy:
 
 
 POLICIES: dict[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "arc": ARCPolicy, "forecast": ForecastPolicy}
-# forecast: on the routing of four trained models (benchmarks/traces) it is at or above LFU at every budget
-# from 5% to 30% of the experts, and LFU at or above LRU and ARC (decode visits the layers cyclically, so
-# once the cache holds less than one token's experts LRU and ARC evict each expert just before its next
-# use); decoding the fixture at 8 MiB is as fast as with LFU (docs/BENCHMARKS.md, "Cache policies near the
-# optimum").
-DEFAULT_POLICY = "forecast"
 
 
 def make_policy(name: str, layer_experts: Sequence[int]):

@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..choices import PREFETCH_MODES
 from ..errors import UsageError
 
-PREFETCH_MODES = ("auto", "on", "off")
 MAX_SPECULATIVE_TOKENS = 4  # speculate on decode steps only (and tiny batches)
 AUTO_WARMUP_STEPS = 16  # decode steps before auto's first probe (speculation off)
 AUTO_PROBE_BLOCK = 8  # decode steps per block of a probe; the first of each block is not timed (transition)

@@ -11,7 +11,6 @@ reminds how to leave. /stats, /reset and /exit are commands.
 
 from __future__ import annotations
 
-import argparse
 import re
 import signal
 import sys
@@ -23,15 +22,7 @@ import torch
 
 from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
-from ..options import (
-    add_chat_template_argument,
-    add_kv_memory_argument,
-    add_sampling_arguments,
-    add_store_arguments,
-    check_sampling,
-    load_model,
-)
-from ..units import format_bytes, parse_bytes
+from ..units import format_bytes
 from .generate import GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template, stream
 from .kv_cache import PrefixCache
 
@@ -231,46 +222,3 @@ def run_chat(session: ChatSession, read: Callable[[str], str] = input, out: Text
             result = session.ask(line, on_text=show, cancel=cancel, notice=say)
         if result is not None:
             say("" if result.finish_reason != "cancelled" else "\n(stopped)")
-
-
-# ---- CLI: `moestream chat` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
-
-DESCRIPTION = (
-    "A conversation in the terminal. Each message goes through the checkpoint's chat template "
-    "(a plain 'User: ... Assistant:' format when it has none) with the conversation so far; the answer "
-    "streams as it is generated. When the conversation outgrows the model's context, the oldest exchanges "
-    "are dropped. The conversation's KV cache is kept between answers (--kv-memory), so each prefill feeds only "
-    "the new message. Commands: /stats (hit rate, MB read, tokens/s, RSS), /reset (new conversation), /exit "
-    "(or Ctrl-D). Ctrl-C stops the current answer, not the program."
-)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_store_arguments(parser)
-    parser.add_argument("--system", default=None, help="a system message that opens every conversation")
-    add_sampling_arguments(
-        parser, max_new_tokens=512, seed_help="seed the conversation's sampling: the same messages give the same answers"
-    )
-    add_kv_memory_argument(parser)
-    add_chat_template_argument(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    check_sampling(args)
-    kv_memory = parse_bytes(args.kv_memory)
-    model, tokenizer = load_model(args)
-    session = ChatSession(
-        model,
-        tokenizer,
-        system=args.system,
-        max_new_tokens=args.max_new_tokens,
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        kv_memory=kv_memory,
-    )
-    print(banner(session, Path(args.store).name), flush=True)
-    return run_chat(session)

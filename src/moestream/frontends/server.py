@@ -1,4 +1,4 @@
-"""`moestream serve`: the verb's command line, and running the HTTP app with uvicorn.
+"""Running the HTTP app with uvicorn, for `moestream serve` (commands/serve.py builds the app and calls `serve`).
 
 The server is three pieces, one module each:
 - openai_api.py: OpenAI's request models, their translation into a generation (prompt ids, sampling
@@ -7,150 +7,14 @@ The server is three pieces, one module each:
   first-out queue join a batch decoded together (batching.py), with cancellation and deadlines;
 - http_app.py: the FastAPI app: routes, error handlers, server-sent events, metrics.
 
-This module imports neither FastAPI nor uvicorn at import time (`moestream --help` builds every verb's
-parser, and the server is an optional extra): `run` imports them, and names the extra when they are
-missing.
+This module imports uvicorn only inside `serve`, and commands/serve.py imports FastAPI only when it runs
+(the server is an optional extra): `moestream serve --help` works without them, and a missing extra is
+named when the verb runs.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import socket
-
-from ..errors import MoestreamError, UsageError
-from ..options import add_chat_template_argument, add_kv_memory_argument, add_store_arguments, load_model, non_negative, positive
-from ..units import format_bytes, parse_bytes
-
-DESCRIPTION = (
-    "Serve a store over HTTP with OpenAI's API, so that the `openai` package and other clients work unchanged: "
-    "GET /v1/models, POST /v1/chat/completions and /v1/completions (also without the /v1 prefix; streamed or not; "
-    "sampling, stop sequences, seed, n, logprobs, logit_bias, JSON-schema outputs, tool calls; the README lists "
-    "every field, and one that is not honoured is refused by name), GET /health, GET /metrics (Prometheus). Up "
-    "to --max-batch requests "
-    "are decoded together, so each step reads every needed expert once for all of them; more wait in a "
-    "first-in first-out queue. Recent conversations' KV is kept (--kv-memory), so a follow-up prefills only its "
-    "new tokens. A seeded request gets the answer it would get alone. A client that disconnects cancels its "
-    "request; --request-timeout bounds each."
-)
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_store_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument(
-        "--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one and prints it)"
-    )
-    parser.add_argument("--model-name", default=None, help="the model id clients send (default: the store directory's name)")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("MOESTREAM_API_KEY"),
-        metavar="KEY",
-        help="answer /v1 requests only when they carry `Authorization: Bearer KEY` (the openai client's api_key); "
-        "others get 401. /health and /metrics stay open. Default: $MOESTREAM_API_KEY, or no key",
-    )
-    add_chat_template_argument(parser)
-    parser.add_argument(
-        "--max-queue", type=int, default=64, metavar="N", help="requests that may wait for the model; more get 429 (default 64)"
-    )
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="the longest a request may take, queueing included; then it is cancelled (default 600)",
-    )
-    parser.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=512,
-        metavar="N",
-        help="answer length of a chat request that sets no max_tokens (default 512; completions: 16, as OpenAI)",
-    )
-    parser.add_argument(
-        "--max-batch",
-        type=int,
-        default=8,
-        metavar="N",
-        help="the most requests decoded together (default 8; 1: one at a time). A step of N sequences reads each "
-        "needed expert once for all of them",
-    )
-    parser.add_argument(
-        "--batch-kv-memory",
-        default="2GiB",
-        metavar="SIZE",
-        help="KV cache the running requests may hold together (default 2GiB): a request joins the batch only while "
-        "every running one's prompt + max_tokens still fits, and one that could never fit is refused (400)",
-    )
-    add_kv_memory_argument(parser)
-    parser.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=None,
-        metavar="N",
-        help="feed a newcomer's prompt N tokens per step while other requests decode, so a long prompt slows them "
-        "instead of stopping them; costs the newcomer time, since each part visits most experts again (default: "
-        "one pass)",
-    )
-    parser.add_argument(
-        "--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info: one line per request)"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Check the options, load the store, and serve until interrupted."""
-    from pathlib import Path
-
-    positive(args.max_queue, "--max-queue")
-    positive(args.request_timeout, "--request-timeout")
-    positive(args.default_max_tokens, "--default-max-tokens")
-    positive(args.max_batch, "--max-batch")
-    if args.prefill_chunk is not None:
-        positive(args.prefill_chunk, "--prefill-chunk")
-    batch_kv = positive(parse_bytes(args.batch_kv_memory), "--batch-kv-memory")
-    kv_memory = non_negative(parse_bytes(args.kv_memory), "--kv-memory")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be between 0 and 65535 (0: any free port), not {args.port}")
-    try:
-        import uvicorn  # noqa: F401  (checked here, before the model loads; serve() uses it)
-
-        from .http_app import ServerConfig, create_app
-    except ImportError as e:
-        raise MoestreamError(
-            f"the server needs FastAPI and uvicorn ({e}); install them with: pip install 'moestream[server]'"
-        ) from None
-
-    model, tokenizer = load_model(args, need_tokenizer=True)
-    name = args.model_name or Path(args.store).resolve().name
-    config = ServerConfig(
-        name,
-        args.max_queue,
-        args.request_timeout,
-        args.default_max_tokens,
-        args.max_batch,
-        batch_kv,
-        kv_memory,
-        args.prefill_chunk,
-        args.api_key or None,
-    )
-    app = create_app(model, tokenizer, config)
-
-    def ready(port: int) -> None:
-        where = f"[{args.host}]" if ":" in args.host else args.host
-        print(
-            f"moestream: memory budgets: experts {format_bytes(parse_bytes(args.memory))} (--memory), running requests' "
-            f"KV {format_bytes(batch_kv)} (--batch-kv-memory, up to {args.max_batch} together), reused prefixes' KV "
-            f"{format_bytes(kv_memory)} (--kv-memory); resident weights come on top",
-            flush=True,
-        )
-        print(f"moestream: serving {name} at http://{where}:{port}/v1 (OpenAI-compatible; /health, /metrics)", flush=True)
-
-    try:
-        serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
-    except OSError as e:
-        raise MoestreamError(f"cannot listen on {args.host}:{args.port} ({e}); choose another --port or --host") from None
-    return 0
 
 
 def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None) -> None:

@@ -23,7 +23,6 @@ cache is its expert cache, so only `--squeeze` gives it the same memory.
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import multiprocessing
@@ -44,15 +43,6 @@ from ..core.memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
 from ..core.reader import RecordReader
 from ..errors import UsageError
 from ..frontends.generate import Timing, timed
-from ..options import (
-    add_store_arguments,
-    engine_options,
-    existing_file,
-    positive,
-    read_text_file,
-    trace_output,
-    writable_file,
-)
 from ..units import format_bytes, parse_bytes
 
 
@@ -411,84 +401,3 @@ def _run_all_hits(store_dir, budget: int, ids, new_tokens: int) -> RunResult:
 
 def write_json(report: BenchReport, path: str) -> None:
     Path(path).write_text(json.dumps(report.to_json(), indent=1))
-
-
-# ---- CLI: `moestream bench` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
-
-DESCRIPTION = (
-    "Measure decode tokens/s, time to first token, hit rate and expert bytes read per token, "
-    "the disk bandwidth on this run's own decode reads (replayed with O_DIRECT through the engine's reader, in "
-    "the engine's batches), the I/O floor (bytes missed per token / bandwidth + all-hits compute) and "
-    "efficiency = floor / measured time."
-)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_store_arguments(parser)
-    parser.add_argument("--prompt-tokens", type=int, default=32, metavar="N", help="prompt length in tokens (default 32)")
-    parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens to decode, at least 2 (default 32)")
-    parser.add_argument("--text", default=None, metavar="FILE", help="take the prompt from this text (default: random token ids)")
-    parser.add_argument(
-        "--squeeze",
-        default="0",
-        metavar="SIZE",
-        help="hold this much anonymous memory in a helper process during the run, so the machine behaves like "
-        "a smaller one (there is no swap: it stays resident)",
-    )
-    parser.add_argument(
-        "--compare",
-        default=None,
-        metavar="CHECKPOINT",
-        help="also run the peers on this Hugging Face checkpoint (the store's source): transformers fully "
-        "loaded (if it fits) and transformers + accelerate disk offload at the same --memory",
-    )
-    parser.add_argument(
-        "--compare-gguf",
-        default=None,
-        metavar="FILE.gguf",
-        help="also run llama.cpp (pip install llama-cpp-python) on this GGUF conversion of the same checkpoint, "
-        "mmap'd; it caches in the page cache, so give it the same memory with --squeeze",
-    )
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
-    parser.add_argument(
-        "--trace-out",
-        default=None,
-        metavar="FILE.npz",
-        help="record the measured run's routing for `moestream simulate` / `plan --trace`",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    positive(args.prompt_tokens, "--prompt-tokens")
-    if args.new_tokens < 2:
-        raise UsageError(
-            f"--new-tokens must be at least 2, not {args.new_tokens}: decode speed is measured after the first token"
-        )
-    text = read_text_file(args.text, "--text") if args.text else None
-    if args.compare and not Path(args.compare).is_dir():
-        raise UsageError(
-            f"--compare {args.compare} is not a directory; pass the Hugging Face checkpoint the store was converted from"
-        )
-    if args.compare_gguf:
-        existing_file(args.compare_gguf, "--compare-gguf", "GGUF file")
-    if args.json:
-        writable_file(args.json, "--json")
-    if args.trace_out:
-        trace_output(args.trace_out, "--trace-out")
-    report = bench(
-        args.store,
-        args.memory,
-        prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
-        squeeze=args.squeeze,
-        compare=args.compare,
-        compare_gguf=args.compare_gguf,
-        text=text,
-        trace_out=args.trace_out,
-        **engine_options(args),
-    )
-    print(report.table())
-    if args.json:
-        write_json(report, args.json)
-        print(f"wrote {args.json}")
-    return 0

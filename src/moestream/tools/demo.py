@@ -8,7 +8,6 @@ real routing: tune nothing on them (use a trained checkpoint for that).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import tempfile
 import time
@@ -129,31 +128,3 @@ def run_demo(workdir: str | None = None, tokens: int = 24, quick: bool = False) 
             f"the rest is the Python/torch runtime. Done in {time.perf_counter() - t0:.0f}s."
         )
         return rows + pair
-
-
-# ---- CLI: `moestream demo` (cli.py builds the subcommand from DESCRIPTION, add_arguments and run) ----
-
-DESCRIPTION = (
-    "Build a synthetic Qwen3-MoE checkpoint (random weights), convert it, stream it under a sweep of expert "
-    "cache budgets and print hit rate, MB read, peak RSS and tokens/s for each."
-)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..options import add_threads_argument
-
-    parser.add_argument("--workdir", default=None, help="where to build the demo model (default: a temporary directory)")
-    add_threads_argument(parser)
-    parser.add_argument("--tokens", type=int, default=24, metavar="N", help="tokens generated per budget (default 24)")
-    parser.add_argument("--quick", action="store_true", help="a smaller model, for a fast check")
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from ..options import positive
-
-    positive(args.tokens, "--tokens")
-    if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
-        raise UsageError(f"--workdir {args.workdir} is a file; pass a directory to build the demo model in")
-    run_demo(workdir=args.workdir, tokens=args.tokens, quick=args.quick)
-    return 0

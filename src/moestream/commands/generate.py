@@ -1,6 +1,6 @@
-"""`moestream generate`: the verb's command line (cli.py builds the subcommand from DESCRIPTION, add_arguments
-and run). The generation itself is generate.py's; a routing trace of the run (--trace-out) is tools/trace.py's,
-so this module, not generate.py, is where the two meet (generate.py stays free of the tools that use it)."""
+"""`moestream generate`: its options and what it runs. The generation itself is frontends/generate.py's; a
+routing trace of the run (--trace-out) is tools/trace.py's, so this module, not generate.py, is where the two
+meet (generate.py stays free of the tools that use it)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import sys
 
 from ..errors import UsageError
 from ..options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
-from ..tools.trace import start_recording, stop_recording
-from .constraints import Grammar, GrammarError
-from .generate import encode, generate, vocabulary_of
 
 DESCRIPTION = (
     "Generate a continuation of --prompt, streaming the text as it comes, then print tokens/s, time to first "
@@ -40,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..frontends.constraints import GrammarError
+    from ..frontends.generate import encode, generate, vocabulary_of
+    from ..tools.trace import start_recording, stop_recording
+
     if not args.prompt:
         raise UsageError("--prompt is empty; generation needs some text to continue, e.g. --prompt 'Once upon a time'")
     check_sampling(args)
@@ -86,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _schema_grammar(path: str) -> Grammar:
+def _schema_grammar(path: str):
+    from ..frontends.constraints import Grammar, GrammarError
+
     try:
         schema = json.loads(open(path, encoding="utf-8").read())
     except OSError as e:

@@ -1,0 +1,59 @@
+"""The names a user chooses among, on the command line and in the Python API, with their defaults: store
+formats, engine modes, cache policies.
+
+Plain values, no torch: every verb's `--help` builds its parser from these without importing the engine
+(commands/), and the modules that implement a choice take its names from here, so that the two cannot
+drift apart (tests/test_cli.py checks each list against its implementation's table).
+"""
+
+# ---- the store (conversion/) ----------------------------------------------------------------------------
+
+#: Expert weights kept as floats (conversion/convert.py maps each to its torch dtype).
+FLOAT_FORMATS = ("bf16", "fp16", "fp32")
+#: Low-bit formats (conversion/quant.py): int8 per output channel, int4/int3/int2 per group, affine.
+QUANT_FORMATS = ("int8", "int4", "int3", "int2")
+#: `convert --experts-dtype`.
+EXPERT_FORMATS = FLOAT_FORMATS + QUANT_FORMATS
+#: `convert --dense-dtype`: resident linear layers (attention, shared experts, dense MLPs) in the model's
+#: float dtype, or quantized into these kernel formats (core/dense.py runs them).
+DENSE_FORMATS = ("float", "int8", "int4")
+#: Weights per scale of int4/int3/int2.
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32
+
+# ---- the engine (core/) -----------------------------------------------------------------------------------
+
+#: `--verify`: when expert records are checked against their manifest checksums (docs/FORMAT.md,
+#: "Verification"). "first": the first time each record is read by this process (the default: damage on
+#: disk is caught before the bytes are used, and re-reads of an evicted expert cost no hashing); "always":
+#: every read; "off": never.
+VERIFY_MODES = ("first", "always", "off")
+#: `--compute-dtype`: the dtype float weights and activations compute in (core/kernels.py).
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")
+#: `--activations`: what the CPU's low-bit matmuls take. "auto": int8 where the compiled kernels exist and
+#: are measured faster on the model's shapes (core/kernels.py, `choose_activations`).
+ACTIVATIONS = ("auto", "int8", "float")
+#: `--prefetch`: speculative reads of the next layer's likely experts (core/prefetch.py).
+PREFETCH_MODES = ("auto", "on", "off")
+#: `--policy`: the expert cache's eviction policies (core/policies.py).
+POLICIES = ("lru", "lfu", "arc", "forecast")
+# forecast: on the routing of four trained models (benchmarks/traces) it is at or above LFU at every budget
+# from 5% to 30% of the experts, and LFU at or above LRU and ARC (decode visits the layers cyclically, so
+# once the cache holds less than one token's experts LRU and ARC evict each expert just before its next
+# use); decoding the fixture at 8 MiB is as fast as with LFU (docs/BENCHMARKS.md, "Cache policies near the
+# optimum").
+DEFAULT_POLICY = "forecast"
+#: VRAM a GPU run keeps free beside the resident weights and the expert budget: the KV cache, activations,
+#: CUDA's own workspace.
+GPU_HEADROOM = 2**30
+
+# ---- measurement (tools/) ---------------------------------------------------------------------------------
+
+#: `eval --reference-dtype`: a checkpoint reference loaded in this torch dtype instead of its own.
+REFERENCE_DTYPES = ("float32", "bfloat16", "float16")
+#: `eval`: the text's first tokens evaluated, tokens per window, and the stores' expert cache budget.
+EVAL_MAX_TOKENS = 1024
+EVAL_CONTEXT = 256
+EVAL_MEMORY = "1GiB"
+#: `plan --overhead`: memory for the Python/torch runtime, activations and KV cache.
+PLAN_OVERHEAD = "512MiB"

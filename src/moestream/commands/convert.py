@@ -1,0 +1,83 @@
+"""`moestream convert`: its options and what it runs (the work itself: moestream.conversion.convert)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..choices import DEFAULT_GROUP_SIZE, DENSE_FORMATS, EXPERT_FORMATS, GROUP_SIZES
+from ..errors import UsageError
+
+DESCRIPTION = (
+    "Convert a Hugging Face MoE checkpoint directory (safetensors) into a moestream store, reading one tensor "
+    "at a time, then print the store's sizes as `moestream inspect` does. The store appears only when complete."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "src",
+        help="checkpoint directory (config.json, *.safetensors, tokenizer files), or a llama.cpp .gguf file of a "
+        "qwen3moe, qwen2moe, Mixtral or DeepSeek-V3/R1 (deepseek2) model (its tensors are dequantized to float, then stored as the options say)",
+    )
+    parser.add_argument("dst", help="store directory to create")
+    parser.add_argument(
+        "--experts-dtype",
+        choices=EXPERT_FORMATS,
+        default=None,
+        help="how expert weights are stored: bf16/fp16/fp32, or int8 (per channel), int4, int3, int2 (per "
+        "group, affine); default: the checkpoint's float dtype (bf16 for FP8/MXFP4 sources). Fewer bits "
+        "read less from disk and cache more experts; `moestream eval` shows what they cost in quality",
+    )
+    parser.add_argument(
+        "--layer-dtype",
+        action="append",
+        default=[],
+        metavar="LAYERS=DTYPE",
+        help="override --experts-dtype for some MoE layers (counted from 0 over the MoE layers, negative from "
+        "the end), e.g. --layer-dtype 0-3=int3 --layer-dtype -1=int4; repeatable, later rules win",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        choices=GROUP_SIZES,
+        help=f"weights per scale for int4/int3/int2 (default {DEFAULT_GROUP_SIZE})",
+    )
+    parser.add_argument(
+        "--dense-dtype",
+        choices=DENSE_FORMATS,
+        default="float",
+        help="how the resident linear layers (attention, shared experts, dense MLPs, an untied LM head; not the "
+        "routers) are stored: float (the model's dtype, default), int8 (per channel) or int4 (per group, "
+        "--group-size; the LM head int8). "
+        "They are read for every token, so fewer bits decode faster and leave more memory to the expert cache",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow a config that names custom modeling code")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..conversion.convert import convert
+    from ..conversion.inspect_store import print_inspect
+
+    if not Path(args.src).is_dir() and not Path(args.src).is_file():
+        what = "does not exist" if not Path(args.src).exists() else "is neither a directory nor a file"
+        raise UsageError(
+            f"{args.src} {what}; pass a Hugging Face checkpoint directory (config.json, *.safetensors) or a .gguf file"
+        )
+    if Path(args.dst).exists() and not Path(args.dst).is_dir():
+        raise UsageError(
+            f"{args.dst} is a file; pass the path of a store directory to create (--overwrite replaces only a directory)"
+        )
+    dst = convert(
+        args.src,
+        args.dst,
+        args.experts_dtype,
+        layer_dtypes=args.layer_dtype,
+        group_size=args.group_size,
+        dense_dtype=args.dense_dtype,
+        overwrite=args.overwrite,
+        trust_remote_code=args.trust_remote_code,
+    )
+    return print_inspect(dst, None)
