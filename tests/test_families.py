@@ -20,7 +20,7 @@ import moestream
 from moestream.conversion.sizes import routed_top_k
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import fused
+from moestream.core import fused, fused_build
 from moestream.errors import SourceError
 
 _NO_CAUSAL_LM = "transformers has no causal LM for it (AutoModelForCausalLM), which moestream builds: {}"
@@ -161,7 +161,7 @@ def test_streamed_model_equals_transformers(case, family, paths, monkeypatch):
     experts: with the fused kernels where their checks agree, and with none (the models' own code)."""
     c = case(family)
     if paths == "own":
-        monkeypatch.setattr(fused, "extension", lambda: None)  # what MOESTREAM_FUSED=0 gives
+        monkeypatch.setattr(fused_build, "extension", lambda: None)  # what MOESTREAM_FUSED=0 gives
         _transformers_own(monkeypatch)
     streamed, _ = moestream.load(c.store, c.budget)
     try:

@@ -8,7 +8,7 @@ from tiny import TINY
 
 import moestream
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import fused
+from moestream.core import fused_build
 from moestream.core.loading import engine_of, fast_paths
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the fused kernels are not built")
@@ -48,7 +48,7 @@ def test_the_paths_that_are_off_say_why(stores, monkeypatch):
     assert experts["on"] == 0 and "int2 records" in experts["note"]
     model, _ = moestream.load(stores["bf16"], "64MiB", compute_dtype="fp32")
     assert "float records" in _paths(model)["experts (one token)"]["note"]
-    monkeypatch.setattr(fused, "extension", lambda: None)  # as without a compiler
+    monkeypatch.setattr(fused_build, "extension", lambda: None)  # as without a compiler
     model, _ = moestream.load(stores["int4"], "64MiB", compute_dtype="fp32")
     found = _paths(model)
     assert "off" in found["fused CPU kernels"]["note"] and found["experts (one token)"]["on"] == 0

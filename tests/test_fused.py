@@ -13,14 +13,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import fused
+from moestream.core import fused, fused_build
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the fused kernels are not built")
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    ext = fused.extension()
+    ext = fused_build.extension()
     assert ext is not None, "a C++ compiler is here, so the extension must build"
     return ext.rms_norm
 
@@ -116,14 +116,14 @@ def test_other_inputs_fall_back_to_the_modules_own_forward(kernel, store, monkey
 
 def test_moestream_fused_0_leaves_the_modules_alone(monkeypatch, store):
     monkeypatch.setenv("MOESTREAM_FUSED", "0")
-    fused.extension.cache_clear()
+    fused_build.extension.cache_clear()
     try:
         model, _ = moestream.load(store[1], "1MiB")
         assert not any(getattr(n.forward, "func", None) is fused._fused_forward for n in fused._rms_norms(model))
         assert fused.install(model) == 0
     finally:
         monkeypatch.delenv("MOESTREAM_FUSED")
-        fused.extension.cache_clear()
+        fused_build.extension.cache_clear()
 
 
 # -- rotary ---------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_moestream_fused_0_leaves_the_modules_alone(monkeypatch, store):
 
 @pytest.fixture(scope="module")
 def ext():
-    built = fused.extension()
+    built = fused_build.extension()
     assert built is not None
     return built
 

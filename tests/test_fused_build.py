@@ -177,11 +177,11 @@ def test_moestream_fused_0_is_the_reason(monkeypatch, capsys, fresh):
 
 _LOGITS = """
 import sys, torch, moestream
-from moestream.core import fused
+from moestream.core import fused, fused_build
 torch.manual_seed(0)
 ids = torch.randint(0, 100, (1, 9))
 def logits():
-    fused.extension.cache_clear()
+    fused_build.extension.cache_clear()
     model, _ = moestream.load(sys.argv[1], "1MiB")
     with torch.no_grad():
         out = model(ids).logits

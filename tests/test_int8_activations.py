@@ -9,13 +9,13 @@ import moestream
 from moestream.conversion.quant import QuantFormat, pack, quantize, reference_dequantize
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import fused, kernels, loading
+from moestream.core import fused, fused_build, kernels, loading
 from moestream.errors import UsageError
 
 
 @pytest.fixture(scope="module")
 def ext():
-    extension = fused.extension()
+    extension = fused_build.extension()
     if extension is None:
         pytest.skip(f"no compiled kernels: {fused.unavailable_reason()}")
     return extension
@@ -111,7 +111,7 @@ def test_the_choice_of_activations(ext, monkeypatch):
     assert used == (floating / integer >= kernels.INT8_ACTIVATIONS_MARGIN) and f"{floating / integer:.1f}x"[:3] in why
     with pytest.raises(UsageError, match="activations must be one of"):
         kernels.choose_activations("int4", shapes, False)
-    monkeypatch.setattr(fused, "extension", lambda: None)
+    monkeypatch.setattr(fused_build, "extension", lambda: None)
     with pytest.raises(UsageError, match="needs the compiled kernels"):
         kernels.choose_activations("int8", shapes, False)
     assert kernels.choose_activations("auto", shapes, False) == (False, "float activations: no compiled kernels")

@@ -8,7 +8,7 @@ Public API:
     moestream.close(model)                             # stop its reader threads, release its cache
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["close", "convert", "generate_batch", "load", "stats", "__version__"]
 

@@ -14,9 +14,9 @@ import importlib
 import sys
 from types import ModuleType
 
-from . import __version__
 from .errors import MoestreamError
 from .options import apply_threads
+from .version import __version__
 
 #: verb -> (module of this package that defines it, its line in `moestream --help`), in the order listed.
 #: The line lives here, not in the module, so that `moestream --help` imports no verb module and

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from .. import __version__
 from ..errors import StoreError
+from ..version import __version__
 from .quant import GROUP_SIZES, LEGACY_PACKINGS, PORTABLE_PACKING, QUANT_FORMATS, QuantFormat
 
 FORMAT_NAME = "moestream-store"

@@ -31,7 +31,7 @@ from ..conversion.sizes import ModelSizes
 from ..conversion.store import DTYPES, Store
 from ..errors import ExpertReadError, UsageError
 from ..units import format_bytes
-from . import kernels, scheduler
+from . import fused, kernels, scheduler
 from .cache import Entry, ExpertCache, State
 from .kernels import expert_linear
 from .memory import peak_rss_bytes
@@ -329,11 +329,11 @@ class ExpertEngine:
         }
 
     def one_token_kernel(self, module, layer: int, x: torch.Tensor) -> tuple | None:
-        """The fused one-token experts kernel for this layer and activation dtype (kernels.one_token_experts
+        """The fused one-token experts kernel for this layer and activation dtype (fused.one_token_experts
         decides; remembered per layer and dtype), or None."""
         key = (layer, x.dtype)
         if key not in self._one_token_kernels:
-            self._one_token_kernels[key] = kernels.one_token_experts(
+            self._one_token_kernels[key] = fused.one_token_experts(
                 module, self.layers[layer], x, self.tier is not None, self.int8_activations[layer]
             )
         return self._one_token_kernels[key]

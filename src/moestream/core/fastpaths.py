@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..conversion.skeleton import experts_modules
-from . import fused, repack
+from . import fused, fused_build, repack
 from .kernels import native_bf16
 
 
@@ -46,7 +46,7 @@ def survey(model, engine, routers, compute_dtype: torch.dtype, on_gpu: bool, act
     paths.append(FastPath("compute dtype", 0, 0, why_not))
     if activations:
         paths.append(FastPath("low-bit matmuls", 0, 0, activations))
-    ext = None if on_gpu else fused.extension()
+    ext = None if on_gpu else fused_build.extension()
     if on_gpu:
         paths.append(FastPath("fused CPU kernels", 0, 0, "off: the model runs on a GPU"))
     elif ext is None:

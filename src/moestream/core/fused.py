@@ -62,17 +62,10 @@ from transformers import DynamicCache
 from . import dense, fused_build
 
 
-@functools.lru_cache(maxsize=1)
-def extension():
-    """The compiled kernels, or None (MOESTREAM_FUSED=0, no compiler, a failed build): core/fused_build.py
-    builds them once per source and torch build, caches them, and says in one line why they are off."""
-    return fused_build.load()
-
-
 def unavailable_reason() -> str | None:
     """None when the fused kernels are available, else why they are off (MOESTREAM_FUSED=0, no compiler,
     a failed build), as one line for a user."""
-    if extension() is not None:
+    if fused_build.extension() is not None:
         return None
     return fused_build.unavailable_reason() or "the fused kernels are turned off in this process"
 
@@ -145,7 +138,7 @@ def install(model: nn.Module, routers=()) -> int:
     forward falls back to the module's own for inputs the kernel does not take (another dtype than the
     weight's, a device other than the CPU, more arguments than the one checked, or with autograd
     recording)."""
-    ext = extension()
+    ext = fused_build.extension()
     if ext is None:
         return 0
     install_rotary(model, ext.rotary)
@@ -329,10 +322,32 @@ def gate_agrees(module: nn.Module, kernel, width: int, dtype: torch.dtype) -> bo
 _GATE_VERDICTS: dict[tuple, bool] = {}  # (class, activation class, width, dtype) -> gate_agrees
 
 
+def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activations: bool = False) -> tuple | None:
+    """The fused kernel for one token through a layer's experts (`experts_decode`) with the
+    record tensors' names it takes, its bits, group size and whether it takes int8 activations (the
+    layer's `int8_activations`, whose records are then as stored); or None where it does not apply: a device
+    tier, float or int3/int2 records, int8 in bf16 at widths torch's kernel gets wrong (kernels.py's `_int8`), or a
+    module whose gate differs from the kernel's. int4 with float32 activations casts them to bf16 and back,
+    as kernels.py's `_int4` does, so both compute the same numbers."""
+    fmt = layer.quantization
+    if tiered or x.device.type != "cpu" or fmt is None or fmt.name not in ("int4", "int8"):
+        return None
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    shapes = {t.name: t.shape for t in layer.layout.tensors}
+    width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
+    if not int8_activations and fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
+        return None
+    kernel = experts_kernel(module, width, x.dtype)
+    if kernel is None:
+        return None
+    names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
+    return kernel, names, fmt.bits, fmt.group_size or 0, int8_activations
+
+
 def experts_kernel(module: nn.Module, width: int, dtype: torch.dtype):
     """`experts_decode` for this experts module at a first-matmul width and activation dtype, or None:
     without the extension, or where its gate differs from the kernel's (a clamped or biased variant)."""
-    ext = extension()
+    ext = fused_build.extension()
     if ext is None or not module.has_gate or module.has_bias or module.is_transposed or module.has_post_expert_norm:
         return None
     key = (type(module), type(getattr(module, "act_fn", None)), width, dtype)

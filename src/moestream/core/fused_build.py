@@ -27,6 +27,7 @@ line naming the kernels that are off and why; `unavailable_reason()` returns tha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -291,6 +292,13 @@ def load():
             return None
         _reason = None
         return module
+
+
+@functools.lru_cache(maxsize=1)
+def extension():
+    """The compiled kernels for this process, or None (MOESTREAM_FUSED=0, no compiler, a failed build):
+    `load` once, then remembered, since the kernels' callers ask for it on every call."""
+    return load()
 
 
 def unavailable_reason() -> str | None:

@@ -37,6 +37,7 @@ from .. import choices
 from ..choices import ACTIVATIONS
 from ..conversion.quant import QuantFormat, expand_int4_bytes, pack, quantize, torch_int4_packing, unpack_nibbles
 from ..errors import StoreError, UsageError
+from . import fused_build
 from .repack import RecordPreparer
 
 
@@ -69,9 +70,8 @@ def _int8_activations_int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros:
 
 
 def _compiled():
-    from . import fused  # fused imports dense, which imports this module
-
-    return fused.extension()
+    """The compiled kernels (core/fused_kernels.cpp), or None where they are off."""
+    return fused_build.extension()
 
 
 def int8_dequantized(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -90,30 +90,6 @@ def int4_dequantized(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch
     scales = scales_zeros[..., 0].t().to(x.dtype)[:, :, None]  # [N, K/G, 1]
     zeros = scales_zeros[..., 1].t().to(x.dtype)[:, :, None]
     return F.linear(x, ((groups - 8) * scales + zeros).view(n, k))
-
-
-def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activations: bool = False) -> tuple | None:
-    """The fused kernel for one token through a layer's experts (core/fused.py's `experts_decode`) with the
-    record tensors' names it takes, its bits, group size and whether it takes int8 activations (the
-    layer's `int8_activations`, whose records are then as stored); or None where it does not apply: a device
-    tier, float or int3/int2 records, int8 in bf16 at widths torch's kernel gets wrong (`_int8`), or a
-    module whose gate differs from the kernel's. int4 with float32 activations casts them to bf16 and back,
-    as `_int4` does, so both compute the same numbers."""
-    from . import fused  # fused imports dense, which imports this module
-
-    fmt = layer.quantization
-    if tiered or x.device.type != "cpu" or fmt is None or fmt.name not in ("int4", "int8"):
-        return None
-    first = "gate_up_proj" if module.has_gate else "up_proj"
-    shapes = {t.name: t.shape for t in layer.layout.tensors}
-    width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
-    if not int8_activations and fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
-        return None
-    kernel = fused.experts_kernel(module, width, x.dtype)
-    if kernel is None:
-        return None
-    names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
-    return kernel, names, fmt.bits, fmt.group_size or 0, int8_activations
 
 
 def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_activations: bool = False):
@@ -237,10 +213,9 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
     if not fitting:
         return False, "float activations: no quantized matrix here that the int8-activation kernels take"
     if _compiled() is None:
-        from . import fused
-
         if choice == "int8":
-            raise UsageError(f"--activations int8 needs the compiled kernels, which are off: {fused.unavailable_reason()}")
+            why = fused_build.unavailable_reason() or "turned off in this process"
+            raise UsageError(f"--activations int8 needs the compiled kernels, which are off: {why}")
         return False, "float activations: no compiled kernels"
     if choice == "int8":
         return True, "int8 activations, as chosen"

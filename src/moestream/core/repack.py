@@ -118,9 +118,9 @@ def columns(n: int, k: int) -> Columns | None:
 
 def _run(nibbles: torch.Tensor, described: Columns) -> bool:
     """The C++ repack of portable bytes into the kernel layout, in place; False without the compiled kernels."""
-    from . import fused  # the compiled kernels; imported here so that quant-only users never build them
+    from . import fused_build  # the compiled kernels; imported here so that quant-only users never build them
 
-    ext = fused.extension()
+    ext = fused_build.extension()
     if ext is None:
         return False
     ext.repack_int4(nibbles, described.lo, described.hi, described.offset, described.stride, described.blocks)
@@ -129,9 +129,9 @@ def _run(nibbles: torch.Tensor, described: Columns) -> bool:
 
 def in_cpp(n: int, k: int) -> bool:
     """Whether an [N, K] matrix is repacked by the C++ kernel here (else by torch's packing function)."""
-    from . import fused
+    from . import fused_build
 
-    return fused.extension() is not None and columns(n, k) is not None
+    return fused_build.extension() is not None and columns(n, k) is not None
 
 
 def repack_in_place(nibbles: torch.Tensor) -> None:

@@ -253,7 +253,7 @@ class Service:
 def system_fingerprint(model) -> str:
     """OpenAI's `system_fingerprint`: what produced the answer, here moestream's version and the store
     (a digest of its manifest, which names every record's checksum), so a client sees when either changes."""
-    from .. import __version__
+    from ..version import __version__
 
     manifest = engine_of(model).store.directory / MANIFEST
     return f"moestream-{__version__}-{file_checksum(manifest)[:12]}"
