@@ -135,7 +135,7 @@ def test_a_model_with_int8_activations_stays_close_to_float_ones(ext, wide_store
     integer, _ = moestream.load(wide_store, stride * 2, activations="int8")  # two experts: evicts all the time
     floating, _ = moestream.load(wide_store, stride * 16, activations="float")
     engine = loading.engine_of(integer)
-    assert all(engine.int8_activations) and all(p is None for p in engine.preparers)  # records read as stored
+    assert all(engine.int8_activations) and all(p is None for p in engine.supply.preparers)  # records read as stored
     assert not any(loading.engine_of(floating).int8_activations)
     line = loading.fast_paths(integer)
     assert "low-bit matmuls (int8 activations, as chosen)" in line and "read as stored" in line

@@ -84,7 +84,7 @@ def _engine(store, verify="first", budget=64 * 2**20, **kwargs):
 def _assert_cache_consistent(engine):
     """Every cached entry is fully loaded and unpinned; every slot is cached, free, or parked behind a
     read that is still running: none is lost and none is handed out twice."""
-    cache = engine.cache
+    cache = engine.supply.cache
     assert all(e.tensors and e.state is State.READY and e.read is None and e.pins == 0 for e in cache.entries())
     slots = [e.slot for e in cache.entries()] + cache.free_slots() + [e.slot for e in cache.parked]
     assert sorted(slots) == list(range(cache.capacity))
@@ -109,7 +109,7 @@ def test_fifty_flipped_records_are_found_by_verify_and_at_run_time(pristine, sto
         for layer, e in damaged:
             with pytest.raises(RecordChecksumError, match=rf"layer {layer} \(.*\), expert {e}: .*checksum"):
                 _run_expert(engine, model, layer, e, alone=True)
-            assert engine.cache.lookup((layer, e)) is None  # damaged bytes never stay cached
+            assert engine.supply.cache.lookup((layer, e)) is None  # damaged bytes never stay cached
             _assert_cache_consistent(engine)
         # The engine keeps working for records that are intact, with the right numbers.
         layer, e = next((i, e) for i, e in _records(store) if (i, e) not in damaged and (i, (e + 1) % EXPERTS) not in damaged)
@@ -236,7 +236,7 @@ def test_persistent_eio_is_raised_with_file_and_offset_and_leaves_the_cache_cons
     with pytest.raises(ExpertReadError, match=rf"layer 0 .*expert 12: .*offset {bad_offset} of .*layer-000.bin failed 4 times"):
         _run_expert(engine, model, 0, 12)
     assert time.perf_counter() - start < 5  # bounded: 3 retries with a short backoff
-    assert engine.cache.lookup((0, 12)) is None
+    assert engine.supply.cache.lookup((0, 12)) is None
     _assert_cache_consistent(engine)
     monkeypatch.setattr(RecordFile, "read_at", real)  # the disk recovers: the same call now succeeds
     assert torch.equal(_run_expert(engine, model, 0, 12), expected)
@@ -259,14 +259,14 @@ def test_a_stalled_read_times_out_and_its_slot_is_not_reused_until_it_ends(prist
     with pytest.raises(ExpertReadError, match=r"no read of layer 1's experts \[20, 21\] finished within 0.5 s"):
         _run_expert(engine, model, 1, 20)
     assert time.perf_counter() - start < 5
-    assert len(engine.cache.parked) == 2  # their slots are parked, not free: the reads may still write into them
+    assert len(engine.supply.cache.parked) == 2  # their slots are parked, not free: the reads may still write into them
     _assert_cache_consistent(engine)
     monkeypatch.setattr(RecordFile, "read_at", real)
     release.set()
-    for entry in engine.cache.parked:
+    for entry in engine.supply.cache.parked:
         entry.read.result(timeout=30)  # the disk answers again: the abandoned reads end
-    engine.read_timeout = 60  # a loaded CI machine must not time out the healthy reads that follow
+    engine.supply.read_timeout = 60  # a loaded CI machine must not time out the healthy reads that follow
     assert torch.equal(_run_expert(engine, model, 1, 20), expected)
-    assert not engine.cache.parked  # reclaimed once the reads ended
+    assert not engine.supply.cache.parked  # reclaimed once the reads ended
     _assert_cache_consistent(engine)
     engine.close()

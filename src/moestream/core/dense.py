@@ -85,7 +85,7 @@ def routers_in_float32(routers) -> None:
     """Make routers compute in float32 on the CPU: their weights held as a float32 copy, their input cast.
 
     Why: a one-token bf16 matmul as narrow as a router (experts x hidden) costs 2-3x a float32 one on the
-    CPU (oneDNN repacks the weight on every call; docs/BENCHMARKS.md, "Cached experts sharing one gate, routers in float32"), and
+    CPU (oneDNN repacks the weight on every call; docs/DECISIONS.md, "Routers in float32 on the CPU"), and
     DeepSeek's routers cast their weight to float32 on every call anyway. llama.cpp keeps routers in
     float32 too. The router's outputs are then float32, which the experts call takes as it is (its output
     has the hidden states' dtype). The copy costs layers x experts x hidden x 2 bytes more than bf16."""

@@ -89,7 +89,7 @@ def _experts(model, engine, compute_dtype: torch.dtype, compiled: bool) -> FastP
             off.add("float records")
         elif fmt.name in ("int3", "int2"):
             off.add(f"{fmt.name} records")
-        elif engine.tier is not None:
+        elif engine.supply.tier is not None:
             off.add("a device tier")
         elif compiled:
             off.add("a gate the kernel does not compute, or int8 widths torch's bf16 kernel gets wrong")

@@ -4,7 +4,7 @@ attention.
 Why: a one-token decode step on the CPU runs hundreds of tiny ops, each costing 5-30 us of dispatch
 and cache misses whatever its size. transformers' RMSNorm is eight of them (cast, pow, mean, add,
 rsqrt, mul, cast, mul) and runs two to four times per layer; one fused kernel does the same arithmetic
-in one call (docs/BENCHMARKS.md, "Fused RMSNorm"). transformers itself swaps RMSNorm forwards for
+in one call (docs/DECISIONS.md, "Fused RMSNorm"). transformers itself swaps RMSNorm forwards for
 kernels (`use_kernel_forward_from_hub("RMSNorm")`), which here would need the network; so the kernel is
 compiled from core/fused_kernels.cpp by core/fused_build.py, once per source and torch build (about 30 s,
 then cached), and used only where it computes what the module computes.
@@ -27,7 +27,7 @@ Experts: `experts_decode` runs one token through a layer's cached quantized expe
 torch's own kernels and its silu and mul called from C++, for an experts module whose gate agrees with
 the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute). The router and
 experts kernels call torch's own ops and the rotary one rounds as they do, so all three give the model's
-own bits; what they save is the Python and dispatch between the ops (docs/BENCHMARKS.md, "Fused rotary, routers and experts").
+own bits; what they save is the Python and dispatch between the ops (docs/DECISIONS.md, "Fused rotary, routers and experts").
 
 Attention: a Llama-family attention module's one-token step (q/k/v projections, optional q/k RMSNorms
 over each head or the whole projection, rotary; the cache's own update; sdpa and the output projection)

@@ -1,8 +1,8 @@
 """Building core/fused_kernels.cpp into a Python extension module, once per (source, flags, torch build,
 Python ABI), and loading it from a cache without locks.
 
-Why not torch's `cpp_extension.load_inline`, which did this before (docs/BENCHMARKS.md, "Building the fused
-kernels" has the measurements):
+Why not torch's `cpp_extension.load_inline`, which did this before (docs/DECISIONS.md, "Building the fused
+kernels", has the measurements):
 - its cache is keyed by the extension's name alone, so a changed source under the same name loaded a stale
   module, and two environments with different torch builds rebuilt and evicted each other's module in turn;
 - its build holds a lock file in the shared cache directory: a process killed mid-build (Ctrl-C during a
@@ -53,7 +53,7 @@ SOURCE = Path(__file__).parent / "fused_kernels.cpp"
 _OPENMP = ("-fopenmp",) if sys.platform.startswith("linux") else ()
 FLAGS = ("-std=c++20", "-O3", "-ffp-contract=off", *_OPENMP, "-fPIC", "-fvisibility=hidden", "-shared")
 LIBRARIES = ("c10", "torch_cpu", "torch", "torch_python")
-EXPECTED_SECONDS = 30  # one build: 32-37 s of one core of a busy 2-core AMD EPYC (docs/BENCHMARKS.md)
+EXPECTED_SECONDS = 30  # one build: 32-37 s of one core of a busy 2-core AMD EPYC (docs/BENCHMARKS.md, "Start-up")
 BUILD_TIMEOUT_SECONDS = 900  # a compiler that has not finished by then has hung
 ABANDONED_SECONDS = 2 * BUILD_TIMEOUT_SECONDS  # a build directory this old was left by a killed process
 _BUILD_PREFIX = ".build-"

@@ -1,5 +1,5 @@
 // Only the headers these kernels use. <torch/extension.h> brings the whole C++ frontend (nn, optim, data)
-// and doubled the compile that a first load waits for (docs/BENCHMARKS.md, "Building the fused kernels").
+// and doubled the compile that a first load waits for (docs/DECISIONS.md, "Building the fused kernels").
 // ATen's Tensor (its methods included), then one header per ATen function called as at::NAME or torch::NAME
 // (ATen/ops/NAME.h: a new function needs its line here), then torch's pybind11 casters for tensors.
 #include <ATen/core/Tensor.h>

@@ -92,6 +92,13 @@ def int4_dequantized(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch
     return F.linear(x, ((groups - 8) * scales + zeros).view(n, k))
 
 
+def takes_int8_activations(layer) -> bool:
+    """Whether every quantized matrix of an expert layer's records fits the int8-activation kernels."""
+    if layer.quantization is None:
+        return False
+    return all(int8_activations_fit(layer.quantization, n, k) for n, k in layer.quantized_matrices)
+
+
 def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_activations: bool = False):
     """What makes a layer's records, as read, into the bytes its kernels take (called on the I/O thread
     with the record's tensors), or None where they take them as stored: float and int8 records, a GPU,
@@ -261,7 +268,7 @@ COMPUTE_DTYPES = dict(zip(choices.COMPUTE_DTYPES, (None, torch.bfloat16, torch.f
 
 def native_bf16() -> bool:
     """Whether this CPU has bf16 arithmetic (AVX512-BF16, AMX, or Arm's BF16): without it a bf16 matmul
-    converts every weight to float32 on the fly and is slower than a float32 one (docs/BENCHMARKS.md)."""
+    converts every weight to float32 on the fly and is slower than a float32 one (docs/DECISIONS.md, "Compute dtype: bf16 only with bf16 arithmetic")."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "").split()

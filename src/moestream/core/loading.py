@@ -26,12 +26,12 @@ from ..errors import StoreError, UsageError
 from ..units import format_bytes, parse_bytes
 from . import dense, fastpaths, fused, kernels
 from . import engine as engine_module
-from .device_tier import DeviceTier
 from .devices import CudaDevice, Device
 from .engine import IMPLEMENTATION, ExpertEngine
-from .policies import DEFAULT_POLICY, make_policy
+from .policies import DEFAULT_POLICY
 from .prefetch import Prefetcher, find_router
 from .routing import CacheAwareRouting
+from .supply import check_budget
 
 
 def _rebuild_buffers(model) -> None:
@@ -115,60 +115,61 @@ def load(
     for layer, (_, module) in zip(manifest.layers, modules):
         _check_record_layout(layer, module)
     int8_activations, activations_note = kernels.choose_activations(activations, _quantized_shapes(model, manifest), on_gpu)
+    budget = parse_bytes(memory)
+    check_budget(opened, budget)  # before seconds of resident weights, not after
+    for index, (_, module) in enumerate(modules):
+        for pname, _ in expert_parameters(module):
+            del module._parameters[pname]  # served from the store, never materialized
+        module._moestream_layer = index
+    routers = [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules]
+    state = {}
+    for f in manifest.resident_files:
+        path = opened.path(f.path)
+        # Resident weights are read in full once anyway, so hashing them costs one more pass over memory.
+        if verify != "off" and file_checksum(path) != f.checksum:
+            raise StoreError(
+                f"resident file {f.path} does not match its checksum in the manifest: the store is damaged. "
+                "Run `moestream verify` on it, then convert the model again."
+            )
+        state.update(load_file(path))
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    model.tie_weights()
+    if not on_gpu:
+        dense.prepare_for_cpu(model, int8_activations)
+    dense.align_weights(model)
+    dense.set_compute_dtype(model, stored, dtype)
+    if not on_gpu:
+        dense.routers_in_float32(routers)
+        fused.install(model, routers)
+    _rebuild_buffers(model)
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise StoreError(
+            f"the store lacks {len(still_meta)} resident tensors, e.g. {still_meta[:5]} "
+            f"(missing at load: {result.missing_keys[:5]}); convert the model again"
+        )
+    model.eval()
+    # The device tier's budget is what the GPU has free once the resident weights are on it.
+    device_budget = _resident_on_device(model, opened, accelerator, gpu_memory) if accelerator is not None else 0
     engine = ExpertEngine(
-        opened, parse_bytes(memory), io_threads, direct_io, verify, policy=policy, cpu_kernels=not on_gpu,
-        int8_activations=int8_activations,
+        opened, budget, io_threads, direct_io, verify, policy=policy, cpu_kernels=not on_gpu,
+        int8_activations=int8_activations, prefetcher=Prefetcher(routers, routed_top_k(manifest.model_config), prefetch),
+        device=accelerator, device_budget=device_budget,
     )  # fmt: skip
     try:
-        for index, (_, module) in enumerate(modules):
-            for pname, _ in expert_parameters(module):
-                del module._parameters[pname]  # served from the store, never materialized
+        for _, module in modules:
             module._moestream_engine = engine
-            module._moestream_layer = index
             # The class's forward is transformers' dispatch, which looks the implementation up in the
             # config on every call (a few microseconds per layer and token); the module's own goes straight
             # to the one it would find.
             module.forward = functools.partial(engine_module.streaming_experts_forward, module)
-        routers = [find_router(model.get_submodule(name.rsplit(".", 1)[0])) if "." in name else None for name, _ in modules]
-        engine.prefetcher = Prefetcher(routers, routed_top_k(manifest.model_config), prefetch)
-        engine.step_hooks.append(engine.prefetcher)
         # The embedding sees each forward pass's input ids first: the engine's step start (the prefetcher's
         # clock, hash-routed layers' exact reads) hangs off it, not off the experts calls.
         model.get_input_embeddings().register_forward_pre_hook(engine.embedding_pre_hook)
-
-        state = {}
-        for f in manifest.resident_files:
-            path = opened.path(f.path)
-            # Resident weights are read in full once anyway, so hashing them costs one more pass over memory.
-            if verify != "off" and file_checksum(path) != f.checksum:
-                raise StoreError(
-                    f"resident file {f.path} does not match its checksum in the manifest: the store is damaged. "
-                    "Run `moestream verify` on it, then convert the model again."
-                )
-            state.update(load_file(path))
-        result = model.load_state_dict(state, strict=False, assign=True)
-        del state
-        model.tie_weights()
-        if not on_gpu:
-            dense.prepare_for_cpu(model, int8_activations)
-        dense.align_weights(model)
-        dense.set_compute_dtype(model, stored, dtype)
-        if not on_gpu:
-            dense.routers_in_float32(routers)
-            fused.install(model, routers)
         if route_to_cached:
             CacheAwareRouting(engine, route_to_cached).install(routers)
-        _rebuild_buffers(model)
-        still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-        if still_meta:
-            raise StoreError(
-                f"the store lacks {len(still_meta)} resident tensors, e.g. {still_meta[:5]} "
-                f"(missing at load: {result.missing_keys[:5]}); convert the model again"
-            )
         model._moestream_engine = engine
-        model.eval()
-        if accelerator is not None:
-            _attach_device_tier(model, engine, accelerator, gpu_memory, policy)
         # Every kernel choice is made by now (the experts kernel is resolved here for the compute dtype).
         engine.fast_paths = fastpaths.survey(model, engine, routers, dtype, on_gpu, activations_note)
         tokenizer = load_tokenizer(opened.directory)
@@ -189,9 +190,9 @@ def _device(device) -> Device | None:
     return device
 
 
-def _attach_device_tier(model, engine: ExpertEngine, device: Device, gpu_memory, policy: str) -> None:
-    """Resident weights onto the device, and the device tier of the expert cache above the host cache."""
-    sizes = ModelSizes.of_store(engine.store.manifest)
+def _resident_on_device(model, store: Store, device: Device, gpu_memory) -> int:
+    """Resident weights onto the device; the byte budget of the device tier of the expert cache, checked."""
+    sizes = ModelSizes.of_store(store.manifest)
     if isinstance(device, CudaDevice):
         free, total = torch.cuda.mem_get_info(device.device)
         resident = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -222,8 +223,7 @@ def _attach_device_tier(model, engine: ExpertEngine, device: Device, gpu_memory,
             f"--gpu-memory {format_bytes(budget)} cannot hold the {sizes.top_k} experts one token needs in one layer; the "
             f"minimum is {format_bytes(sizes.minimum_budget)}: pass --gpu-memory {format_bytes(sizes.minimum_budget).replace(' ', '')} or more"
         )
-    device.pin(engine.cache._arena_tensor)
-    engine.tier = DeviceTier(device, budget, sizes.stride_bytes, make_policy(policy, sizes.layer_experts), engine.record_views)
+    return budget
 
 
 def _quantized_shapes(model, manifest) -> list[tuple]:

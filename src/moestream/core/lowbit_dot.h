@@ -2,7 +2,7 @@
 // activations is quantized to int8 once per call (one scale per block of 32 inputs, as llama.cpp's Q8_0),
 // the dot products run in integers (AVX2: maddubs then madd, 32 products per instruction pair), and the two
 // scales are applied per block at the end. torch's CPU int4 kernel instead dequantizes every weight to a
-// float and multiplies; on a CPU without native bf16 that runs at half the memory bus (docs/BENCHMARKS.md).
+// float and multiplies; on a CPU without native bf16 that runs at half the memory bus (docs/BENCHMARKS.md, "int8-activation kernels against the memory bus").
 //
 // The arithmetic, exactly (kernels.py `int8_activation_reference` computes it in float64):
 //   activations, per row and block b of 32 inputs: d_b = max|x| / 127, q_i = round_half_even(x_i * (1 / d_b))
@@ -33,7 +33,7 @@ constexpr int64_t kRowTile = 4;    // activation rows computed against one weigh
 constexpr int64_t kWeightRows = 16;  // weight rows done for every activation row before the next ones
 // Reads asked for ahead of use (a prefetch past a matrix's end never faults). The hardware's own prefetch
 // follows the codes' one stream but not the scales' (one cache line per group, N * 4 bytes apart): asking
-// for both made a DRAM-bound int4 g64 matrix 12-30% faster (docs/BENCHMARKS.md, "int8 activations").
+// for both made a DRAM-bound int4 g64 matrix 12-30% faster (docs/DECISIONS.md, "The int8-activation kernels").
 constexpr int64_t kPrefetchRows = 4;        // weight rows ahead of the one being computed
 constexpr int64_t kPrefetchScaleRows = 32;  // rows ahead in the scales, two cache lines of each group
 

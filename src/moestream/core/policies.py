@@ -84,8 +84,8 @@ class LFUPolicy:
     hot experts of all layers are equally hot and do not all fit, evicting the oldest of them is LRU's scan
     pathology (every lookup misses); evicting the newest keeps a stable subset cached, as Belady's MIN
     does. Why discrete epochs: a continuous decay makes every equally hot key's count depend on how long
-    ago it was touched, which is that same recency order again (docs/BENCHMARKS.md, "Cache policies",
-    has the measurement).
+    ago it was touched, which is that same recency order again (docs/DECISIONS.md, "LFU's decay in
+    discrete epochs").
     """
 
     name = "lfu"
@@ -257,7 +257,7 @@ class ForecastPolicy:
     labels the previous call's features of its layer with the experts it used, and an AdaGrad step
     follows (every LEARN_EVERY calls). Nothing is fitted to a model beforehand: the weights start at zero.
 
-    Measured and left out (docs/BENCHMARKS.md, "Cache policies near the optimum"): the router's full
+    Measured and left out (docs/DECISIONS.md, "The forecast policy's signals"): the router's full
     probabilities (their rank at the current token), the next layer's router applied to this layer's
     input (the prefetcher's guess), a reuse-distance feature and weighing the forecast by the calls until
     its layer runs again. None gained on average on the trained models here, and the last lost 0.05x of

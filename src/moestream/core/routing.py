@@ -5,7 +5,7 @@ router probability is within the margin: at least (1 - m) times the chosen one's
 Why: under a small budget most of a decode step's time is reads, and routers often rank several experts
 almost equally; taking a cached near-equal instead saves a read. It changes the model's output, so it is
 opt-in and priced with `moestream eval --decode --route-to-cached M` (perplexity, KL and top-1
-agreement against the checkpoint, beside the hit rate; docs/BENCHMARKS.md, "Cache-aware routing").
+agreement against the checkpoint, beside the hit rate; docs/DECISIONS.md, "Cache-aware routing off by default").
 
 Only softmax top-k routers (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the new choice's weights are computed
 as such a router computes them (the probabilities of the chosen experts, divided by their sum where the
@@ -79,11 +79,11 @@ class CacheAwareRouting:
             return None
         probabilities = F.softmax(logits[0], dim=-1, dtype=torch.float32)
         p, chosen = probabilities.tolist(), indices[0].tolist()
-        cache = self.engine.cache
+        cache = self.engine.supply.cache
         experts = reroute(p, chosen, lambda e: (layer, e) in cache, self.margin)
         if experts == chosen:
             return None
-        self.engine.layer_stats[layer].rerouted += sum(a != b for a, b in zip(experts, chosen))
+        self.engine.supply.count_rerouted(layer, sum(a != b for a, b in zip(experts, chosen)))
         experts.sort(key=lambda e: -p[e])  # as top-k orders them
         index = torch.tensor([experts], dtype=indices.dtype, device=indices.device)
         values = probabilities[index[0]][None]

@@ -1,8 +1,8 @@
 """The order of cache operations in one experts call, shared by the engine and the simulator.
 
 What the cache evicts depends only on the order of its lookups, allocations and unpins, so that order
-lives here, once. The engine (engine.py) drives it with real reads into real slots; the simulator
-(simulate.py) with reads that land at once. Because neither can reorder anything, a replayed trace gets
+lives here, once. The expert supply (supply.py) drives it with real reads into real slots, handing the
+experts to the engine's compute; the simulator (simulate.py) with reads that land at once. Because neither can reorder anything, a replayed trace gets
 exactly the runtime's hits (tests/test_simulate.py).
 
 Per call of layer L that needs the distinct experts E (ascending ids):
@@ -10,7 +10,7 @@ Per call of layer L that needs the distinct experts E (ascending ids):
      hit is pinned (or, if its read ahead of need is still in flight, becomes a demand read that the call
      waits for); a miss waits for a slot.
   2. `Call.run`: allocate slots for the misses in order while a slot can be had, starting each read;
-     once every miss has a slot, tell the I/O side (the engine then reads ahead for layer L+1). Compute
+     once every miss has a slot, say so (`demand_issued`: the supply then reads ahead for layer L+1). Compute
      the hits while the reads are in flight and unpin them, then allocate again (their slots may now be
      evicted). Then, while reads are in flight: take landed reads (in issue order while misses still wait
      for slots, so evictions never depend on I/O timing), compute and unpin each, allocate again.
@@ -22,6 +22,7 @@ Per call of layer L that needs the distinct experts E (ascending ids):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from ..errors import UsageError
@@ -29,23 +30,16 @@ from .cache import Entry, ExpertCache, State
 
 
 class CallIO(Protocol):
-    """What one experts call needs from the side that does the reads and the compute."""
+    """What one experts call needs from the side that does the reads."""
 
     def start_read(self, entry: Entry) -> None:
         """Begin filling `entry`'s slot with its record (entry is LOADING and pinned)."""
-
-    def demand_issued(self) -> None:
-        """Every miss of the call has a slot and a read: the moment to read ahead for the next layer."""
 
     def landed(self, in_flight: list[Entry], oldest_only: bool) -> list[Entry]:
         """Block until at least one read of `in_flight` (only its first, if `oldest_only`) is over; those."""
 
     def finish_read(self, entry: Entry) -> None:
         """Check a read that is over and make the entry READY; raise (having discarded it) if it failed."""
-
-    def compute(self, entries: list[Entry]) -> None:
-        """Run these experts (ready, pinned) on the call's tokens routed to them: together, where that saves
-        work (one token's hits share one gate)."""
 
     def abandon(self, in_flight: list[Entry]) -> None:
         """The call failed with these reads in flight: they must not stay cached half-written."""
@@ -68,14 +62,17 @@ class Call:
         self.hits = 0
         self.misses = 0
 
-    def run(self, io: CallIO) -> None:
+    def run(self, io: CallIO, compute: Callable[[list[Entry]], None], demand_issued: Callable[[], None] | None = None) -> None:
+        """The call's reads through `io`, and its experts (ready, pinned) to `compute` on the call's tokens:
+        the hits together, then each miss as its read lands. `demand_issued` is called once every miss has a
+        slot and a read: the moment to read ahead for the next layer."""
         cache, waiting, in_flight, ready = self.cache, self.waiting, self.in_flight, self.ready
         try:
             self._issue(io)
-            if not waiting:  # demand first: reading ahead only once every miss is on its way
-                io.demand_issued()
+            if not waiting and demand_issued is not None:  # demand first: reading ahead only once every miss is on its way
+                demand_issued()
             if ready:  # hits compute while the misses are read
-                io.compute(ready)
+                compute(ready)
             while ready:
                 cache.unpin(ready.pop())
             self._issue(io)  # the hits' slots are evictable now
@@ -91,7 +88,7 @@ class Call:
                     in_flight.remove(entry)
                     ready.append(entry)  # unpinned below, or by `finally` if its read or compute fails
                     io.finish_read(entry)
-                    io.compute([entry])
+                    compute([entry])
                     cache.unpin(ready.pop())
                 self._issue(io)  # slots freed by the experts just computed take the reads that did not fit
         finally:

@@ -141,7 +141,7 @@ def replay_reads(store: Store, reads: list[tuple[int, int, int]], threads: int =
     Replaying the run's own reads, not a synthetic probe, matters twice over: small records are bound by
     latency (a deep queue of small reads is much faster than the 1..top_k reads of a decode step), and
     virtual disks cache recently read blocks on the host (the same bytes read again come faster than
-    cold ones; docs/BENCHMARKS.md), so only the same bytes in the same order make a fair yardstick. The
+    cold ones; docs/DECISIONS.md, "The I/O floor from the run's own reads"), so only the same bytes in the same order make a fair yardstick. The
     replay comes right after the run, so any host cache favours it: the floor errs low, efficiency with it.
     """
     batches: list[list[tuple[int, int, int]]] = []
@@ -220,11 +220,11 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
 
     def first_token() -> None:
         at_first.update(engine.stats())
-        engine.reader.log = []  # from here on the reads are decode's
+        engine.supply.reader.log = []  # from here on the reads are decode's
 
     recorder = start_recording(model) if trace_out else None  # this run's routing, for simulate/plan --trace
     result = timed(model, ids, new_tokens, on_first_token=first_token)
-    reads = engine.reader.log or []
+    reads = engine.supply.reader.log or []
     if recorder is not None:
         stop_recording(model)
         recorder.trace(prompt_tokens=int(ids.shape[1])).save(trace_out)

@@ -154,17 +154,11 @@ class InstantReads:
     def start_read(self, entry: Entry) -> None:
         pass
 
-    def demand_issued(self) -> None:
-        pass
-
     def landed(self, in_flight: list[Entry], oldest_only: bool) -> list[Entry]:
         return [in_flight[0]]
 
     def finish_read(self, entry: Entry) -> None:
         entry.state = State.READY
-
-    def compute(self, entries: list[Entry]) -> None:
-        pass
 
     def abandon(self, in_flight: list[Entry]) -> None:
         pass
@@ -173,9 +167,13 @@ class InstantReads:
         return False
 
 
+def _no_compute(entries: list[Entry]) -> None:
+    pass
+
+
 def replay(trace: Trace, slots: int, policy="lru", record_bytes: np.ndarray | None = None) -> SimResult:
     """Replay `trace` through a cache of `slots` records under `policy`: a POLICIES name, "belady", or a
-    fresh policy object (a variant under study: benchmarks/policy_signals.py).
+    fresh policy object (a variant under study, as in docs/DECISIONS.md, "The forecast policy's signals").
 
     record_bytes: bytes read per miss of each layer (default: the trace's store); the slot size is their
     maximum, as in the runtime."""
@@ -206,7 +204,7 @@ def replay(trace: Trace, slots: int, policy="lru", record_bytes: np.ndarray | No
         if c in step_starts:  # as ExpertEngine.start_step tells it, before the step's first call
             pol.on_step(step_starts[c])
         call = scheduler.lookup(cache, layer, experts)
-        call.run(io)
+        call.run(io, _no_compute)
         hits += call.hits
         misses_per_layer[layer] += call.misses
         if decode[c]:
