@@ -1,7 +1,7 @@
 """moestream's batched decoding in one process, against each prompt alone and against transformers' own
 continuous batching (`model.generate_batch`, paged attention) on the same loaded model.
 
-    python benchmarks/batching_check.py STORE --memory 8MiB --prompts heldout.txt [--compute-dtype fp32]
+    python benchmarks/batching_check.py STORE --memory 8MiB --prompts heldout.txt [--compute-dtype fp32] [--json OUT]
 
 1. Exactness: --count prompts (paragraphs of --prompts, their first 200 characters), --tokens greedy
    tokens each, decoded alone (`generate.stream`) and --batches at a time (`moestream.generate_batch`):
@@ -12,11 +12,13 @@ continuous batching (`model.generate_batch`, paged attention) on the same loaded
 3. A long prompt joining (--long-prompt N tokens of the text): two sequences decode while a newcomer with
    an N-token prompt joins; the running sequences' longest gap between two tokens and the newcomer's
    prefill time, with its prompt fed in parts of --chunk tokens per step and in one pass.
+--json writes the same figures with the machine.
 """
 
 import argparse
 import time
 
+import machine
 from transformers import GenerationConfig
 
 import moestream
@@ -36,18 +38,29 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default="auto")
     parser.add_argument("--long-prompt", type=int, default=0, help="part 3: the newcomer's prompt length (0: skip)")
     parser.add_argument("--chunk", type=int, default=256, help="part 3: prompt tokens fed per step (against one pass)")
+    parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
 
     model, tokenizer = moestream.load(args.store, memory=args.memory, compute_dtype=args.compute_dtype)
     paragraphs = [p.strip()[:200] for p in open(args.prompts).read().split("\n\n") if p.strip()]
     prompts = [tokenizer(p)["input_ids"] for p in paragraphs[: args.count]]
     n = args.tokens
+    print(f"machine: {machine.line()}")
     print(f"{args.store}, --memory {args.memory}, compute dtype {model.dtype}, {len(prompts)} prompts x {n} greedy tokens")
+    report: dict = {
+        "compute_dtype": str(model.dtype),
+        "prompts": len(prompts),
+        "tokens": n,
+        "exact": {},
+        "speed": [],
+        "joining": {},
+    }
 
     solo = [stream(model, None, p, n, greedy=True, ignore_eos=True).token_ids for p in prompts]
     for batch in (int(b) for b in args.batches.split(",")):
         together = moestream.generate_batch(model, None, prompts, n, max_batch=batch, greedy=True, ignore_eos=True)
         parted = [next((i for i, (a, b) in enumerate(zip(x, r.token_ids)) if a != b), None) for x, r in zip(solo, together)]
+        report["exact"][batch] = {"equal": sum(p is None for p in parted), "part_at": sorted(p for p in parted if p is not None)}
         print(
             f"  {batch} at a time: {sum(p is None for p in parted)} of {len(prompts)} equal their solo answers"
             + (
@@ -68,6 +81,7 @@ def main() -> None:
         theirs = [list(out[k].generated_tokens) for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
         same = sum(a.token_ids == b for a, b in zip(ours, theirs))
         total = len(prompts) * n
+        report["speed"].append({"moestream_tok_s": total / mine, "transformers_tok_s": total / theirs_seconds, "equal": same})
         print(
             f"  round {r + 1}, all {len(prompts)} at once: moestream {total / mine:.1f} tok/s, transformers' generate_batch "
             f"{total / theirs_seconds:.1f} tok/s ({mine / theirs_seconds:.2f}x its time); its answers equal moestream's: "
@@ -79,6 +93,7 @@ def main() -> None:
         for chunk in (args.chunk, None):
             runs = [joining(model, prompts[:2], long, chunk) for _ in range(max(1, args.rounds))]
             label = f"in parts of {chunk} tokens" if chunk else "in one pass"
+            report["joining"][label] = [{"longest_gap_s": gap, "prefill_s": prefill} for gap, prefill in runs]
             print(
                 f"  a {len(long)}-token prompt joining two decoding sequences, {label}: their longest gap between tokens "
                 + ", ".join(f"{gap * 1e3:.0f}" for gap, _ in runs)
@@ -87,6 +102,8 @@ def main() -> None:
                 + " ms"
             )
     moestream.close(model)
+    if args.json:
+        machine.write_json(args.json, {"store": args.store, "memory": args.memory, **report})
 
 
 def joining(model, running_prompts, long_prompt, chunk: int | None) -> tuple[float, float]:

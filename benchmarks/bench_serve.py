@@ -4,7 +4,7 @@ decoded together, and over a multi-turn chat that reuses its KV.
     python benchmarks/bench_serve.py STORE --memory 8MiB [--rounds 3] [--tokens 64] [--concurrent 20]
     python benchmarks/bench_serve.py STORE --memory 768MiB --rounds 0 --concurrent 0 --streams 1,4,16 --tokens 32
     python benchmarks/bench_serve.py STORE --memory 8MiB --rounds 0 --concurrent 0 --chat-turns 10
-    (--rounds 0, --concurrent 0, no --streams, --chat-turns 0: skip that part)
+    (--rounds 0, --concurrent 0, no --streams, --chat-turns 0: skip that part; --json OUT: write every part's figures)
 
 1. Single request, greedy, the same prompt: `moestream generate --greedy --json` (a fresh process each
    round) and a streamed /v1/completions request through the `openai` client to one `moestream serve`
@@ -40,6 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import machine
 from openai import OpenAI
 
 
@@ -89,7 +90,7 @@ def timed_stream(open_stream, text_of) -> tuple[str, float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("store")
     ap.add_argument("--memory", default="8MiB")
     ap.add_argument("--prompt", default="def fibonacci(n):")
@@ -102,11 +103,14 @@ def main() -> None:
     ap.add_argument("--chat-turns", type=int, default=0, help="turns of the chat of part 4")
     ap.add_argument("--batch-kv-memory", default="2GiB", help="the server's running-KV budget")
     ap.add_argument("--kv-memory", default="1GiB", help="the server's prefix-cache budget (parts 1-3)")
+    ap.add_argument("--json", help="write every part's figures here too")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the server too
 
     streams = [int(n) for n in args.streams.split(",")] if args.streams else []
     extra = ["--max-batch", str(max(streams + [8])), "--batch-kv-memory", args.batch_kv_memory, "--kv-memory", args.kv_memory]
+    print(f"machine: {machine.line()}", flush=True)
+    report: dict = {"options": {k: v for k, v in vars(args).items() if k != "json"}}
     server, client = start_server(args.store, args.memory, extra)
     try:
         rss_ready = status_bytes(server.pid, "VmRSS")
@@ -125,7 +129,7 @@ def main() -> None:
             )
             n = len(cli["token_ids"])
             api_rate = (n - 1) / decode if decode > 0 else 0.0
-            server_rate = _metric(client, "decode_tokens_per_second")  # the worker's own timing of that request
+            server_rate = metric(client, "decode_tokens_per_second")  # the worker's own timing of that request
             cli_rates.append(cli["decode_tokens_per_second"])
             api_rates.append(api_rate)
             server_rates.append(server_rate)
@@ -139,27 +143,30 @@ def main() -> None:
             )
         if args.rounds:
             ratios = [a / c for a, c in zip(api_rates, cli_rates)]
+            report["single"] = {"generate": cli_rates, "api_client": api_rates, "api_server": server_rates}
             print(
                 f"  median: generate {statistics.median(cli_rates):.1f} tok/s, API {statistics.median(api_rates):.1f} tok/s "
                 f"(server side {statistics.median(server_rates):.1f}), "
                 f"API/generate {statistics.median(ratios):.2f} (median of the rounds' ratios)"
             )
         if args.concurrent:
-            concurrent_chats(client, server, args, rss_ready)
+            report["concurrent"] = concurrent_chats(client, server, args, rss_ready)
         if streams:
-            stream_counts(client, server, args, streams, rss_ready)
+            report["streams"] = stream_counts(client, server, args, streams, rss_ready)
         if args.chat_turns:
-            chat_turns(client, args, "with the prefix cache (--kv-memory 1GiB)")
+            report["chat_with_prefix_cache"] = chat_turns(client, args, f"with the prefix cache (--kv-memory {args.kv_memory})")
     finally:
         server.terminate()
         server.wait(timeout=60)
     if args.chat_turns:
         server, client = start_server(args.store, args.memory, ["--kv-memory", "0"])
         try:
-            chat_turns(client, args, "without it (--kv-memory 0)")
+            report["chat_without"] = chat_turns(client, args, "without it (--kv-memory 0)")
         finally:
             server.terminate()
             server.wait(timeout=60)
+    if args.json:
+        machine.write_json(args.json, report)
 
 
 def start_server(store: str, memory: str, extra: list[str]):
@@ -180,7 +187,7 @@ def start_server(store: str, memory: str, extra: list[str]):
     return server, client
 
 
-def concurrent_chats(client, server, args, rss_ready: int) -> None:
+def concurrent_chats(client, server, args, rss_ready: int) -> dict:
     questions = [f"Write a function number {i} that" for i in range(args.concurrent)]
 
     def ask(i: int):
@@ -199,12 +206,12 @@ def concurrent_chats(client, server, args, rss_ready: int) -> None:
 
     load_before = os.getloadavg()[0]
     solo = [ask(i) for i in range(args.concurrent)]
-    tokens_before = _metric(client, "completion_tokens_total")
+    tokens_before = metric(client, "completion_tokens_total")
     start = time.perf_counter()
     with ThreadPoolExecutor(args.concurrent) as pool:
         together = list(pool.map(ask, range(args.concurrent)))
     wall = time.perf_counter() - start
-    generated = _metric(client, "completion_tokens_total") - tokens_before
+    generated = metric(client, "completion_tokens_total") - tokens_before
     ttfts = sorted(t[1] for t in together)
     totals = sorted(t[3] for t in together)
     peak = status_bytes(server.pid, "VmHWM")
@@ -216,6 +223,16 @@ def concurrent_chats(client, server, args, rss_ready: int) -> None:
     print(f"  load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
     print(
         f"  server RSS at ready {rss_ready / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{(peak - rss_ready) / 2**20:.0f} MiB)"
+    )
+    return dict(
+        requests=len(together),
+        equal_to_solo=sum(a[0] == b[0] for a, b in zip(together, solo)),
+        wall_seconds=wall,
+        tokens=generated,
+        first_text_seconds=ttfts,
+        latency_seconds=totals,
+        rss_ready_bytes=rss_ready,
+        rss_peak_bytes=peak,
     )
 
 
@@ -240,7 +257,7 @@ def load_prompts(path: str | None, count: int) -> list[str]:
     return [pieces[i % len(pieces)] for i in range(count)]
 
 
-def stream_counts(client, server, args, counts: list[int], rss_ready: int) -> None:
+def stream_counts(client, server, args, counts: list[int], rss_ready: int) -> dict:
     prompts = load_prompts(args.prompts, max(counts))
 
     def one(i: int) -> str:
@@ -264,16 +281,18 @@ def stream_counts(client, server, args, counts: list[int], rss_ready: int) -> No
         f"concurrent streams: completions of {args.tokens} tokens, seeded sampling, --memory {args.memory}, --max-batch {max(counts)}"
     )
     rates: dict[int, list[float]] = {n: [] for n in counts}
+    rounds = []
     for r in range(args.stream_rounds):
         order = counts if r % 2 == 0 else counts[::-1]
         for n in order:
-            before = {k: _metric(client, k) for k in names}
+            before = {k: metric(client, k) for k in names}
             start = time.perf_counter()
             with ThreadPoolExecutor(n) as pool:
                 list(pool.map(one, range(n)))
             wall = time.perf_counter() - start
-            d = {k: _metric(client, k) - before[k] for k in names}
+            d = {k: metric(client, k) - before[k] for k in names}
             rates[n].append(d["completion_tokens_total"] / wall)
+            rounds.append({"round": r + 1, "streams": n, "wall_seconds": wall, **d})
             print(
                 f"  round {r + 1}, {n:2d} streams: {d['completion_tokens_total']:.0f} tokens in {wall:.1f} s = "
                 f"{rates[n][-1]:.1f} tok/s; {d['expert_bytes_read_total'] / d['completion_tokens_total'] / 1e6:.2f} MB "
@@ -291,10 +310,10 @@ def stream_counts(client, server, args, counts: list[int], rss_ready: int) -> No
         )
     peak = status_bytes(server.pid, "VmHWM")
     m = {
-        k: _metric(client, k) / 2**20
+        k: metric(client, k) / 2**20
         for k in ("expert_cache_budget_bytes", "batch_kv_budget_bytes", "batch_kv_peak_bytes", "prefix_cache_budget_bytes")
     }
-    prefix = _metric(client, "prefix_cache_bytes") / 2**20
+    prefix = metric(client, "prefix_cache_bytes") / 2**20
     grown = (peak - rss_ready) / 2**20
     print(
         f"  server RSS at ready {rss_ready / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB (+{grown:.0f} MiB). Budgets: experts "
@@ -302,15 +321,18 @@ def stream_counts(client, server, args, counts: list[int], rss_ready: int) -> No
         f"{m['batch_kv_peak_bytes']:.0f} MiB held at most; prefix KV {m['prefix_cache_budget_bytes']:.0f} MiB, holding "
         f"{prefix:.0f} MiB at the end. Beyond the expert budget and the KV held: {grown - m['expert_cache_budget_bytes'] - m['batch_kv_peak_bytes'] - prefix:.0f} MiB"
     )
+    return dict(
+        tokens_per_second=rates, rounds=rounds, rss_ready_bytes=rss_ready, rss_peak_bytes=peak, budgets_mib=m, prefix_mib=prefix
+    )
 
 
-def chat_turns(client, args, label: str) -> None:
-    messages = []
+def chat_turns(client, args, label: str) -> list[dict]:
+    messages, turns = [], []
     print(f"a {args.chat_turns}-turn chat, greedy, {args.tokens} tokens per answer, {label}:")
     first = None
     for turn in range(1, args.chat_turns + 1):
         messages.append({"role": "user", "content": f"Turn {turn}: write one more line of the program."})
-        reused = _metric(client, "prefix_tokens_reused_total")
+        reused = metric(client, "prefix_tokens_reused_total")
         text, ttft, _, _ = timed_stream(
             lambda: client.chat.completions.create(
                 model="m", messages=messages, max_tokens=args.tokens, temperature=0, stream=True
@@ -318,17 +340,26 @@ def chat_turns(client, args, label: str) -> None:
             lambda c: c.choices[0].delta.content if c.choices else "",
         )
         messages.append({"role": "assistant", "content": text})
-        server_ttft = _metric(client, "last_time_to_first_token_seconds")
+        server_ttft = metric(client, "last_time_to_first_token_seconds")
         first = first or server_ttft
         print(
             f"  turn {turn:2d}: time to first token {server_ttft * 1e3:.0f} ms in the server ({ttft * 1e3:.0f} ms to the first "
             f"text at the client), {server_ttft / first:.2f}x turn 1's; prompt tokens reused "
-            f"{_metric(client, 'prefix_tokens_reused_total') - reused:.0f}",
+            f"{metric(client, 'prefix_tokens_reused_total') - reused:.0f}",
             flush=True,
         )
+        turns.append(
+            {
+                "turn": turn,
+                "ttft_server_s": server_ttft,
+                "ttft_client_s": ttft,
+                "reused": metric(client, "prefix_tokens_reused_total") - reused,
+            }
+        )
+    return turns
 
 
-def _metric(client: OpenAI, name: str) -> float:
+def metric(client: OpenAI, name: str) -> float:
     import httpx
 
     text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text

@@ -22,7 +22,8 @@ code cannot read the other's store format: an old commit's store against the new
 a PATH (one tree on two stores). --warmup-tokens same makes the warm-up the timed generation itself, so
 that with a --memory that holds every expert the timed pass is all hits (greedy decoding routes the same
 way twice); it prints the hit rate of the whole run and of the timed pass, and, with --store-for, each
-tree's store and the moestream it imported; and the machine's load average as each run started.
+tree's store and the moestream it imported; and the machine's load average as each run started. --json writes
+every run's figures with the machine (the commit there is the running checkout's; each tree's path is in "trees").
 """
 
 import argparse
@@ -31,6 +32,8 @@ import os
 import statistics
 import subprocess
 import sys
+
+import machine
 
 CHILD = r"""
 import json, sys, time
@@ -122,6 +125,7 @@ def main() -> None:
         default="16",
         help="tokens of the warm-up generation (default 16), or `same`: the timed generation itself",
     )
+    parser.add_argument("--json", help="write every run's figures here too")
     args = parser.parse_args()
     if args.warmup_tokens != "same" and not args.warmup_tokens.isdigit():
         parser.error("--warmup-tokens takes a number or `same`")
@@ -134,6 +138,8 @@ def main() -> None:
         parser.error(f"--store-for names no --tree: {', '.join(sorted(set(own) - set(names)))}")
     if not args.store and set(own) != set(names):
         parser.error("give --store, or a --store-for for every tree")
+    print(f"machine: {machine.line()}")
+    report = []
     for store in args.store or [None]:
         stores = {name: own.get(name, store) for name in names}
         rates: dict[str, list[float]] = {name: [] for name in names}
@@ -170,6 +176,12 @@ def main() -> None:
                 f"  {b} / {a}: {medians[b] / medians[a]:.3f} (medians), {statistics.median(ratios):.3f} (median of "
                 f"per-round ratios: {' '.join(f'{v:.3f}' for v in ratios)}), {max(rates[b]) / max(rates[a]):.3f} (best runs)"
             )
+        report.append(
+            dict(stores=stores, tokens_per_second=rates, hit_rate=hit_rates, timed_hit_rate=timed_hit_rates, load=loads)
+        )
+    if args.json:
+        options = {k: v for k, v in vars(args).items() if k not in ("tree", "json")}
+        machine.write_json(args.json, {"trees": dict(trees), "options": options, "runs": report})
 
 
 if __name__ == "__main__":

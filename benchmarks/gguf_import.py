@@ -1,6 +1,6 @@
 """A GGUF made by llama.cpp, imported by `moestream convert`, against llama.cpp running the same file.
 
-    python benchmarks/gguf_import.py FILE.gguf STORE --text ../shared/models/tiny-code-moe/heldout.txt [--positions 256]
+    python benchmarks/gguf_import.py FILE.gguf STORE --text ../shared/models/tiny-code-moe/heldout.txt [--positions 256] [--json OUT]
 
 STORE is `moestream convert FILE.gguf STORE --experts-dtype fp32` (made first when it does not exist), so the
 store holds the GGUF's dequantized weights. The text's first --positions + 1 tokens (the GGUF's own
@@ -9,6 +9,7 @@ tokenizer) are fed teacher-forced through both: moestream (`moestream.load`, one
 the same, the first position where they differ, the mean KL(llama.cpp || moestream) of the next-token
 distributions, and each one's perplexity of the text. Both run on this CPU with float32 activations
 (llama.cpp quantizes activations to 8 bits for its K-quant dot products, so the two are not bit-equal).
+--json writes the same figures.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import machine
 import numpy as np
 import torch
 
@@ -28,7 +30,7 @@ def moestream_logits(store: str, ids: list[int]) -> np.ndarray:
     model, _ = moestream.load(store, memory="1GiB")
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    moestream.close(model) if hasattr(moestream, "close") else None
+    moestream.close(model)
     return logits.numpy()
 
 
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--text", required=True, help="a text file (held-out text of the model)")
     parser.add_argument("--positions", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     if not Path(args.store).exists():
         command = ["moestream", "convert", args.gguf, args.store, "--experts-dtype", "fp32"]
@@ -68,9 +71,15 @@ def main() -> None:
     first = int(np.argmin(same)) if not same.all() else None
     kl = (np.exp(theirs) * (theirs - ours)).sum(-1).mean()
     ppl = [float(np.exp(-lp[np.arange(len(targets)), targets].mean())) for lp in (ours, theirs)]
-    print(f"{Path(args.gguf).name}: {len(targets)} positions, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"machine: {machine.line()}")
+    print(f"{Path(args.gguf).name}: {len(targets)} positions")
     print(f"top-1 identical {same.mean():.1%}, first divergence at {first}, mean KL {kl:.2e}")
     print(f"perplexity moestream {ppl[0]:.4f}, llama.cpp {ppl[1]:.4f}")
+    if args.json:
+        figures = dict(positions=len(targets), top1_identical=float(same.mean()), first_divergence=first, mean_kl=float(kl))
+        machine.write_json(
+            args.json, {"gguf": Path(args.gguf).name, **figures, "perplexity": dict(zip(("moestream", "llama.cpp"), ppl))}
+        )
 
 
 if __name__ == "__main__":

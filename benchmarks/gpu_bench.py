@@ -2,7 +2,7 @@
 same VRAM and RAM, and all experts in VRAM against transformers with the whole model on the GPU.
 
     python benchmarks/gpu_bench.py [--workdir DIR] [--layers 16] [--experts 64] [--hidden 1024] [--expert-width 512]
-        [--share 0.25] [--tokens 32] [--rounds 2]
+        [--share 0.25] [--tokens 32] [--rounds 2] [--json OUT]
 
 It builds a synthetic Qwen3-MoE checkpoint (random bf16 weights, calibrated routing) and its moestream
 store in --workdir (once), then, in one process, alternating --rounds times:
@@ -12,7 +12,8 @@ store in --workdir (once), then, in one process, alternating --rounds times:
    (resident weights plus the VRAM budget) and the CPU the same host budget, the rest offloaded to disk;
 3. moestream with every expert in VRAM, and 4. transformers with the whole model on the GPU.
 Decode tokens/s is `generate.timed` (greedy, exactly --tokens tokens after a 16-token prompt, the prefill
-not counted), the same definition for every engine. Prints each run and the ratios of the medians.
+not counted), the same definition for every engine. Prints each run and the ratios of the medians; --json
+writes them with the machine (GPU, CPU, torch, commit).
 """
 
 import argparse
@@ -21,6 +22,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import machine
 import torch
 
 import moestream
@@ -77,6 +79,7 @@ def main() -> None:
         action="store_true",
         help="a dry run without a GPU: moestream's device tier on devices.StandInDevice, the peers on the CPU",
     )
+    parser.add_argument("--json", help="write the runs and ratios here too")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -93,6 +96,7 @@ def main() -> None:
     else:
         device, gpu, peer_map, max_memory_gpu = (lambda: "cuda"), "cuda", "auto", 0
     name = "stand-in device (CPU)" if args.stand_in else torch.cuda.get_device_name()
+    print(f"machine: {machine.line()}")
     print(f"{name}: {args.layers} layers x {args.experts} experts, {experts / 2**30:.2f} GiB of experts")
     print(f"tiers: VRAM {budget / 2**20:.0f} MiB, host {budget / 2**20:.0f} MiB ({args.share:.0%} of the experts each)")
 
@@ -102,16 +106,17 @@ def main() -> None:
     offload = workdir / "offload"
 
     def run(name: str, make) -> None:
+        ours = name.startswith("moestream")
         model = make()
         try:
             results.setdefault(name, []).append(rate(model, ids, args.tokens))
             extra = ""
-            if hasattr(model, "_moestream_engine"):
+            if ours:
                 s = moestream.stats(model)
                 extra = f"; hit rate {s['hit_rate']:.1%}, {s['device_hits']} VRAM hits, {s['bytes_read'] / 2**20:.0f} MiB read"
             print(f"  {name}: {results[name][-1]:.2f} tok/s{extra}", flush=True)
         finally:
-            if hasattr(model, "_moestream_engine"):
+            if ours:
                 moestream.close(model)
             del model
             gc.collect()
@@ -140,14 +145,14 @@ def main() -> None:
             lambda: AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(gpu),
         )
     median = {name: statistics.median(v) for name, v in results.items()}
-    print(
-        f"two tiers / accelerate offload: {median['moestream, two tiers'] / median['transformers + accelerate offload']:.1f}x "
-        "(target >= 10x)"
-    )
-    print(
-        f"all in VRAM / transformers on the GPU: "
-        f"{median['moestream, all experts in VRAM'] / median['transformers, whole model on the GPU']:.2f}x (target >= 0.8x)"
-    )
+    tiers = median["moestream, two tiers"] / median["transformers + accelerate offload"]
+    vram = median["moestream, all experts in VRAM"] / median["transformers, whole model on the GPU"]
+    print(f"two tiers / accelerate offload: {tiers:.1f}x (target >= 10x)")
+    print(f"all in VRAM / transformers on the GPU: {vram:.2f}x (target >= 0.8x)")
+    if args.json:
+        options = {k: v for k, v in vars(args).items() if k != "json"}
+        ratios = {"two_tiers_over_offload": tiers, "all_in_vram_over_transformers_on_gpu": vram}
+        machine.write_json(args.json, {"device": name, "options": options, "decode_tokens_per_second": results, "ratios": ratios})
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ echo "== tests" | tee "$OUT/tests.txt"
 timeout 300 python3 -m pytest tests/test_cuda.py tests/test_device_tier.py -q -rs -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.txt"
 tests=${PIPESTATUS[0]}
 echo "== bench" | tee "$OUT/bench.txt"
-timeout 300 python3 benchmarks/gpu_bench.py --workdir /tmp/moestream-gpu-bench --rounds 2 2>&1 | grep -v "Loading weights" | tee -a "$OUT/bench.txt"
+timeout 300 python3 benchmarks/gpu_bench.py --workdir /tmp/moestream-gpu-bench --rounds 2 --json "$OUT/bench.json" 2>&1 | grep -v "Loading weights" | tee -a "$OUT/bench.txt"
 bench=${PIPESTATUS[0]}
 echo "tests exit $tests, bench exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

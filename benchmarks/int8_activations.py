@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import platform
 import time
 
+import machine
 import torch
 
 from moestream.conversion.quant import QuantFormat, pack, quantize
-from moestream.core import fused, kernels
+from moestream.core import fused_build, kernels
 
 SHAPES = {"expert gate+up": (1536, 2048), "expert down": (2048, 768), "attention q": (4096, 2048)}
 FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", None)]
@@ -49,18 +48,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
-    if fused.extension() is None:
-        raise SystemExit(f"the compiled kernels are off: {fused.unavailable_reason()}")
+    if fused_build.extension() is None:
+        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
     torch.set_num_threads(args.threads)
-    cpu = f"{platform.processor() or platform.machine()}, capability {torch.backends.cpu.get_cpu_capability()}"
-    print(f"torch {torch.__version__}, {args.threads} threads, {cpu}")
+    print(f"machine: {machine.line()}; {args.threads} threads")
     bandwidth = read_bandwidth()
     print(f"read bandwidth (float32 sum over 512 MiB): {bandwidth:.1f} GB/s\n")
-    results: dict = {
-        "threads": args.threads,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bandwidth_gbs": bandwidth,
-    }
+    results: dict = {"threads": args.threads, "bandwidth_gbs": bandwidth}
     rows = []
     print(f"{'shape':<16} {'format':<9} {'rows':>4} {'int8 act ms':>11} {'float act ms':>12} {'speed-up':>8}")
     for label, (n, k) in SHAPES.items():
@@ -105,8 +99,7 @@ def main() -> None:
             streaming.append(dict(format=label_fmt, int8_activations=integer, ms=min(times[integer]) * 1e3, gbs=rate))
     results["from_dram"] = streaming
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        machine.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -295,7 +295,12 @@ def main() -> None:
         f"({', '.join(f'{k}: {v}' for k, v in sorted(counts.items())) or 'none'}) in {outcomes['seconds']} s"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(outcomes, indent=2) + "\n")
+        import machine  # beside this file
+
+        if "machine" in outcomes:  # --reclassify: the earlier run's machine
+            Path(args.json).write_text(json.dumps(outcomes, indent=1) + "\n")
+        else:
+            machine.write_json(args.json, outcomes)
 
 
 if __name__ == "__main__":

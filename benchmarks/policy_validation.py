@@ -25,6 +25,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import machine
 import numpy as np
 
 import moestream
@@ -96,7 +97,7 @@ def main() -> None:
     for name, means, ok in summary:
         print(f"{name:<24} " + " ".join(f"{means[p]:>7.3f}x" for p in policies) + f"  {ok}")
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        machine.write_json(args.json, {"default_policy": DEFAULT_POLICY, "models": report})
 
 
 if __name__ == "__main__":

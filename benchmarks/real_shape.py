@@ -29,7 +29,7 @@ about 25 GB, 13 GB after --delete-bf16-gguf):
    name, the top ones with their share of the profiled ops' total, and the wall time no op accounts for
    (Python, the engine's bookkeeping).
 
-Results go to WORKDIR/results/*.json as well as to the terminal.
+Results go to WORKDIR/results/*.json (with the machine: CPU, torch, commit) as well as to the terminal.
 
 llama.cpp must run here before anything is timed, so a short llama.cpp generation goes first: `moestream
 bench` waits forever for a peer process that dies. One way it dies: a build with GGML_NATIVE (pip's
@@ -60,6 +60,8 @@ import sys
 import time
 from pathlib import Path
 
+import machine
+
 HERE = Path(__file__).resolve().parent
 PROMPT_SEED = 0
 LONG_PROMPT = 512
@@ -88,7 +90,9 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def llama_cpp_tree(path: str) -> Path:
+def llama_cpp_tree(path: str | None) -> Path:
+    if not path:
+        sys.exit("real_shape: --llama-cpp names the llama.cpp source tree that makes the GGUFs")
     root = Path(path).resolve()
     for candidate in (root, root / "vendor" / "llama.cpp"):
         if (candidate / "convert_hf_to_gguf.py").is_file():
@@ -99,24 +103,6 @@ def llama_cpp_tree(path: str) -> Path:
 def store_name(experts_dtype: str, convert_args: list[str]) -> str:
     extra = "-".join(re.sub(r"[^A-Za-z0-9.]+", "", a) for a in convert_args if a.strip("-"))
     return f"store-{experts_dtype}" + (f"-{extra}" if extra else "")
-
-
-def code_version() -> dict:
-    """The moestream these runs import: its tree's commit and any uncommitted changes to its sources."""
-    out = subprocess.run(
-        [sys.executable, "-c", "import moestream; print(moestream.__file__)"], check=True, stdout=subprocess.PIPE, text=True
-    )
-    src = Path(out.stdout.strip()).parent
-
-    def git(*argv: str) -> str:
-        done = subprocess.run(["git", "-C", str(src), *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    return {
-        "package": str(src),
-        "commit": git("rev-parse", "HEAD"),
-        "uncommitted": git("status", "--short", "--", ".").splitlines(),
-    }
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -432,7 +418,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workdir", help="where the checkpoint, stores, GGUFs and results live (outside the repo)")
-    parser.add_argument("--llama-cpp", default="/work/llama/llama_cpp_python-0.3.36", help="llama.cpp source tree")
+    parser.add_argument("--llama-cpp", help="llama.cpp source tree (needed to make the GGUFs)")
     parser.add_argument("--llama-lib", help="a directory put first on LD_LIBRARY_PATH (a rebuilt libggml-cpu.so.0)")
     parser.add_argument("--experts-dtype", default="int4")
     parser.add_argument("--convert-args", default="", help='more `moestream convert` options, e.g. "--dense-dtype int8"')
@@ -468,9 +454,8 @@ def main() -> None:
         p.name: tree_bytes(p) for p in sorted(work.iterdir()) if p.name != "results" and p.suffix not in (".partial", ".log")
     }
     print("\nartifacts: " + ", ".join(f"{name} {gib(n)}" for name, n in artifacts.items()), flush=True)
-    code = code_version()
-    print(f"moestream from {code['package']} at {code['commit'][:12] or '?'}, {len(code['uncommitted'])} files uncommitted")
-    report: dict = {"store": str(store), "gguf": str(q4), "code": code, "artifacts_bytes": artifacts, "step_seconds": timings}
+    report: dict = {"store": str(store), "gguf": str(q4), "artifacts_bytes": artifacts, "step_seconds": timings}
+    print(f"machine: {machine.line()}", flush=True)
     tag = f"{store.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if not args.profile_only:
         try:
@@ -491,7 +476,7 @@ def main() -> None:
         timings["profile"] = time.perf_counter() - start
         print_profile(report["profile"])
     out = results / f"real_shape-{tag}.json"
-    out.write_text(json.dumps(report, indent=1))
+    machine.write_json(out, report)
     print("\nstep seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
     log(f"wrote {out}")
 

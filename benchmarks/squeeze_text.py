@@ -1,7 +1,7 @@
 """moestream against llama.cpp's mmap on a machine squeezed below the model's size, decoding real text.
 
     python benchmarks/squeeze_text.py --store STORE --gguf MODEL-Q4_0.gguf --text heldout.txt \
-        --available 2.5GiB --memory 1GiB [--tokens 128] [--prefill 32] [--threads 2] [--rounds 2]
+        --available 2.5GiB --memory 1GiB [--tokens 128] [--prefill 32] [--threads 2] [--rounds 2] [--json OUT]
 
 A helper process holds touched anonymous memory (moestream.tools.bench.Squeeze) so that only
 `--available` of the machine's memory is left for the run, less than the model's file: llama.cpp then
@@ -15,7 +15,7 @@ random model's own output, which loops. With a calibrated synthetic router
 (`make_synthetic_checkpoint.py --shape qwen3-30b-a3b --calibrated`) that routing resembles a trained
 model's. Each run is a fresh process; for each: decode tokens/s, bytes read from the disk per token
 (/proc/self/io read_bytes: O_DIRECT reads and mmap page-ins alike), moestream's hit rate, peak RSS.
-Rounds alternate the engines.
+Rounds alternate the engines. Prints a line per run and the ratio of the medians; --json writes the runs.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ import statistics
 import subprocess
 import sys
 import time
+
+import machine
+
+
+def memory_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def read_bytes() -> int:
@@ -117,6 +124,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--prefetch", default="off")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", help="write the runs here too")
     parser.add_argument("--child", choices=["moestream", "llama.cpp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -124,18 +132,18 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    from moestream.tools.bench import Squeeze, _memory_available
+    from moestream.tools.bench import Squeeze
     from moestream.units import format_bytes, parse_bytes
 
-    squeeze = max(0, _memory_available() - parse_bytes(args.available))
-    print(
-        f"squeeze: holding {format_bytes(squeeze)}, leaving {format_bytes(_memory_available() - squeeze)} available", flush=True
-    )
+    print(f"machine: {machine.line()}", flush=True)
+    squeeze = max(0, memory_available() - parse_bytes(args.available))
+    print(f"squeeze: holding {format_bytes(squeeze)}, leaving {format_bytes(memory_available() - squeeze)} available", flush=True)
     rows = {"moestream": [], "llama.cpp": []}
     with Squeeze(squeeze):
         for r in range(args.rounds):
             for kind in ("moestream", "llama.cpp"):
-                done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", kind], capture_output=True, text=True)
+                command = [sys.executable, __file__, *sys.argv[1:], "--child", kind]
+                done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode != 0:
                     print(f"{kind} failed (exit {done.returncode}): {done.stderr.strip()[-800:]}", flush=True)
                     continue
@@ -150,12 +158,15 @@ def main() -> None:
                     f"peak RSS {format_bytes(result['peak_rss_bytes'])}",
                     flush=True,
                 )
+    ratio = None
     if rows["moestream"] and rows["llama.cpp"]:
         ratio = statistics.median(r["tokens_per_second"] for r in rows["moestream"]) / statistics.median(
             r["tokens_per_second"] for r in rows["llama.cpp"]
         )
         print(f"moestream / llama.cpp (medians): {ratio:.2f}x tokens/s")
-    print(json.dumps(rows))
+    if args.json:
+        options = {k: v for k, v in vars(args).items() if k not in ("child", "json")}
+        machine.write_json(args.json, {"options": options, "squeeze_bytes": squeeze, "runs": rows, "ratio_of_medians": ratio})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """What a grammar costs per token: the constrained-decoding libraries side by side, and decode with a JSON
 schema against without.
 
-    python benchmarks/structured_outputs.py libraries TOKENIZER_DIR [--train-vocab N]
-    python benchmarks/structured_outputs.py decode STORE [--memory 1GiB] [--tokens 64] [--rounds 3]
+    python benchmarks/structured_outputs.py libraries TOKENIZER_DIR [--train-vocab N] [--json OUT]
+    python benchmarks/structured_outputs.py decode STORE [--memory 1GiB] [--tokens 64] [--rounds 3] [--json OUT]
 
 `libraries`: per token (mean, median, p90, max of the best of --rounds fresh runs, by mean), the time to compute the mask of allowed tokens and apply it to a row of logits,
 while a valid JSON document of a schema (enums, a bounded integer, strings, an array) is fed token by
@@ -15,7 +15,7 @@ which cannot be downloaded here); the mask's cost grows with the vocabulary.
 the sampler against without, alternating, in one process; --tokens per run either way (a grammar that
 completes early is started again with a new answer, whose prefill is not counted).
 
-Prints a table and writes JSON next to nothing (stdout only); figures go to docs/BENCHMARKS.md by hand.
+Prints a table; --json writes it with the machine.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import time
 
+import machine
 import numpy as np
 import torch
 
@@ -151,7 +152,9 @@ def libraries(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     width = len(tokenizer)
     ids = tokenizer.encode(json.dumps(DOCUMENT), add_special_tokens=False)
-    print(f"vocabulary {width} tokens; document {len(ids)} tokens; CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"machine: {machine.line()}")
+    print(f"vocabulary {width} tokens; document {len(ids)} tokens")
+    results = {}
     print(f"{'library':<14} {'compile ms':>10} {'mean us/token':>14} {'median':>7} {'p90':>7} {'max':>7}")
     for name, run in (("llguidance", time_llguidance), ("xgrammar", time_xgrammar), ("outlines-core", time_outlines)):
         try:
@@ -165,6 +168,9 @@ def libraries(args) -> None:
             print(f"{name:<14} not installed ({e.name})")
             continue
         print(f"{name:<14} {best[0] * 1e3:>10.1f} " + " ".join(f"{v * 1e6:>{w}.0f}" for v, w in zip(best[1:], (14, 7, 7, 7))))
+        results[name] = dict(zip(("compile_s", "mean_s", "median_s", "p90_s", "max_s"), best))
+    if args.json:
+        machine.write_json(args.json, {"vocabulary": width, "document_tokens": len(ids), "libraries": results})
 
 
 def decode(args) -> None:
@@ -200,12 +206,15 @@ def decode(args) -> None:
     for _ in range(args.rounds):
         plain.append(run(False))
         schema.append(run(True))
-    print(
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.tokens} tokens per run, decode tok/s (prefill excluded)"
-    )
+    print(f"machine: {machine.line()}")
+    print(f"{args.tokens} tokens per run, decode tok/s (prefill excluded)")
     for i, (p, s) in enumerate(zip(plain, schema)):
         print(f"round {i + 1}: without {p:.2f} tok/s, with the schema {s:.2f} tok/s: {s / p:.3f}x")
-    print(f"median ratio {statistics.median(s / p for p, s in zip(plain, schema)):.3f}x")
+    median = statistics.median(s / p for p, s in zip(plain, schema))
+    print(f"median ratio {median:.3f}x")
+    if args.json:
+        rates = {"without": plain, "with_schema": schema, "median_ratio": median}
+        machine.write_json(args.json, {"store": args.store, "tokens": args.tokens, "decode_tokens_per_second": rates})
 
 
 def main() -> None:
@@ -215,11 +224,13 @@ def main() -> None:
     lib.add_argument("tokenizer", help="a directory with a Hugging Face fast tokenizer (written first with --train-vocab)")
     lib.add_argument("--train-vocab", type=int, default=0, help="train a byte-level BPE of this many tokens into the directory")
     lib.add_argument("--rounds", type=int, default=3)
+    lib.add_argument("--json", help="write the table here too")
     dec = sub.add_parser("decode", help="decode tok/s with the schema's grammar against without")
     dec.add_argument("store")
     dec.add_argument("--memory", default="1GiB")
     dec.add_argument("--tokens", type=int, default=64)
     dec.add_argument("--rounds", type=int, default=3)
+    dec.add_argument("--json", help="write the rounds here too")
     args = parser.parse_args()
     libraries(args) if args.what == "libraries" else decode(args)
 

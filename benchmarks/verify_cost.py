@@ -1,8 +1,8 @@
 """What run-time checksum verification costs: the same generation with --verify always, first and off.
 
 Prints, per mode: decode tokens/s, seconds spent reading records and hashing them (summed over the I/O
-threads), and hashing as a share of read time. Run it on a store much larger than --memory so that
-most steps read from disk, e.g.
+threads), and hashing as a share of read time (--json writes the same). Run it on a store much larger than
+--memory so that most steps read from disk, e.g.
 
     python benchmarks/verify_cost.py big.moe --memory 256MiB --tokens 32
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+import machine
 import torch
 
 import moestream
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--prompt", default="def fibonacci(n):")
     parser.add_argument("--rounds", type=int, default=2, help="alternate the modes this many times")
+    parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -35,9 +37,13 @@ def main() -> None:
             s = result.stats
             rows.append((round_, mode, result.decode_tokens_per_second, s["bytes_read"], s["read_seconds"], s["verify_seconds"]))
             moestream.close(model)
+    print(f"machine: {machine.line()}")
     print(f"{'round':>5} {'verify':>7} {'tok/s':>7} {'MB read':>8} {'read s':>7} {'hash s':>7} {'hash/read':>9}")
     for round_, mode, tps, read, read_s, verify_s in rows:
         print(f"{round_:>5} {mode:>7} {tps:>7.2f} {read / 1e6:>8.0f} {read_s:>7.2f} {verify_s:>7.3f} {verify_s / read_s:>9.1%}")
+    if args.json:
+        keys = ("round", "verify", "decode_tokens_per_second", "bytes_read", "read_seconds", "hash_seconds")
+        machine.write_json(args.json, {"store": args.store, "memory": args.memory, "rows": [dict(zip(keys, r)) for r in rows]})
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ POLICIES = ("lru", "lfu", "arc", "forecast")
 # forecast: on the routing of four trained models (benchmarks/traces) it is at or above LFU at every budget
 # from 5% to 30% of the experts, and LFU at or above LRU and ARC (decode visits the layers cyclically, so
 # once the cache holds less than one token's experts LRU and ARC evict each expert just before its next
-# use); decoding the fixture at 8 MiB is as fast as with LFU (docs/BENCHMARKS.md, "Cache policies near the
-# optimum").
+# use); decoding the fixture at 8 MiB is as fast as with LFU (docs/DECISIONS.md, "Default cache policy:
+# forecast").
 DEFAULT_POLICY = "forecast"
 #: VRAM a GPU run keeps free beside the resident weights and the expert budget: the KV cache, activations,
 #: CUDA's own workspace.

@@ -6,7 +6,7 @@ almost uniformly and without temporal locality; `zipf` skews expert popularity o
 
 `calibrated_router` goes further: a router of three interpretable parameters (`RoutingParams`: popularity,
 token-to-token spread, locality) whose values `CALIBRATED` were searched so that a synthetic model's trace
-over real text resembles a trained model's (benchmarks/calibrate_routing.py); `CALIBRATED_30B` are the
+over real text resembles a trained model's (docs/DECISIONS.md, "Calibrated synthetic routers"; the search script is in git: git show b3336f6:benchmarks/calibrate_routing.py); `CALIBRATED_30B` are the
 values for Qwen3-30B-A3B's shape (128 experts, top-8).
 """
 
@@ -101,7 +101,7 @@ class RoutingParams:
     seed: int = 0
 
 
-# Chosen by `python benchmarks/calibrate_routing.py ../shared/models/tiny-code-moe --rounds 1
+# Chosen (benchmarks/calibrate_routing.py as of b3336f6) by `python benchmarks/calibrate_routing.py ../shared/models/tiny-code-moe --rounds 1
 # --grid zipf=0.4,0.5,0.6 --grid noise=0.75,1,1.5 --grid topic=0,0.25,0.5,1` (a first full-grid pass had
 # narrowed zipf to about 0.5): the trained tiny-code-moe fixture's shape (6 layers x 64 experts, top-4)
 # over its heldout.txt, the grid point whose expert popularity and lru/lfu/belady hit rates at 5-30% of
@@ -111,7 +111,7 @@ class RoutingParams:
 CALIBRATED = RoutingParams(zipf=0.5, noise=1.0, topic=0.0)
 
 # Qwen3-30B-A3B's shape (hidden 2048, 128 experts, top-8), against the same fixture and text, compared as
-# shares of the experts. Chosen by `python benchmarks/calibrate_routing.py ../shared/models/tiny-code-moe
+# shares of the experts. Chosen (the same script, as of b3336f6) by `python benchmarks/calibrate_routing.py ../shared/models/tiny-code-moe
 # --shape qwen3-30b-a3b --layers 6 --expert-width 16 --rounds 2 --start 0.35,1.0,0.5 --grid
 # zipf=0.3,0.35,0.4,0.45 --grid noise=0.85,1,1.15 --grid topic=0.35,0.5,0.65` (distance 0.0092; a first
 # pass over the default grid, --rounds 1 from the same start, had found 0.35, 1.0, 0.5 at 0.0155, with

@@ -9,14 +9,14 @@ of their own (from the longest prefix the prefix cache holds), and leave when th
 goes into the prefix cache. With `prefill_chunk`, a newcomer's prompt is fed that many tokens per step
 while others are decoding, so a long prompt slows the running sequences instead of stopping them, at
 the cost of its own time to first token: each part of a long prompt visits most experts again
-(docs/BENCHMARKS.md). Without it, or with nobody running, the prompt goes in one pass, as a lone
+(docs/DECISIONS.md, "A joining prompt: one pass by default"). Without it, or with nobody running, the prompt goes in one pass, as a lone
 generation's does.
 
 Each sequence is a `generate.Decoding`: its own sampler and seeded generator, stop rules, callbacks,
 cancel flag and deadline, exactly as when it runs alone. What a batch changes is only the arithmetic's
 rounding: a matmul over B rows may round differently from one over a single row. In float32 that has
 not changed a token in any test (transformers' own greedy `generate` of each prompt alone is the
-reference); in bf16 it can flip a near-tie (docs/BENCHMARKS.md: 2-3 of 16 greedy answers of the
+reference); in bf16 it can flip a near-tie (docs/BENCHMARKS.md, "Batched decoding: exactness": 2-3 of 16 greedy answers of the
 trained fixture part from their solo ones after 7-22 tokens).
 
 `BatchGenerator` is driven step by step (the server's worker: `admit` between steps, `decode` once per

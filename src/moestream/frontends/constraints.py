@@ -5,7 +5,7 @@ alone, batched and streamed.
 The grammar engine is llguidance (the library behind Guidance and llama.cpp's llguidance option): it
 computes, for each step, the set of tokens that keep the text a prefix of some string of the grammar,
 from the tokenizer's own byte strings. Measured against xgrammar and outlines-core on a 150k-token
-byte-level BPE vocabulary (docs/BENCHMARKS.md, "Structured outputs"), it was the fastest per token among
+byte-level BPE vocabulary (docs/DECISIONS.md, "Structured outputs through llguidance"), it was the fastest per token among
 those that compile a schema in milliseconds (outlines-core builds an index over the whole vocabulary per
 schema: seconds), and its Lark dialect embeds JSON schemas, which tool calls need.
 

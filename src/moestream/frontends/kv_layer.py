@@ -2,7 +2,7 @@
 
 transformers' `DynamicLayer` appends a step's keys and values with `torch.cat`, which copies every
 position it holds: at 4,096 positions of Qwen3-30B-A3B's attention shape one such copy costs about 40
-times writing the new position in place (docs/BENCHMARKS.md, "The KV cache at long context"), and it
+times writing the new position in place (docs/DECISIONS.md, "Growing KV layers"), and it
 grows with the context. `GrowingLayer` holds its keys
 and values as views into buffers with room for up to ROOM more positions, writes each step's positions
 into that room, and copies its history only when the room runs out (once every ROOM steps of decode).

@@ -43,7 +43,7 @@ from ..errors import UsageError
 from ..units import format_bytes, parse_bytes
 
 # Besides resident weights and the expert cache a process holds the Python/torch/transformers runtime
-# (its measured size is in docs/BENCHMARKS.md), activations and the KV cache of a short context.
+# (about 330-370 MiB measured; docs/BENCHMARKS.md), activations and the KV cache of a short context.
 DISK_PROBE_BYTES = 256 * 2**20
 
 
@@ -96,7 +96,7 @@ def measure_disk_reads(
     Measured on a temporary file written in `directory`, flushed to disk and dropped from the page cache
     first, so the reads come from the device. Small records are dominated by latency, not bandwidth: a
     few reads issued together run far below what a deep queue of the same reads reaches, and decoding
-    never has that deep a queue (docs/BENCHMARKS.md). A filesystem
+    never has that deep a queue (docs/DECISIONS.md, "The I/O floor from the run's own reads"). A filesystem
     that refuses O_DIRECT (tmpfs) would measure memory, so it is refused."""
     from ..core.reader import RecordReader
 
@@ -196,7 +196,7 @@ def measure_compute(
     (submitting it, the I/O threads' CPU and GIL time on a two-core box, allocating and evicting a slot,
     viewing the bytes), by decoding again with a cache of one layer's experts: (time per token - time
     waiting for reads - all-hits time) / misses per token. For small experts this is of the order of the
-    reads themselves (docs/BENCHMARKS.md, "Forecast against measurement")."""
+    reads themselves (docs/DECISIONS.md, "plan: a miss costs the model thread besides its read")."""
     from transformers import AutoModelForCausalLM
 
     from ..conversion.convert import convert
