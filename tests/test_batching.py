@@ -7,9 +7,10 @@ from tiny import tiny_checkpoint
 
 import moestream
 from moestream.cli import main
-from moestream.frontends.batching import BatchGenerator, KVBudgetExceeded, generate_batch
+from moestream.frontends.batching import BatchGenerator, KVBudgetExceeded
 from moestream.frontends.generate import Decoding, stream
 from moestream.frontends.kv_cache import PrefixCache, kv_bytes
+from moestream.frontends.serving import generate_batch
 
 NEW = 10
 BATCH_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"]

@@ -422,7 +422,7 @@ def slow_server(store, monkeypatch):
     import uvicorn
 
     import moestream
-    from moestream.frontends import http_app, worker
+    from moestream.frontends import http_app, serving
     from moestream.frontends.batching import BatchGenerator
 
     class SlowBatch(BatchGenerator):
@@ -443,7 +443,7 @@ def slow_server(store, monkeypatch):
 
     SlowBatch.stuck = byte_tokenizer()("stuck")["input_ids"]
     SlowBatch.a = byte_tokenizer()("A", add_special_tokens=False)["input_ids"][0]
-    monkeypatch.setattr(worker, "BatchGenerator", SlowBatch)
+    monkeypatch.setattr(serving, "BatchGenerator", SlowBatch)
     model, tokenizer = moestream.load(store, BUDGET)
     running = []
 

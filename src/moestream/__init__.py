@@ -21,7 +21,7 @@ def __getattr__(name: str):
 
         return convert
     if name == "generate_batch":
-        from .frontends.batching import generate_batch
+        from .frontends.serving import generate_batch
 
         return generate_batch
     if name in ("close", "load", "stats"):

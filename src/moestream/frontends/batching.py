@@ -19,19 +19,18 @@ not changed a token in any test (transformers' own greedy `generate` of each pro
 reference); in bf16 it can flip a near-tie (docs/BENCHMARKS.md, "Batched decoding: exactness": 2-3 of 16 greedy answers of the
 trained fixture part from their solo ones after 7-22 tokens).
 
-`BatchGenerator` is driven step by step (the server's worker: `admit` between steps, `decode` once per
-step); `generate_batch` runs a list of prompts to the end (the Python API).
+`BatchGenerator` is driven step by step by the serving scheduler (serving.py: `admit` between steps,
+`decode` once per step), which the server's worker and `generate_batch` (the Python API) both step.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from .generate import Decoding, Forward, GenerationResult, encode, generate_step, prompt_logprobs
+from .generate import Decoding, Forward, generate_step, prompt_logprobs
 from .kv_cache import BatchKV, PrefixCache, batchable, kv_bytes
 
 
@@ -268,35 +267,3 @@ def _probe(model) -> tuple[int, str | None]:
     with torch.inference_mode():
         forward(torch.zeros((1, 1), dtype=torch.long))
     return kv_bytes(forward.cache), batchable(forward.cache)
-
-
-def generate_batch(
-    model,
-    tokenizer,
-    prompts: Sequence[str | Sequence[int]],
-    max_new_tokens: int = 64,
-    *,
-    max_batch: int = 8,
-    prefix_cache: PrefixCache | None = None,
-    seeds: Sequence[int | None] | None = None,
-    **options,
-) -> list[GenerationResult]:
-    """Generate a continuation of every prompt (text, or token ids), up to `max_batch` at a time, and
-    return their results in the prompts' order. `options` are `generate.Decoding`'s (greedy,
-    temperature, top_p, stop, ignore_eos); `seeds`, one per prompt, seed each sequence's own generator,
-    so a seeded prompt gets the text it would get alone."""
-    seeds = list(seeds) if seeds is not None else [None] * len(prompts)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    waiting = deque(
-        Decoding(model, tokenizer, encode(tokenizer, p) if isinstance(p, str) else p, max_new_tokens, seed=s, **options)
-        for p, s in zip(prompts, seeds)
-    )
-    order = list(waiting)
-    generator = BatchGenerator(model, max_batch=max_batch, prefix_cache=prefix_cache)
-    while waiting or generator.running or generator.prefilling:
-        while waiting and generator.has_room(len(waiting[0].prompt_ids) + waiting[0].max_new_tokens):
-            generator.admit(waiting.popleft())
-        generator.prefill_step()
-        generator.decode()
-    return [d.result() for d in order]

@@ -44,6 +44,7 @@ from .openai_api import (
     model_card,
     model_not_found,
 )
+from .serving import TooManyChoices
 from .worker import ClientGone, Done, Job, Worker, WorkerError, WorkerStats
 
 # A request body larger than this is refused (413) before it is parsed: prompts are text, and a body
@@ -183,7 +184,7 @@ class Service:
         except asyncio.CancelledError:  # the handler's task was cancelled: the server is shutting down
             outcome = "cancelled"
             raise
-        except (WorkerError, KVBudgetExceeded) as e:
+        except (WorkerError, KVBudgetExceeded, TooManyChoices) as e:
             raise error_for(e) from None
         finally:
             if not streaming:

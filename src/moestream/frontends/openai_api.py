@@ -29,6 +29,7 @@ from . import tool_calls
 from .batching import KVBudgetExceeded
 from .constraints import Grammar, GrammarError, Vocabulary
 from .generate import GenerationResult, TokenLogprob, chat_prompt, encode
+from .serving import TooManyChoices
 from .worker import (
     Done,
     GenerationFailed,
@@ -37,7 +38,6 @@ from .worker import (
     QueueFull,
     ShuttingDown,
     TimedOut,
-    TooManyChoices,
 )
 
 # OpenAI's limit on stop sequences per request.

@@ -1,0 +1,315 @@
+"""The serving scheduler: every sequence the model generates for requests, queued, prefilling or running,
+in one place, in the shape of vLLM's engine core: `add(request)`, `abort(request)`, `step() -> events`.
+
+A request asks for one or more answers ("choices": OpenAI's n, and a completions request's list of
+prompts). The answers to one prompt are a group: they join the batch together, sharing that prompt's
+prefill (`BatchGenerator.admit`'s siblings), once rows are free and the running sequences' KV budget
+holds with them (prompt plus max tokens of every row). Groups join first come, first served: one that
+must wait holds back those behind it. A request whose KV could never fit the budget, or whose group
+needs more rows than the batch has, is refused by `add` (`KVBudgetExceeded`, `TooManyChoices`).
+
+Each answer is a `generate.Decoding`, made when its group joins (`Request.make`; a grammar is compiled
+then, on the thread that steps). Its text reaches the caller through the decoding's own callbacks, as it
+is produced; `step` returns what else happened: `Started` (a request's first group joined), `Finished`
+(an answer ended: its decoding's result says how), `Failed` (the request met an error; once per request).
+
+Cancellation, deadlines and errors, handled here once:
+- a request's cancel flag and deadline are its decodings' (checked after every token), and a request
+  that is cancelled or past its deadline before its turn is skipped when it comes up;
+- `abort` takes a queued request out of the queue at once (a running one stops after its token);
+- an error while a group prefills fails that request, the batch unchanged; an error in a batched step
+  fails every running request (the batch's KV is then incomplete); a failed request's other answers stop.
+
+One thread steps the scheduler (the model is not thread-safe); `add`, `abort` and the counts may be
+called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .batching import BatchGenerator
+from .generate import Decoding, GenerationResult, encode
+from .kv_cache import PrefixCache
+
+
+class TooManyChoices(Exception):
+    """A request whose answers to one prompt need more rows than the batch has (they run together)."""
+
+    def __init__(self, rows: int, max_batch: int):
+        super().__init__(f"{rows} answers to one prompt need {rows} batch rows; the server decodes at most {max_batch} together")
+        self.rows, self.max_batch = rows, max_batch
+
+
+@dataclass(eq=False)  # a request is equal only to itself (the queue removes requests by identity)
+class Request:
+    """What to generate: `make(i)` builds answer i's decoding (with this request's `cancel` flag and
+    `deadline`); `prompts[i]` and `positions[i]` (prompt plus max new tokens) size it before it exists.
+    `tag` is the caller's (the server's job)."""
+
+    make: Callable[[int], Decoding]
+    prompts: list[list[int]]
+    positions: list[int]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None  # time.monotonic()
+    tag: object = None
+    groups: list[list[int]] = field(init=False)  # answers that share a prompt, in order
+    index: dict[Decoding, int] = field(default_factory=dict)  # each made decoding -> its answer's index
+    joined: int = 0  # groups taken from the queue so far
+    started: bool = False
+    failed: bool = False
+
+    def __post_init__(self) -> None:
+        self.groups, start = [], 0
+        while start < len(self.prompts):
+            end = start + 1
+            while end < len(self.prompts) and self.prompts[end] == self.prompts[start]:
+                end += 1
+            self.groups.append(list(range(start, end)))
+            start = end
+
+    def expired(self) -> bool:
+        return self.cancel.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+
+@dataclass(frozen=True)
+class Started:
+    """The request's first answers joined the batch."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class Finished:
+    """An answer ended; `decoding.result()` says how (its finish_reason: stop, length, cancelled, timeout)."""
+
+    request: Request
+    decoding: Decoding
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request met an error: it ends, and its other answers stop."""
+
+    request: Request
+    error: Exception
+
+
+Event = Started | Finished | Failed
+
+
+class Scheduler:
+    """Queued requests, the newcomer being prefilled and the running sequences (with their KV budget, in
+    `batch`); see the module's doc. Options are `BatchGenerator`'s."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch: int = 8,
+        prefix_cache: PrefixCache | None = None,
+        kv_budget_bytes: int | None = None,
+        prefill_chunk: int | None = None,
+        listener: Callable[[Event], None] | None = None,
+    ):
+        """`listener`, if given, hears each event as it happens, before `step` goes on: a request's
+        `Started` comes before the text its first token posts (through its decoding's callbacks)."""
+        self.listener = listener
+        self.batch = BatchGenerator(
+            model, max_batch=max_batch, prefix_cache=prefix_cache, kv_budget_bytes=kv_budget_bytes, prefill_chunk=prefill_chunk
+        )
+        self._lock = threading.Lock()  # guards _waiting (add and abort come from other threads)
+        self._waiting: deque[Request] = deque()
+        self._owner: dict[Decoding, Request] = {}  # every answer prefilling or running -> its request
+
+    # -- any thread -------------------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Raise KVBudgetExceeded or TooManyChoices if the request could never run."""
+        for positions in request.positions:
+            self.batch.check(positions)
+        for group in request.groups:
+            if len(group) > self.batch.max_batch:
+                raise TooManyChoices(len(group), self.batch.max_batch)
+
+    def add(self, request: Request) -> None:
+        """Queue a request (after `check`)."""
+        self.check(request)
+        with self._lock:
+            self._waiting.append(request)
+
+    def abort(self, request: Request) -> bool:
+        """Stop a request: out of the queue at once if it waits (True), after the current token if it runs."""
+        request.cancel.set()
+        with self._lock:
+            if request in self._waiting:
+                self._waiting.remove(request)
+                return True
+        return False
+
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def running(self) -> int:
+        return len(self._owner)
+
+    def idle(self) -> bool:
+        return not self._owner and not self.queued()
+
+    # -- the stepping thread ----------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Groups that may join do (their prefill, all of it unless others are running), the newcomer's
+        next part is fed, then every running sequence takes one step."""
+        events: list[Event] = []
+        while (joining := self._next_group()) is not None:
+            self._join(*joining, events)
+        self._prefill(events)
+        self._decode(events)
+        return events
+
+    def close(self) -> list[Event]:
+        """Stop everything: queued requests are dropped, running answers end as cancelled (`Finished`)."""
+        with self._lock:
+            for request in self._waiting:
+                request.cancel.set()
+            self._waiting.clear()
+        events: list[Event] = []
+        for decoding, request in self._take_all():
+            request.cancel.set()
+            decoding.finish_reason = "cancelled"
+            self._emit(Finished(request, decoding), events)
+        return events
+
+    def _next_group(self) -> tuple[Request, list[int]] | None:
+        """The first queued request's next group, if it may join the batch now; the request leaves the
+        queue with its last group."""
+        with self._lock:
+            if not self._waiting:
+                return None
+            request = self._waiting[0]
+            group = request.groups[request.joined]
+            if not self.batch.has_room(request.positions[group[0]], len(group)):
+                return None
+            request.joined += 1
+            if request.joined == len(request.groups):
+                self._waiting.popleft()
+            return request, group
+
+    def _join(self, request: Request, group: list[int], events: list[Event]) -> None:
+        """A group's prefill and first tokens (they may end right there)."""
+        if request.expired() or request.failed:
+            return  # its caller has given up, or gives up at the deadline
+        try:
+            decodings = [request.make(i) for i in group]
+        except Exception as e:  # a grammar that fails to compile against the vocabulary
+            self._fail(request, e, events)
+            return
+        for i, decoding in zip(group, decodings):
+            request.index[decoding] = i
+            self._owner[decoding] = request
+        if not request.started:
+            request.started = True
+            self._emit(Started(request), events)
+        try:
+            ended = self.batch.admit(decodings[0], decodings[1:])
+        except Exception as e:  # this request fails; the batch is unchanged
+            for decoding in decodings:
+                del self._owner[decoding]
+            self._fail(request, e, events)
+            return
+        self._finished(ended, events)
+
+    def _prefill(self, events: list[Event]) -> None:
+        """The next part of a newcomer's prompt, between two steps of the batch (--prefill-chunk)."""
+        prefilling = self.batch.prefilling
+        if prefilling is None:
+            return
+        try:
+            ended = self.batch.prefill_step()
+        except Exception as e:  # this request fails; the batch is unchanged
+            request = self._owner.pop(prefilling.decoding)
+            for sibling in prefilling.siblings:
+                del self._owner[sibling]
+            self._fail(request, e, events)
+            return
+        self._finished(ended, events)
+
+    def _decode(self, events: list[Event]) -> None:
+        try:
+            ended = self.batch.decode()
+        except Exception as e:  # a disk error, a damaged record: the running requests fail, the rest go on
+            for request in {id(r): r for _, r in self._take_all()}.values():
+                self._fail(request, e, events)
+            return
+        self._finished(ended, events)
+
+    def _emit(self, event: Event, events: list[Event]) -> None:
+        if self.listener is not None:
+            self.listener(event)
+        events.append(event)
+
+    def _finished(self, ended: list[Decoding], events: list[Event]) -> None:
+        for decoding in ended:
+            self._emit(Finished(self._owner.pop(decoding), decoding), events)
+
+    def _fail(self, request: Request, error: Exception, events: list[Event]) -> None:
+        """End the request with an error, once, whichever of its answers met it; its other answers stop
+        (queued groups leave the queue, running answers end after their current token)."""
+        request.cancel.set()
+        with self._lock:
+            if request in self._waiting:
+                self._waiting.remove(request)
+        if request.failed:
+            return
+        request.failed = True
+        self._emit(Failed(request, error), events)
+
+    def _take_all(self) -> list[tuple[Decoding, Request]]:
+        """Every prefilling or running answer and its request, out of the batch."""
+        running = list(self._owner.items())
+        self._owner.clear()
+        for decoding, _ in running:
+            prefilling = self.batch.prefilling
+            if decoding in self.batch.running or (prefilling is not None and prefilling.decoding is decoding):
+                self.batch.drop(decoding)  # (a newcomer's siblings join only with it)
+        return running
+
+
+def generate_batch(
+    model,
+    tokenizer,
+    prompts: Sequence[str | Sequence[int]],
+    max_new_tokens: int = 64,
+    *,
+    max_batch: int = 8,
+    prefix_cache: PrefixCache | None = None,
+    seeds: Sequence[int | None] | None = None,
+    **options,
+) -> list[GenerationResult]:
+    """Generate a continuation of every prompt (text, or token ids), up to `max_batch` at a time, and
+    return their results in the prompts' order. `options` are `generate.Decoding`'s (greedy,
+    temperature, top_p, stop, ignore_eos); `seeds`, one per prompt, seed each sequence's own generator,
+    so a seeded prompt gets the text it would get alone. Each prompt is one request of a `Scheduler`,
+    stepped here until every one has ended; an error ends them all and is raised."""
+    seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    decodings = [
+        Decoding(model, tokenizer, encode(tokenizer, p) if isinstance(p, str) else list(p), max_new_tokens, seed=s, **options)
+        for p, s in zip(prompts, seeds)
+    ]
+    scheduler = Scheduler(model, max_batch=max_batch, prefix_cache=prefix_cache)
+    for d in decodings:
+        scheduler.add(Request(lambda _, d=d: d, [d.prompt_ids], [len(d.prompt_ids) + d.max_new_tokens]))
+    while not scheduler.idle():
+        for event in scheduler.step():
+            if isinstance(event, Failed):
+                scheduler.close()
+                raise event.error
+    return [d.result() for d in decodings]
