@@ -408,3 +408,20 @@ def test_bad_gguf_files_are_one_line_errors(qwen3_gguf, tmp_path, capsys):
     main(["convert", str(tmp_path / "gemma.gguf"), str(tmp_path / "out")])
     line = _one_line_error(capsys)
     assert "qwen3moe" in line and "qwen2moe" in line and "Mixtral" in line, line
+
+
+def test_eval_takes_a_gguf_as_its_reference(qwen3_gguf, tmp_path):
+    """`eval --reference FILE.gguf` compares a store with the float model the file stands for: its blocks
+    dequantized. A store converted from the file in float32 is that model exactly; an int4 one is not."""
+    from moestream.tools.quality import compare
+
+    _, path, _ = qwen3_gguf
+    text = " ".join(f"the theme {i}: def f(x): return x * {i}" for i in range(40))
+    exact = moestream.convert(path, tmp_path / "fp32", "fp32", progress=False)
+    report = compare(exact, path, text, max_tokens=96, context=32, memory="1MiB")
+    assert report.reference_kind == "gguf" and report.reference_dtype == "float32, dequantized"
+    assert report.kl_mean == 0.0 and report.top1_agreement == 1.0
+    assert not list(tmp_path.glob(".moestream-eval-reference-*"))  # the temporary store is gone
+    small = moestream.convert(path, tmp_path / "int4", "int4", progress=False)
+    report = compare(small, path, text, max_tokens=96, context=32, memory="1MiB")
+    assert report.kl_mean > 0.0 and report.top1_agreement > 0.5

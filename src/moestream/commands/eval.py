@@ -28,7 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="REF",
         help="the Hugging Face checkpoint directory the store was converted from (loaded by transformers in "
-        "its own dtype, safetensors only, no custom code), or another store",
+        "its own dtype, safetensors only, no custom code), another store, or a llama.cpp .gguf file (its blocks "
+        "dequantized into a temporary float32 store beside STORE, removed afterwards: the float model the file "
+        "stands for)",
     )
     parser.add_argument(
         "--text", required=True, metavar="FILE", help="UTF-8 text to evaluate on, ideally text the model was not trained on"

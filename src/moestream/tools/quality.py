@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ METRIC_DTYPE = torch.float64
 class QualityReport:
     store: str
     reference: str
-    reference_kind: str  # "checkpoint" (a Hugging Face directory) or "store"
+    reference_kind: str  # "checkpoint" (a Hugging Face directory), "store", or "gguf" (a llama.cpp file)
     experts_dtype: (
         str  # the store's expert format (manifest experts_dtype: "int4-g32", "mixed: ..."), so reports can be told apart
     )
@@ -241,9 +242,15 @@ def decode_logits(model, batch: torch.Tensor) -> torch.Tensor:
 
 
 def reference_kind(path: Path) -> str:
-    """'store' (has manifest.json) or 'checkpoint' (config.json and *.safetensors); anything else is an error."""
+    """'store' (has manifest.json), 'checkpoint' (config.json and *.safetensors) or 'gguf' (a .gguf file, or
+    the first of a split set); anything else is an error."""
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
     if not path.is_dir():
-        raise UsageError(f"--reference {path} is not a directory; pass a Hugging Face checkpoint directory or a store")
+        raise UsageError(
+            f"--reference {path} is not a directory nor a .gguf file; pass a Hugging Face checkpoint directory, a store "
+            "or a llama.cpp GGUF file"
+        )
     if (path / MANIFEST).is_file():
         return "store"
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
@@ -255,6 +262,36 @@ def reference_kind(path: Path) -> str:
 
 
 REFERENCE_DTYPES = {name: getattr(torch, name) for name in choices.REFERENCE_DTYPES}
+
+
+def _gguf_reference(path: Path, beside: Path, progress: bool) -> Path:
+    """A GGUF file as a reference: its blocks dequantized into a temporary store beside `beside` (experts in
+    float32, resident weights in the file's float dtype, as `convert --experts-dtype fp32` stores them),
+    which the caller removes. The store streams under the budget like any other, so a large file needs disk
+    for its float weights, not memory; that is checked first."""
+    import tempfile
+
+    from ..conversion.convert import convert
+    from ..conversion.gguf_source import GGUFCheckpoint
+
+    source = GGUFCheckpoint(path)  # refuses a truncated, foreign or unsupported file in one line
+    try:
+        needed = sum(4 * math.prod(t.shape) for t in source.tensors.values())
+    finally:
+        source.close()
+    free = shutil.disk_usage(beside).free
+    if needed > free:
+        raise UsageError(
+            f"--reference {path}: its weights dequantized to float32 take about {needed / 2**30:.1f} GiB, and {beside} has "
+            f"{free / 2**30:.1f} GiB free; convert it yourself where there is room (moestream convert {path} REF "
+            "--experts-dtype bf16) and pass that store as --reference"
+        )
+    directory = Path(tempfile.mkdtemp(prefix=".moestream-eval-reference-", dir=beside))
+    try:
+        return convert(path, directory / "store", "fp32", progress=progress)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
 
 
 def _load_checkpoint(path: Path, progress: bool, dtype_name: str | None = None):
@@ -365,7 +402,17 @@ def compare(
         )
 
     start = time.perf_counter()
-    if kind == "store":
+    if kind == "gguf":
+        converted = _gguf_reference(reference, store.resolve().parent, progress)
+        try:
+            reference_model, ref_tokenizer = load(
+                converted, memory, device=device, gpu_memory=gpu_memory, activations=reference_activations
+            )
+        finally:
+            # The loaded model holds its files open (Linux keeps them readable); the directory goes now.
+            shutil.rmtree(converted.parent, ignore_errors=True)
+        reference_dtype = "float32, dequantized"
+    elif kind == "store":
         reference_model, ref_tokenizer = load(
             reference, memory, device=device, gpu_memory=gpu_memory, activations=reference_activations
         )
@@ -396,7 +443,7 @@ def compare(
         decode=decode,
         route_to_cached=route_to_cached,
         activations=_low_bit_note(stats(store_model)),
-        reference_activations=_low_bit_note(stats(reference_model)) if kind == "store" else "",
+        reference_activations=_low_bit_note(stats(reference_model)) if kind != "checkpoint" else "",
         **metrics,
     )
 
