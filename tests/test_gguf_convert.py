@@ -425,3 +425,23 @@ def test_eval_takes_a_gguf_as_its_reference(qwen3_gguf, tmp_path):
     small = moestream.convert(path, tmp_path / "int4", "int4", progress=False)
     report = compare(small, path, text, max_tokens=96, context=32, memory="1MiB")
     assert report.kl_mean > 0.0 and report.top1_agreement > 0.5
+
+
+def test_inspect_shows_each_layers_gguf_types_and_store_format(qwen3_gguf, tmp_path, capsys):
+    """The types are read from the file itself (gguf's reader), not from what the converter wrote."""
+    from gguf import GGUFReader
+
+    _, path, _ = qwen3_gguf
+    store = moestream.convert(path, tmp_path / "int4", "int4", progress=False)
+    capsys.readouterr()
+    assert main(["inspect", str(store)]) == 0
+    out = capsys.readouterr().out
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    layers = CONFIGS["qwen3_moe"]["num_hidden_layers"]
+    gate, up, down = (types[f"blk.0.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
+    line = next(line for line in out.splitlines() if line.strip().startswith(f"layers 0-{layers - 1}"))
+    assert f"down_proj {down}, gate_proj {gate}, up_proj {up} -> stored int4-g32" in line, out
+    others = [kind for name, kind in types.items() if "_exps." not in name]
+    line = next(line for line in out.splitlines() if "other tensors (GGUF)" in line)
+    for kind in set(others):
+        assert f"{kind} x{others.count(kind)}" in line, (kind, line)

@@ -425,7 +425,11 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
         resident_bytes=sum(f.size for f in files),
         layers=layers,
         extra_files=extra,
-        source={"path_name": src.name, "model_type": model.config.model_type},
+        source={
+            "path_name": src.name,
+            "model_type": model.config.model_type,
+            **({"gguf_types": ckpt.source_types()} if hasattr(ckpt, "source_types") else {}),
+        },
         dense=dense,
     )
 

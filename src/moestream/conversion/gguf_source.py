@@ -144,6 +144,10 @@ def _describe_supported() -> str:
     return ", ".join(f"{arch} ({what})" for arch, (_, what) in SUPPORTED_ARCHITECTURES.items())
 
 
+# A Hugging Face name of one expert's projection: its layer and projection (the experts module differs by family).
+_EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\..*\.experts\.\d+\.(?P<projection>\w+)\.weight$")
+
+
 class GGUFCheckpoint:
     """A GGUF file (or a split set of them) as a `DecodedCheckpoint`: HF names, float tensors, one at a time."""
 
@@ -206,6 +210,23 @@ class GGUFCheckpoint:
         if src.shape is not None and index is None:
             t = t.reshape(src.shape)
         return t
+
+    def source_types(self) -> dict:
+        """What the store records of the file for `inspect`: the block type (ggml's name: Q4_K, Q6_K, F32, ...)
+        of each expert projection, by MoE layer (one GGUF tensor holds that projection of every expert of a
+        layer), and the other tensors counted by type."""
+        from gguf import GGMLQuantizationType as Q
+
+        experts: dict[str, dict[str, str]] = {}
+        resident: dict[str, int] = {}
+        for key, src in self.sources.items():
+            name = Q(src.tensor.ggml_type).name
+            m = _EXPERT_KEY.match(key)
+            if m is not None:
+                experts.setdefault(m["layer"], {})[m["projection"]] = name
+            else:
+                resident[name] = resident.get(name, 0) + 1
+        return {"experts": experts, "resident": dict(sorted(resident.items()))}
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -30,6 +30,7 @@ def print_inspect(store: str | os.PathLike, budget: int | None, gpu_budget: int 
         ("worst-case read per token", format_bytes(sizes.worst_case_bytes_per_token)),
         ("minimum --memory", format_bytes(sizes.minimum_budget)),
     ]
+    rows += _gguf_rows(s.manifest)
     budgets = [budget] if budget is not None else [b for b in (2**28, 2**30, 2**32, 2**34) if b >= sizes.minimum_budget]
     for b in budgets:
         rows.append(
@@ -75,6 +76,38 @@ def _describe_format(manifest) -> str:
         f"version {manifest.format_version}, int4 bytes in torch's {', '.join(legacy)} layout: {here}; "
         "`moestream upgrade` makes it run on any machine"
     )
+
+
+def _gguf_rows(manifest) -> list[tuple[str, str]]:
+    """A store converted from a GGUF file: each MoE layer's source block types and the format it is stored
+    in (consecutive layers alike on one row), and the other tensors' types."""
+    types = manifest.source.get("gguf_types")
+    if not isinstance(types, dict):
+        return []
+    rows: list[tuple[str, str]] = []
+    runs: list[tuple[int, int, str]] = []  # (first layer, last layer, description)
+    for layer in manifest.layers:
+        index = _layer_index(layer.module)
+        found = types.get("experts", {}).get(str(index), {})
+        source = ", ".join(f"{proj} {kind}" for proj, kind in sorted(found.items())) or "not recorded"
+        fmt = layer.quantization
+        stored = (fmt.name + (f"-g{fmt.group_size}" if fmt.group_size else "")) if fmt else layer.layout.tensors[0].dtype
+        text = f"GGUF {source} -> stored {stored}"
+        if runs and runs[-1][2] == text and runs[-1][1] == index - 1:
+            runs[-1] = (runs[-1][0], index, text)
+        else:
+            runs.append((index, index, text))
+    for first, last, text in runs:
+        rows.append((f"layer {first}" if first == last else f"layers {first}-{last}", text))
+    resident = types.get("resident", {})
+    if resident:
+        rows.append(("other tensors (GGUF)", ", ".join(f"{kind} x{count}" for kind, count in resident.items())))
+    return rows
+
+
+def _layer_index(module: str) -> int | None:
+    parts = module.split(".")
+    return next((int(p) for p in parts if p.isdigit()), None)
 
 
 def _describe_dense(manifest) -> str:
