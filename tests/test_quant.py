@@ -213,7 +213,7 @@ def test_weights_already_on_a_4_bit_grid_keep_their_codes(qtype):
     w = (torch.randn(48, 256, generator=g) * torch.rand(48, 1, generator=g) + torch.randn(48, 1, generator=g) * 0.1).numpy()
     decoded = torch.from_numpy(gguf_dequantize(gguf_quantize(w, Q[qtype]), Q[qtype])).float()
     fmt = QuantFormat.make("int4", 32)
-    q = quantize(decoded, fmt)
+    q = quantize(decoded, fmt, keep_grids=True)
     groups = decoded.view(48, 8, 32).double()
     steps = q.scales.double()  # the detected grids' steps, bf16-rounded
     # Each decoded weight is its block's code times its block's step, from the block's lowest weight.
@@ -230,10 +230,10 @@ def test_weights_already_on_a_4_bit_grid_keep_their_codes(qtype):
         # off their grid by 1% of a step): keeping it errs at least ten times less. (Q4_1's grid is that
         # spread one already.)
         moved = decoded + (torch.rand(decoded.shape, generator=g) - 0.5) * 0.02 * steps.float().repeat_interleave(32, dim=1)
-        spread_error = (reference_dequantize(quantize(moved, fmt), fmt) - decoded.double()).abs()
+        spread_error = (reference_dequantize(quantize(moved, fmt, keep_grids=True), fmt) - decoded.double()).abs()
         assert error.mean().item() * 10 < spread_error.mean().item()
-    # A tensor on no grid is quantized as before: round to nearest over the group's range.
+    # A tensor on no grid is quantized as without keep_grids: round to nearest over the group's range.
     noise = torch.from_numpy(w).float()
-    rounded = quantize(noise, fmt)
+    rounded = quantize(noise, fmt, keep_grids=True)
     spread = (noise.view(48, 8, 32).amax(2) - noise.view(48, 8, 32).amin(2)) / 15
     assert torch.allclose(rounded.scales.float(), spread.clamp_min(1e-8).to(torch.bfloat16).float())

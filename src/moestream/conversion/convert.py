@@ -344,6 +344,8 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
             f"{format_bytes(free)} is free. Free space or choose another destination."
         )
     bar = tqdm(total=resident_total + experts_total, unit="B", unit_scale=True, desc="convert", disable=not progress)
+    # Decoded blocks of a quantized source (a GGUF's) keep their grids where a format can hold them.
+    keep_grids = bool(getattr(ckpt, "quantized_blocks", False))
     layers = []
     for index, ((name, module, sources), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
         params = dict(expert_parameters(module))
@@ -359,7 +361,7 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
                     t = _expert_tensor(sources[p], e, ckpt, model, f"{name}.{p}", params[p].shape[1:])
                     if fmt is not None and t.dim() == 2:
                         # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
-                        parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
+                        parts = pack(quantize(t.t() if module.is_transposed else t, fmt, keep_grids), fmt, p)
                     else:
                         parts = {p: t}
                     for part, value in parts.items():
@@ -397,7 +399,7 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
         module, _, leaf = target.rpartition(".")
         if leaf == "weight" and module in dense:
             # FP8 sources arrive here decoded, one tensor at a time, like every other resident tensor.
-            parts = pack(quantize(t, dense[module]), dense[module], module)
+            parts = pack(quantize(t, dense[module], keep_grids), dense[module], module)
         else:
             parts = {target: t.contiguous()}
         shard.update(parts)

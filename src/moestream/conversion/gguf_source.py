@@ -151,6 +151,8 @@ _EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\..*\.experts\.\d+\.(?P
 class GGUFCheckpoint:
     """A GGUF file (or a split set of them) as a `DecodedCheckpoint`: HF names, float tensors, one at a time."""
 
+    quantized_blocks = True  # its tensors are decoded blocks: the converter keeps their grids (quant.quantize)
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         files = _split_files(self.path)
