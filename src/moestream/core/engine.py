@@ -25,11 +25,9 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..conversion.store import DTYPES, Store
 from . import fused, kernels
-from .devices import Device
 from .kernels import expert_linear
 from .memory import peak_rss_bytes
-from .policies import DEFAULT_POLICY
-from .supply import READ_TIMEOUT_SECONDS, ExpertSupply
+from .supply import ExpertSupply
 
 IMPLEMENTATION = "moestream"
 # A prompt at least this long shows a progress bar over the MoE layers (on a terminal): its reads can
@@ -56,21 +54,18 @@ class ExpertEngine:
         self,
         store: Store,
         budget_bytes: int,
-        io_threads: int = 4,
-        direct_io: bool = True,
-        verify: str = "first",
-        read_timeout: float = READ_TIMEOUT_SECONDS,
-        policy: str = DEFAULT_POLICY,
+        *,
         cpu_kernels: bool = True,
         int8_activations: bool = False,
         prefetcher=None,
-        device: Device | None = None,
-        device_budget: int = 0,
+        **supply_options,
     ):
         """cpu_kernels: the experts compute with the CPU's kernels (the CPU, or a CPU stand-in device); False
         on a GPU, whose kernels read the stored layout. int8_activations: quantized layers whose matrices
         the int8-activation kernels take run them (kernels.py), reading records as stored; the others'
-        int4-family records are repacked into torch's CPU layout as they land. The rest: ExpertSupply's."""
+        int4-family records are repacked into torch's CPU layout as they land. prefetcher: a
+        prefetch.Prefetcher, a step hook here and the supply's reads ahead of need. `supply_options`:
+        ExpertSupply's (io_threads, direct_io, verify, read_timeout, policy, device, device_budget)."""
         self.store = store
         self.layers = store.manifest.layers
         # Per layer: whether its experts' matmuls take int8 activations, and what turns its records into its
@@ -82,9 +77,7 @@ class ExpertEngine:
             kernels.record_preparer(layer.quantization, layer.layout, cpu_kernels, integer)
             for layer, integer in zip(self.layers, self.int8_activations)
         ]
-        self.supply = ExpertSupply(
-            store, budget_bytes, io_threads, direct_io, verify, read_timeout, policy, preparers, prefetcher, device, device_budget
-        )
+        self.supply = ExpertSupply(store, budget_bytes, preparers=preparers, prefetcher=prefetcher, **supply_options)
         self.lock = threading.Lock()  # one experts call at a time
         # Each layer's record tensors' dtypes by name (float records compute in their own dtype).
         self.record_dtypes = [{t.name: DTYPES[t.dtype] for t in layer.layout.tensors} for layer in self.layers]

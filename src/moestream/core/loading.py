@@ -153,9 +153,9 @@ def load(
     # The device tier's budget is what the GPU has free once the resident weights are on it.
     device_budget = _resident_on_device(model, opened, accelerator, gpu_memory) if accelerator is not None else 0
     engine = ExpertEngine(
-        opened, budget, io_threads, direct_io, verify, policy=policy, cpu_kernels=not on_gpu,
-        int8_activations=int8_activations, prefetcher=Prefetcher(routers, routed_top_k(manifest.model_config), prefetch),
-        device=accelerator, device_budget=device_budget,
+        opened, budget, cpu_kernels=not on_gpu, int8_activations=int8_activations,
+        prefetcher=Prefetcher(routers, routed_top_k(manifest.model_config), prefetch),
+        io_threads=io_threads, direct_io=direct_io, verify=verify, policy=policy, device=accelerator, device_budget=device_budget,
     )  # fmt: skip
     try:
         for _, module in modules:

@@ -160,11 +160,12 @@ class ExpertSupply:
             for entry in on_device.values():
                 self.tier.done_with(entry)
 
-        def read_ahead() -> None:
-            if self.prefetcher is not None:
-                self._read_ahead(layer + 1, self.prefetcher.predict(layer, hidden))
-
+        read_ahead = None if self.prefetcher is None else functools.partial(self._read_ahead_after, layer, hidden)
         call.run(self, functools.partial(self._hand_over, compute), read_ahead)
+
+    def _read_ahead_after(self, layer: int, hidden: torch.Tensor) -> None:
+        """Every miss of `layer` is on its way: read ahead the next layer's likely experts."""
+        self._read_ahead(layer + 1, self.prefetcher.predict(layer, hidden))
 
     def _hand_over(self, compute: Compute, entries: list[Entry]) -> None:
         """Ready host entries to `compute`: as they are on the CPU, or each through a device slot it is first

@@ -106,22 +106,12 @@ class Scheduler:
     """Queued requests, the newcomer being prefilled and the running sequences (with their KV budget, in
     `batch`); see the module's doc. Options are `BatchGenerator`'s."""
 
-    def __init__(
-        self,
-        model,
-        *,
-        max_batch: int = 8,
-        prefix_cache: PrefixCache | None = None,
-        kv_budget_bytes: int | None = None,
-        prefill_chunk: int | None = None,
-        listener: Callable[[Event], None] | None = None,
-    ):
+    def __init__(self, model, *, listener: Callable[[Event], None] | None = None, **batch_options):
         """`listener`, if given, hears each event as it happens, before `step` goes on: a request's
-        `Started` comes before the text its first token posts (through its decoding's callbacks)."""
+        `Started` comes before the text its first token posts (through its decoding's callbacks).
+        `batch_options`: BatchGenerator's (max_batch, prefix_cache, kv_budget_bytes, prefill_chunk)."""
         self.listener = listener
-        self.batch = BatchGenerator(
-            model, max_batch=max_batch, prefix_cache=prefix_cache, kv_budget_bytes=kv_budget_bytes, prefill_chunk=prefill_chunk
-        )
+        self.batch = BatchGenerator(model, **batch_options)
         self._lock = threading.Lock()  # guards _waiting (add and abort come from other threads)
         self._waiting: deque[Request] = deque()
         self._owner: dict[Decoding, Request] = {}  # every answer prefilling or running -> its request
