@@ -127,7 +127,8 @@ class Scheduler:
                 raise TooManyChoices(len(group), self.batch.max_batch)
 
     def add(self, request: Request) -> None:
-        """Queue a request (after `check`)."""
+        """Queue a request, `check`ed first (a caller with checks of its own to order, as the server's queue
+        bound, may call `check` before; it costs a comparison per answer)."""
         self.check(request)
         with self._lock:
             self._waiting.append(request)
