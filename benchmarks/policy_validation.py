@@ -12,7 +12,7 @@ what the runtime's cache sees on text the model never trained on. --save-traces 
 repository carries them in benchmarks/traces, so the comparison reruns without the checkpoints).
 
 For each trace and each budget (shares of all its experts, default 5, 10, 20, 30%) it replays every
-policy through the runtime's own cache and scheduler (moestream.tools.simulate; the hits are the ones the
+policy through the runtime's own cache and call order (moestream.tools.simulate; the hits are the ones the
 runtime gets) and prints hits as a share of Belady's MIN, then one summary line per model: each policy's
 mean share over the budgets, and whether the default is at or above LFU at every budget. --json FILE
 writes it all.

@@ -10,8 +10,9 @@ from transformers.cache_utils import DynamicLayer
 
 import moestream
 from moestream.cli import main
-from moestream.frontends import generate, kv_layer
-from moestream.frontends.generate import generate_step
+from moestream.frontends import generate, kv_cache, kv_layer
+from moestream.frontends.batching import BatchGenerator
+from moestream.frontends.generate import Decoding, generate_step
 from moestream.frontends.kv_cache import PrefixCache, kv_bytes
 from moestream.frontends.kv_layer import GrowingLayer, grow_in_place
 
@@ -131,3 +132,49 @@ def test_grow_in_place_leaves_other_layer_kinds_alone():
     cache = Cache()
     grow_in_place(cache)
     assert type(cache.layers[0]) is GrowingLayer and type(cache.layers[1]) is Other
+
+
+def _batched_logits(model, prompts, news, join_after: int) -> list[list[torch.Tensor]]:
+    """Greedy decoding of prompts[0] in a BatchGenerator, prompts[1] joining after `join_after` steps;
+    every row's logits at every step."""
+    seen = [[] for _ in prompts]
+    decodings = [Decoding(model, None, p, n, greedy=True) for p, n in zip(prompts, news)]
+    for d, out in zip(decodings, seen):
+        d.sampler = lambda logits, out=out: (out.append(logits.clone()), logits.argmax(dim=-1))[1]
+    batch = BatchGenerator(model, max_batch=2)
+    batch.admit(decodings[0])
+    for step in range(60):
+        if step == join_after:
+            batch.admit(decodings[1])
+            batch.prefill_step()  # (its whole prompt: no prefill_chunk)
+        if not batch.running:
+            break
+        batch.decode()
+    return seen
+
+
+def test_a_batch_grows_in_place_and_computes_what_concatenation_does(qwen_store, monkeypatch):
+    """A lone row writes each step into room (no copy of its history per step); rows joining and leaving
+    replace the tensors, and every row's logits stay those of transformers' concatenating layers."""
+    monkeypatch.setattr(kv_layer, "ROOM", 64)
+    model, _ = moestream.load(qwen_store, "1MiB")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (7, 12)]
+    lone = BatchGenerator(model, max_batch=2)
+    lone.admit(Decoding(model, None, prompts[0], 40, greedy=True))
+    lone.decode()
+    layer = lone.kv.cache.layers[0]
+    buffer = layer._buffers.keys.data_ptr()
+    for _ in range(20):
+        lone.decode()
+    assert isinstance(layer, GrowingLayer) and layer._buffers.keys.data_ptr() == buffer == layer.keys.data_ptr()
+    assert layer.keys.shape[-2] == len(prompts[0]) + 21
+
+    monkeypatch.setattr(kv_layer, "ROOM", 5)  # reallocations too, besides the joins and the leave
+    grown = _batched_logits(model, prompts, [30, 10], join_after=6)
+    with monkeypatch.context() as m:
+        m.setattr(kv_cache, "grow_in_place", lambda cache: None)
+        concatenated = _batched_logits(model, prompts, [30, 10], join_after=6)
+    assert [len(x) for x in grown] == [30, 10]
+    for ours, theirs in zip(grown, concatenated):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)) and len(ours) == len(theirs)

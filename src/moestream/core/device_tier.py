@@ -3,7 +3,7 @@
 With `load(device="cuda")` an expert lives in up to two tiers, each with its own byte budget and its own
 policy object: device slots (`--gpu-memory`) and the host cache (`--memory`, cache.py, its arena
 page-locked), with the disk below both. An experts call first looks each expert up here. A device hit
-computes at once. A device miss goes through the host tier's scheduler as on CPU (a host hit, or a read
+computes at once. A device miss goes through the host cache's call (cache.py) as on CPU (a host hit, or a read
 from disk into a host slot); once the host entry is ready, `stage` copies it into a device slot on the
 copy queue and the kernel runs on that slot: that is the promotion. An expert evicted from the device
 tier is dropped there; the host tier keeps or drops its own copy by its own policy.

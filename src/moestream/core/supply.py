@@ -6,13 +6,13 @@ checksums, reads ahead of need (the prefetcher, prefetch.py), the device tier ab
 (device_tier.py), and the statistics of all that. Its collaborators are given at construction.
 
 A miss, top to bottom (`provide`):
-1. `scheduler.lookup` finds the call's experts in the cache: hits are pinned, misses wait for a slot;
-2. `scheduler.Call.run` allocates a slot per miss (the policy picks a victim) and starts its read here
+1. `cache.start_call` finds the call's experts in the cache: hits are pinned, misses wait for a slot;
+2. `cache.Call.run` allocates a slot per miss (the policy picks a victim) and starts its read here
    (`start_read`: an aligned read into the slot on an I/O thread, checksummed there; the record put into
    its kernels' layout there too, where they need another), hands the hits to the engine's `compute`
    while the reads are in flight, then waits for reads (`landed`), books each (`finish_read`) and hands
    it over; a read that fails or stalls is never left cached half-written (`abandon`).
-The order of the cache's operations is the scheduler's alone, so the simulator replays it exactly.
+The order of the cache's operations is cache.py's alone, so the simulator replays it exactly.
 
 Statistics are counted under their own lock, held only while a counter changes or is read: `snapshot`
 never waits for a read in flight.
@@ -34,8 +34,7 @@ from ..conversion.sizes import ModelSizes
 from ..conversion.store import DTYPES, Store
 from ..errors import ExpertReadError, UsageError
 from ..units import format_bytes
-from . import scheduler
-from .cache import Entry, ExpertCache, State
+from .cache import Entry, ExpertCache, State, start_call
 from .device_tier import DeviceTier
 from .devices import Device
 from .policies import DEFAULT_POLICY, make_policy
@@ -145,7 +144,7 @@ class ExpertSupply:
         self.cache.reclaim()
         self._collect_ahead()
         on_device = self._device_lookup(layer, experts)
-        call = scheduler.lookup(self.cache, layer, [e for e in experts if e not in on_device] if on_device else experts)
+        call = start_call(self.cache, layer, [e for e in experts if e not in on_device] if on_device else experts)
         with self.stats_lock:
             stats = self.layer_stats[layer]
             stats.hits += call.hits + len(on_device)
@@ -194,7 +193,7 @@ class ExpertSupply:
                 found[e] = entry
         return found
 
-    # -- reads (scheduler.CallIO) ------------------------------------------------------------------------
+    # -- reads (cache.CallIO) ----------------------------------------------------------------------------
 
     def start_read(self, entry: Entry, priority: bool = True) -> None:
         """The one path of every read: fill `entry`'s slot with its record, checked against its checksum

@@ -1,7 +1,7 @@
 """`moestream chat`: a conversation in the terminal, through the checkpoint's chat template.
 
-Answers stream as they are generated (generate.stream, the same core as `generate` and `serve`). The
-conversation is kept, and so is its KV cache (a `kv_cache.PrefixCache` under --kv-memory): each
+Each answer is a request of a serving scheduler of the session's own (serving.py, the same one the
+server steps, with one row), and streams as it is generated. The conversation is kept, and so is its KV cache (a `kv_cache.PrefixCache` under --kv-memory): each
 answer's prefill feeds only the tokens after what the last one left, so the time to the first token does
 not grow with the conversation. When the conversation outgrows the model's context the oldest exchanges
 are dropped, with a note, and the kept KV with them (the conversation no longer starts as it did). Ctrl-C while an answer streams stops that answer (the SIGINT handler only sets the cancel flag,
@@ -23,8 +23,9 @@ import torch
 from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
 from ..units import format_bytes
-from .generate import GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template, stream
+from .generate import Decoding, GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template
 from .kv_cache import PrefixCache
+from .serving import Request, Scheduler, run_until_idle
 
 COMMANDS = {
     "/stats": "hit rate, MB read, tokens/s, memory",
@@ -51,6 +52,7 @@ class ChatSession:
     ):
         self.model = model
         self.prefix_cache = PrefixCache(kv_memory) if kv_memory > 0 else None
+        self.scheduler = Scheduler(model, max_batch=1, prefix_cache=self.prefix_cache)
         self.tokenizer = tokenizer
         self.system = system
         self.max_new_tokens = max_new_tokens
@@ -86,16 +88,12 @@ class ChatSession:
         if ids is None:
             self.messages.pop()
             return None
-        result = stream(
-            self.model,
-            self.tokenizer,
-            ids,
-            max_new,
-            on_text=on_text,
-            cancel=cancel,
-            prefix_cache=self.prefix_cache,
-            **self.sampling,
+        decoding = Decoding(
+            self.model, self.tokenizer, ids, max_new, on_text=on_text, cancel=cancel or threading.Event(), **self.sampling
         )
+        self.scheduler.add(Request.of(decoding))
+        run_until_idle(self.scheduler)
+        result = decoding.result()
         # A stopped answer stays as far as it went: it is what the user saw.
         self.messages.append({"role": "assistant", "content": result.text})
         self.answers += 1

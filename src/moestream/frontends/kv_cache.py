@@ -3,8 +3,9 @@
 Both work on transformers' own `DynamicCache`, whose layers hold keys and values as tensors
 [batch, heads, positions, head_dim] and grow by concatenation (a layer's `update` never writes into a
 tensor it already holds). That is why a prefix's tensors can be shared by the prefix cache and by every
-sequence that continues it, with no copy: a continuation concatenates into new tensors. A lone
-sequence's layers grow into room instead (kv_layer.py); the prefix cache keeps compact copies of them.
+sequence that continues it, with no copy: a continuation concatenates into new tensors. Decoding
+sequences' layers grow into room instead (kv_layer.py), alone or batched; the prefix cache keeps compact
+copies of them.
 
 `BatchKV` keeps the running sequences in one DynamicCache, row i for sequence i, right-aligned: each row
 ends at the last position and has left padding where it is shorter than the longest. A decode step
@@ -29,9 +30,9 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from .kv_layer import GrowingLayer
+from .kv_layer import GrowingLayer, grow_in_place
 
-_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer)  # growing: a lone sequence's (generate_step)
+_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer)  # growing: a decoding sequence's
 
 
 def batchable(cache) -> str | None:
@@ -79,13 +80,24 @@ def _compact(cache: DynamicCache) -> DynamicCache:
     return out
 
 
+def _replace(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Give a batch's layer new tensors (rows joined, left or cut); a growing layer lets its buffers go."""
+    if isinstance(layer, GrowingLayer):
+        layer.replace(keys, values)
+    else:
+        layer.keys, layer.values = keys, values
+
+
 def _set_positions(layer, positions: int) -> None:
     if layer.is_sliding:
         layer.cumulative_length = positions
 
 
 class BatchKV:
-    """The KV cache of the running sequences, one right-aligned row each (see the module's doc)."""
+    """The KV cache of the running sequences, one right-aligned row each (see the module's doc). Its
+    full-attention layers grow into room (kv_layer.GrowingLayer): while the rows stay, a step writes its
+    position in place, as a lone sequence's does; rows joining or leaving give the layers new tensors,
+    which the next step copies into room once."""
 
     def __init__(self):
         self.cache: DynamicCache | None = None
@@ -103,12 +115,16 @@ class BatchKV:
         """Append a sequence (a batch-1 cache of `length` positions, from its prefill) as the last row."""
         if self.cache is None:
             self.cache, self.lengths = _shallow(cache), [length]
+            grow_in_place(self.cache)
             return
         width = max(self.width, length)
         for mine, theirs in zip(self.cache.layers, cache.layers):
             size = _held(mine, width)
-            mine.keys = torch.cat([_left_pad(mine.keys, size), _left_pad(theirs.keys, size)], dim=0)
-            mine.values = torch.cat([_left_pad(mine.values, size), _left_pad(theirs.values, size)], dim=0)
+            _replace(
+                mine,
+                torch.cat([_left_pad(mine.keys, size), _left_pad(theirs.keys, size)], dim=0),
+                torch.cat([_left_pad(mine.values, size), _left_pad(theirs.values, size)], dim=0),
+            )
             _set_positions(mine, width)
         self.lengths.append(length)
 
@@ -121,18 +137,20 @@ class BatchKV:
         if rows != list(range(len(self.lengths))):
             for layer in self.cache.layers:
                 index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
-                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+                _replace(layer, layer.keys.index_select(0, index), layer.values.index_select(0, index))
             self.lengths = [self.lengths[r] for r in rows]
         width = self.width
         for layer in self.cache.layers:
             size = _held(layer, width)
             if layer.keys.shape[-2] > size:
-                layer.keys, layer.values = layer.keys[..., -size:, :], layer.values[..., -size:, :]
+                _replace(layer, layer.keys[..., -size:, :], layer.values[..., -size:, :])
             _set_positions(layer, width)
 
     def row(self, i: int) -> DynamicCache:
-        """Row i as a batch-1 cache of its own tokens, copied out (the batch's tensors can then go)."""
+        """Row i as a batch-1 cache of plain layers holding its own tokens, copied out (the batch's tensors
+        can then go)."""
         out = _shallow(self.cache)
+        out.layers = [layer.plain() if isinstance(layer, GrowingLayer) else layer for layer in out.layers]
         for layer in out.layers:
             size = _held(layer, self.lengths[i])
             layer.keys = layer.keys[i : i + 1, :, -size:, :].clone()

@@ -13,7 +13,8 @@ Layer objects that share buffers stay apart. The prefix cache keeps a layer whos
 goes on using (kv_cache.py), so the buffers record how many positions they hold (their frontier), and
 only a layer whose views end at the frontier writes beyond it; any other layer copies into buffers of
 its own first. Whatever replaces a layer's tensors (batching rows together, cropping, selecting rows)
-leaves tensors that are not views at the frontier, and the next update copies them once.
+leaves tensors that are not views at the frontier, and the next update copies them once; batching does
+so through `replace`, which also lets the old buffers go at once.
 """
 
 from __future__ import annotations
@@ -46,15 +47,26 @@ class GrowingLayer(DynamicLayer):
         grown._buffers = None
         return grown
 
-    def compact(self) -> DynamicLayer:
-        """A plain DynamicLayer of this layer's positions, copied out of the buffers (whose room a kept
-        copy would otherwise hold on to)."""
+    def plain(self) -> DynamicLayer:
+        """A plain DynamicLayer over this layer's tensors (views into the buffers, not copied)."""
         plain = DynamicLayer.__new__(DynamicLayer)
         plain.__dict__.update(self.__dict__)
         plain.__dict__.pop("_buffers", None)  # (set once a layer has grown)
+        return plain
+
+    def compact(self) -> DynamicLayer:
+        """A plain DynamicLayer of this layer's positions, copied out of the buffers (whose room a kept
+        copy would otherwise hold on to)."""
+        plain = self.plain()
         if self.is_initialized:
             plain.keys, plain.values = self.keys.clone(), self.values.clone()
         return plain
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold these tensors instead (rows joined, left, or cut by batching): the buffers are let go now,
+        and the next update copies the new tensors into buffers of their own."""
+        self.keys, self.values = keys, values
+        self._buffers = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:

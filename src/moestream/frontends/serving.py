@@ -72,6 +72,17 @@ class Request:
             self.groups.append(list(range(start, end)))
             start = end
 
+    @staticmethod
+    def of(decoding: Decoding) -> Request:
+        """A request for one answer, `decoding` (made already), with its cancel flag and deadline."""
+        return Request(
+            lambda _: decoding,
+            [decoding.prompt_ids],
+            [len(decoding.prompt_ids) + decoding.max_new_tokens],
+            cancel=decoding.cancel if decoding.cancel is not None else threading.Event(),
+            deadline=decoding.deadline,
+        )
+
     def expired(self) -> bool:
         return self.cancel.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
 
@@ -297,10 +308,17 @@ def generate_batch(
     ]
     scheduler = Scheduler(model, max_batch=max_batch, prefix_cache=prefix_cache)
     for d in decodings:
-        scheduler.add(Request(lambda _, d=d: d, [d.prompt_ids], [len(d.prompt_ids) + d.max_new_tokens]))
+        scheduler.add(Request.of(d))
+    run_until_idle(scheduler)
+    return [d.result() for d in decodings]
+
+
+def run_until_idle(scheduler: Scheduler) -> None:
+    """Step `scheduler` until every request it holds has ended (`generate_batch`, `chat`: callers that wait
+    for their answers on the stepping thread). The first request to fail stops everything (`close`), and
+    its error is raised."""
     while not scheduler.idle():
         for event in scheduler.step():
             if isinstance(event, Failed):
                 scheduler.close()
                 raise event.error
-    return [d.result() for d in decodings]

@@ -2,7 +2,7 @@
 and budget, next to Belady's optimum.
 
 The replay drives the runtime's own ExpertCache (without slot memory), its own policy objects and its
-own scheduler (scheduler.py), which alone decides the order of cache operations in an experts call; only
+own call order (cache.py: `start_call`, `Call.run`), which alone decides the order of cache operations in an experts call; only
 the reads differ: here they land at once, in issue order. So for the same trace, budget and policy, the
 replay's hits equal the runtime's exactly (tests/test_simulate.py). That is for demand reads: a
 speculative prefetch reads experts from predictions that a trace does not hold, so runs with prefetch on
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core import scheduler
-from ..core.cache import Entry, ExpertCache, State
+from ..core.cache import Entry, ExpertCache, State, start_call
 from ..core.policies import DEFAULT_POLICY, POLICIES, make_policy
 from ..errors import UsageError
 from .trace import Trace
@@ -149,7 +148,7 @@ def next_uses(calls: list[tuple[int, tuple[int, ...]]]) -> list[dict[int, float]
 
 
 class InstantReads:
-    """The scheduler's I/O side for a replay: every read lands at once, in issue order; no compute."""
+    """A call's I/O side for a replay: every read lands at once, in issue order; no compute."""
 
     def start_read(self, entry: Entry) -> None:
         pass
@@ -203,7 +202,7 @@ def replay(trace: Trace, slots: int, policy="lru", record_bytes: np.ndarray | No
             belady.now = c
         if c in step_starts:  # as ExpertEngine.start_step tells it, before the step's first call
             pol.on_step(step_starts[c])
-        call = scheduler.lookup(cache, layer, experts)
+        call = start_call(cache, layer, experts)
         call.run(io, _no_compute)
         hits += call.hits
         misses_per_layer[layer] += call.misses
