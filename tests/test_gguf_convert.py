@@ -8,18 +8,25 @@ reference weights are each tensor's own quantize -> dequantize round trip, compu
 converter's name mapping or permutation logic.
 """
 
+import sys
+import zlib
+
 import numpy as np
 import pytest
 import torch
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFWriter, RopeScalingType, TokenType, get_tensor_name_map
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFReader, GGUFWriter, RopeScalingType, TokenType, get_tensor_name_map
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from tiny import TINY
 
 import moestream
 from moestream.cli import main
+from moestream.conversion import quant
+from moestream.conversion.gguf_blocks import four_bit_codes
+from moestream.conversion.gguf_source import GGUFCheckpoint
+from moestream.conversion.quant import QuantFormat, Quantized, reference_dequantize, stored_codes
 from moestream.conversion.skeleton import config_from_dict
-from moestream.conversion.store import Store
+from moestream.conversion.store import DTYPES, Store
 from moestream.conversion.synthetic import make_model
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
@@ -99,25 +106,37 @@ def bpe_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
-def _ggml_type(gguf_name: str, ndim: int) -> Q:
+def _ggml_type(gguf_name: str, ndim: int, types=TYPES) -> Q:
     leaf = gguf_name.split(".")[-2]
-    return Q.F32 if ndim == 1 else TYPES.get(leaf, Q.F32)
+    return Q.F32 if ndim == 1 else types.get(leaf, Q.F32)
+
+
+def random_q4_k(values: np.ndarray) -> np.ndarray:
+    """Q4_K blocks for a tensor of `values`' shape, which gguf-py cannot quantize: random codes, 6-bit scales
+    and mins, finite fp16 super-block scales; the same blocks for the same values."""
+    rng = np.random.default_rng(zlib.crc32(values.tobytes()))
+    rows, cols = values.reshape(-1, values.shape[-1]).shape
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    scales = (np.abs(rng.standard_normal((rows, cols // 256, 2))) * 2e-4).astype(np.float16)
+    blocks[..., 0:4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    return blocks.reshape(*values.shape[:-1], cols // 256 * 144)
 
 
 def _round_trip(values: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
-    """(what the file stores, the values it decodes to) for float32 `values` stored as `qtype`."""
+    """(what the file stores, the values it decodes to) for float32 `values` stored as `qtype` (Q4_K:
+    random blocks instead of `values`)."""
     if qtype == Q.F32:
         return values, values
     if qtype == Q.F16:
         stored = values.astype(np.float16)
         return stored, stored.astype(np.float32)
-    stored = quantize(values, qtype)
+    stored = random_q4_k(values) if qtype == Q.Q4_K else quantize(values, qtype)
     return stored, dequantize(stored, qtype).reshape(values.shape)
 
 
-def _add_tensor(writer, gguf_name: str, values: np.ndarray) -> np.ndarray:
-    """Write `values` under `gguf_name` in the type the test gives that tensor; the values the file decodes to."""
-    qtype = _ggml_type(gguf_name, values.ndim)
+def _add_tensor(writer, gguf_name: str, values: np.ndarray, types=TYPES) -> np.ndarray:
+    """Write `values` under `gguf_name` in the type `types` gives that tensor; the values the file decodes to."""
+    qtype = _ggml_type(gguf_name, values.ndim, types)
     stored, back = _round_trip(np.ascontiguousarray(values), qtype)
     writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
     return back
@@ -177,8 +196,9 @@ def _write_kv_b(writer, names, name, value, config, split: bool) -> np.ndarray:
     return np.concatenate([decoded[0].transpose(0, 2, 1), decoded[1]], axis=1).reshape(value.shape)
 
 
-def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None = None, split_kv_b: bool = True):
-    """`model` as llama.cpp would write it; returns {model parameter: the float32 values the file decodes to}."""
+def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None = None, split_kv_b: bool = True, types=TYPES):
+    """`model` as llama.cpp would write it, each tensor in the type `types` gives it; returns {model
+    parameter: the float32 values the file decodes to}."""
     config = model.config
     arch = ARCHS[config.model_type]
     names = get_tensor_name_map(arch, config.num_hidden_layers)
@@ -241,7 +261,7 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
                     if llama
                     else f"model.layers.{layer}.mlp.experts.{qwen_name}"
                 )
-                out.append(_add_tensor(writer, names.get_name(merged) + ".weight", part))
+                out.append(_add_tensor(writer, names.get_name(merged) + ".weight", part, types))
             decoded[name] = np.concatenate(out, axis=1)
             continue
         if base.endswith("kv_b_proj"):
@@ -255,9 +275,9 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
             stored_value = _llama_permute(value, config.num_attention_heads)
         elif llama and base.endswith("k_proj"):
             stored_value = _llama_permute(value, config.num_key_value_heads)
-        _add_tensor(writer, gguf_name, stored_value)
+        _add_tensor(writer, gguf_name, stored_value, types)
         # Rows are quantized independently, so the round trip commutes with the row permutation.
-        decoded[name] = _round_trip(value, _ggml_type(gguf_name, value.ndim))[1]
+        decoded[name] = _round_trip(value, _ggml_type(gguf_name, value.ndim, types))[1]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -265,9 +285,9 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
     return decoded
 
 
-def _reference(family, decoded, resident_dtype):
+def _reference(family, decoded, resident_dtype, config=None):
     """transformers' float32 model on the decoded weights: resident ones rounded as the store keeps them."""
-    model = make_model(family, **CONFIGS[family])
+    model = make_model(family, **(config or CONFIGS[family]))
     with torch.no_grad():
         for name, value in decoded.items():
             t = torch.from_numpy(np.ascontiguousarray(value))
@@ -445,3 +465,132 @@ def test_inspect_shows_each_layers_gguf_types_and_store_format(qwen3_gguf, tmp_p
     line = next(line for line in out.splitlines() if "other tensors (GGUF)" in line)
     for kind in set(others):
         assert f"{kind} x{others.count(kind)}" in line, (kind, line)
+
+
+# llama.cpp's 4-bit blocks of 32 (Q4_0, Q4_1, and Q4_K's sub-blocks) in experts and attention; a model
+# with rows of 256, which K-quants need.
+FOUR_BIT_TYPES = {
+    "ffn_gate_exps": Q.Q4_K,
+    "ffn_up_exps": Q.Q4_0,
+    "ffn_down_exps": Q.Q4_1,
+    "attn_q": Q.Q4_K,
+    "attn_k": Q.Q4_1,
+    "attn_v": Q.Q4_0,
+    "attn_output": Q.Q4_K,
+    "token_embd": Q.Q8_0,
+    "output": Q.Q4_0,
+}
+WIDE = dict(CONFIGS["qwen3_moe"], hidden_size=256, moe_intermediate_size=256, head_dim=64)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_four_bit_blocks_are_codes_with_a_scale_and_zero_per_32_weights(qtype):
+    """What gguf_blocks reads from the bytes is the blocks' own decoding (gguf-py's), exactly."""
+    g = np.random.default_rng(int(qtype))
+    w = (g.standard_normal((24, 512)) * g.random((24, 1)) + g.standard_normal((24, 1)) * 0.1).astype(np.float32)
+    raw = random_q4_k(w) if qtype == Q.Q4_K else quantize(w, qtype)
+    codes, s, z = four_bit_codes(raw, int(qtype), 512)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and s.shape == z.shape == (24, 16)
+    mine = (codes.double().view(24, 16, 32) - 8) * s.double()[..., None] + z.double()[..., None]
+    theirs = torch.from_numpy(dequantize(raw, qtype)).double().view(24, 16, 32)
+    assert torch.equal(mine, theirs)
+
+
+def _records_of(store) -> dict[tuple[str, int, str], torch.Tensor]:
+    """Every tensor of every expert record, read back from the store files."""
+    out = {}
+    for layer in Store(store).manifest.layers:
+        data = (store / layer.file).read_bytes()
+        for e, off in enumerate(layer.offsets):
+            for t in layer.layout.tensors:
+                raw = bytearray(data[off + t.offset : off + t.offset + t.nbytes])
+                out[(layer.module, e, t.name)] = torch.frombuffer(raw, dtype=DTYPES[t.dtype]).view(t.shape)
+    return out
+
+
+def _resident(store) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in Store(store).manifest.resident_files:
+        out.update(load_file(store / f.path))
+    return out
+
+
+def test_a_gguf_of_4_bit_blocks_keeps_their_codes(tmp_path):
+    """Converted to int4 in groups of 32, experts and attention layers of Q4_0/Q4_1/Q4_K hold the file's
+    codes, and the blocks' scales and zeros rounded to bf16: nothing is quantized again."""
+    model = make_model("qwen3_moe", seed=13, **WIDE)
+    path = tmp_path / "q4.gguf"
+    decoded = write_gguf(model, path, types=FOUR_BIT_TYPES)
+    store = moestream.convert(path, tmp_path / "store", "int4", group_size=32, dense_dtype="int4", progress=False)
+    fmt = QuantFormat.make("int4", 32)
+    reader = GGUFReader(path)
+    blocks = {t.name: (int(t.tensor_type), np.array(t.data)) for t in reader.tensors}
+
+    def check(stored_codes_, scales_zeros, gguf_names, rows_of, weights, requantized_worse: bool):
+        """Codes equal the file's blocks'; each weight within the bf16 rounding of its scale and zero."""
+        file_codes = torch.cat([four_bit_codes(rows_of(blocks[n][1]), blocks[n][0], weights.shape[1])[0] for n in gguf_names])
+        assert torch.equal(stored_codes_, file_codes)
+        q = Quantized(stored_codes_, scales_zeros[..., 0].t(), scales_zeros[..., 1].t())
+        w = torch.from_numpy(np.ascontiguousarray(weights)).double()
+        error = (reference_dequantize(q, fmt) - w).abs().view(w.shape[0], -1, 32)
+        s, z = q.scales.double()[..., None], q.offsets.double()[..., None]
+        assert (error <= ((file_codes.double().view_as(error) - 8).abs() * s.abs() + z.abs()) * 2**-8 + 1e-12).all()
+        if requantized_worse:  # Q4_0's symmetric grid is not the spread one a re-rounding makes
+            again = (reference_dequantize(quant.quantize(w.float(), fmt), fmt) - w).abs()
+            assert error.mean() * 10 < again.mean()
+
+    records = {(layer, e, name): t for (layer, e, name), t in _records_of(store).items()}
+    for layer in range(WIDE["num_hidden_layers"]):
+        experts = f"model.layers.{layer}.mlp.experts"
+        for e in range(WIDE["num_experts"]):
+            for proj, names in (("gate_up_proj", ("ffn_gate_exps", "ffn_up_exps")), ("down_proj", ("ffn_down_exps",))):
+                check(
+                    stored_codes(records[(experts, e, f"{proj}.qweight")], fmt),
+                    records[(experts, e, f"{proj}.scales_zeros")],
+                    [f"blk.{layer}.{n}.weight" for n in names],
+                    lambda raw, e=e: raw[e],
+                    decoded[f"{experts}.{proj}"][e],
+                    requantized_worse=False,
+                )
+    resident = _resident(store)
+    for proj, gguf in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+        module = f"model.layers.1.self_attn.{proj}"
+        check(
+            stored_codes(resident[f"{module}.qweight"], fmt),
+            resident[f"{module}.scales_zeros"],
+            [f"blk.1.{gguf}.weight"],
+            lambda raw: raw,
+            decoded[f"{module}.weight"],
+            requantized_worse=gguf == "attn_v",
+        )
+
+    # The streamed model is the file's float model up to those roundings, the LM head's re-quantization to
+    # int8 and the int4 kernels' arithmetic (about 1e-2 here); a projection or a row out of place would be
+    # off by the size of the logits themselves.
+    reference = _reference("qwen3_moe", decoded, torch.bfloat16, WIDE)
+    streamed, _ = moestream.load(store, "1MiB", compute_dtype="fp32", activations="float")
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, streamed(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() <= 5e-2
+
+
+@pytest.mark.parametrize("dense_dtype", ["float", "int8", "int4"])
+def test_resident_matrices_read_a_slice_of_rows_at_a_time_are_stored_as_read_whole(
+    qwen3_gguf, tmp_path, monkeypatch, dense_dtype
+):
+    """A GGUF's resident matrices are decoded, quantized and written a few rows at a time (the converter's
+    memory stays bounded): the store's tensors equal those of a conversion that reads each matrix whole."""
+    _, path, _ = qwen3_gguf
+    whole = moestream.convert(path, tmp_path / "whole", "int4", group_size=32, dense_dtype=dense_dtype, progress=False)
+    monkeypatch.setattr(sys.modules["moestream.conversion.convert"], "RESIDENT_SLICE_BYTES", 3 * 4 * 32)  # 3 rows
+    read_rows = GGUFCheckpoint.read_rows
+    slices = []
+    monkeypatch.setattr(GGUFCheckpoint, "read_rows", lambda self, *a: slices.append(a) or read_rows(self, *a))
+    sliced = moestream.convert(path, tmp_path / "sliced", "int4", group_size=32, dense_dtype=dense_dtype, progress=False)
+    assert len(slices) > 20 and any(a[-1] - a[-2] < 3 for a in slices)  # many slices, ragged last ones
+    expected, got = _resident(whole), _resident(sliced)
+    assert set(expected) == set(got) and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert Store(sliced).manifest.resident_files == Store(whole).manifest.resident_files  # same bytes, same checksums

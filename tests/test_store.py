@@ -2,12 +2,12 @@
 
 import json
 import shutil
-import sys
 
 import pytest
 from tiny import tiny_checkpoint
 
 import moestream
+from moestream.conversion.resident_writer import ResidentFileWriter
 from moestream.conversion.store import MANIFEST, Store
 from moestream.errors import StoreError, UsageError
 
@@ -97,8 +97,7 @@ def test_interrupted_conversion_leaves_nothing_loadable(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    converter_module = sys.modules["moestream.conversion.convert"]  # the package's `convert` attribute is the function
-    monkeypatch.setattr(converter_module, "save_file", boom)  # dies while writing resident weights
+    monkeypatch.setattr(ResidentFileWriter, "write", boom)  # dies while writing resident weights
     with pytest.raises(KeyboardInterrupt):
         moestream.convert(ckpt, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()

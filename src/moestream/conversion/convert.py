@@ -12,6 +12,7 @@ place at the end: an interrupted conversion never leaves a directory that loads.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -21,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
@@ -29,19 +29,23 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, dot
 from ..choices import EXPERT_FORMATS, FLOAT_FORMATS
 from ..errors import SourceError, UsageError
 from ..units import format_bytes
+from .gguf_blocks import GROUP as BLOCK_GROUP
 from .quant import (
     DEFAULT_GROUP_SIZE,
     DENSE_FORMATS,
     QuantFormat,
+    Quantized,
     dense_formats,
     expert_record_specs,
     pack,
     parse_layer_rules,
     quantize,
+    rows_dim,
 )
+from .resident_writer import ResidentFileWriter, resident_order
 from .skeleton import build_skeleton, dense_linears, expert_parameters, experts_modules, load_source_config, model_dtype
 from .source import DecodedCheckpoint
-from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum, file_checksum
+from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum
 
 EXPERT_DTYPES = dict(zip(FLOAT_FORMATS, (torch.bfloat16, torch.float16, torch.float32)))
 # Files copied verbatim so that the store can build the tokenizer and generation defaults by itself.
@@ -57,7 +61,8 @@ EXTRA_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-RESIDENT_SHARD_BYTES = 512 * 1024**2  # bounds the converter's buffer of resident tensors
+RESIDENT_SHARD_BYTES = 512 * 1024**2  # resident tensors per file (about)
+RESIDENT_SLICE_BYTES = 64 * 1024**2  # float32 rows decoded at a time of a matrix the source reads by rows
 
 
 @dataclass
@@ -168,9 +173,11 @@ def plan_conversion(model: torch.nn.Module, ckpt: DecodedCheckpoint) -> Conversi
     return ConversionPlan(resident, experts, unused)
 
 
-def _run_converter(group: _Group, ckpt: DecodedCheckpoint, model, target: str) -> torch.Tensor:
-    """Apply transformers' own conversion operations (merge, concatenate, ...) to the group's tensors."""
-    tensors = {pattern: [ckpt.read(k) for k in sorted(keys, key=dot_natural_key)] for pattern, keys in group.keys.items()}
+def _run_converter(group: _Group, ckpt: DecodedCheckpoint, model, target: str, read=None) -> torch.Tensor:
+    """Apply transformers' own conversion operations (merge, concatenate, ...) to the group's tensors, as
+    `read(key)` gives them (default: `ckpt.read`)."""
+    read = read or ckpt.read
+    tensors = {pattern: [read(k) for k in sorted(keys, key=dot_natural_key)] for pattern, keys in group.keys.items()}
     conv = group.converter
     for op in conv.operations:
         tensors = op.convert(
@@ -186,6 +193,13 @@ def _run_converter(group: _Group, ckpt: DecodedCheckpoint, model, target: str) -
     return next(iter(tensors.values()))
 
 
+def _expert_codes(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> Quantized | None:
+    """`_source_codes` of expert `e`'s weight (None where its source has no codes)."""
+    if src.fused_key is not None:
+        return _source_codes(src.fused_key, ckpt, model, target, shape, index=e)
+    return _source_codes(src.per_expert[e], ckpt, model, target, shape)
+
+
 def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> torch.Tensor:
     if src.fused_key is not None:
         t = ckpt.read(src.fused_key, index=e)
@@ -195,6 +209,87 @@ def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) 
     if tuple(t.shape) != tuple(shape):
         raise SourceError(f"{target}[{e}] has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(shape)}")
     return t
+
+
+def _keeps_codes(fmt, ckpt, transposed: bool = False) -> bool:
+    """Whether weights stored in `fmt` are taken as codes from the source's blocks where it has them (a
+    GGUF's 4-bit blocks of 32: gguf_blocks.py) instead of being decoded and quantized again."""
+    return (
+        hasattr(ckpt, "read_codes")
+        and isinstance(fmt, QuantFormat)
+        and fmt.name == "int4"
+        and fmt.group_size == BLOCK_GROUP
+        and not transposed
+    )
+
+
+def _source_codes(source, ckpt, model, target: str, shape, index: int | None = None) -> Quantized | None:
+    """The int4 codes, with bf16 scales and zeros per 32 weights, of a weight of `shape` [N, K] whose source
+    blocks hold them (`ckpt.read_codes`), through the same conversion operations as its floats would go
+    (they stack, concatenate and rename along the rows, which the codes, scales and zeros all share);
+    None where a source tensor has no codes, or the conversion's result is not their [N, K] matrix.
+    `source`: a checkpoint key (slice `index` of it), or a converter group."""
+    if isinstance(source, str):
+        parts = ckpt.read_codes(source, index)
+    else:
+        keys = [k for ks in source.keys.values() for k in ks]
+        read = {k: ckpt.read_codes(k) for k in keys}
+        if any(v is None for v in read.values()):
+            return None
+        parts = [_run_converter(source, ckpt, model, target, read=lambda k, i=i: read[k][i]) for i in range(3)]
+    if parts is None:
+        return None
+    codes, scales, zeros = (x[0] if x.dim() == len(shape) + 1 and x.shape[0] == 1 else x for x in parts)
+    groups = (shape[0], shape[1] // BLOCK_GROUP)
+    if tuple(codes.shape) != tuple(shape) or tuple(scales.shape) != groups or tuple(zeros.shape) != groups:
+        return None
+    return Quantized(codes.contiguous(), scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
+
+
+def _shards(resident: list) -> list[list]:
+    """The resident tensors split into files of about RESIDENT_SHARD_BYTES, in order."""
+    shards, size = [[]], 0
+    for entry in resident:
+        nbytes = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in entry[3])
+        if shards[-1] and size + nbytes > RESIDENT_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return [shard for shard in shards if shard]
+
+
+def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.Tensor, ckpt, model):
+    """The file tensors of resident tensor `target` (`fmt`'s parts, or the tensor in the model's dtype), in
+    file order, as (name, piece) pairs. A matrix the source reads by rows (`ckpt.rows`) comes a slice of
+    RESIDENT_SLICE_BYTES at a time: its first part streams, its other parts (a quantized matrix's scales,
+    small) are joined and follow."""
+    module = target.rpartition(".")[0]
+    codes = _source_codes(source, ckpt, model, target, want.shape) if _keeps_codes(fmt, ckpt) else None
+    if codes is not None:
+        yield from pack(codes, fmt, module).items()
+        return
+    rows = ckpt.rows(source) if isinstance(source, str) and hasattr(ckpt, "rows") and want.dim() == 2 else None
+    sliced = rows is not None and rows == want.shape[0]
+    if sliced:
+        step = max(1, RESIDENT_SLICE_BYTES // (4 * want.shape[1]))
+        slices = (ckpt.read_rows(source, r, min(rows, r + step)) for r in range(0, rows, step))
+    else:
+        slices = iter([ckpt.read(source) if isinstance(source, str) else _run_converter(source, ckpt, model, target)])
+    rest: dict[str, list[torch.Tensor]] = {}
+    for t in slices:
+        if (t.shape[1:] if sliced else t.shape) != (want.shape[1:] if sliced else want.shape):
+            raise SourceError(f"{target} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(want.shape)}")
+        if fmt is None:
+            yield target, t.to(want.dtype)
+            continue
+        # FP8 sources arrive here decoded, one tensor at a time, like every other resident tensor.
+        (name, piece), *others = pack(quantize(t, fmt), fmt, module).items()
+        yield name, piece
+        for other, value in others:
+            rest.setdefault(other, []).append(value)
+    for name, pieces in rest.items():
+        yield name, torch.cat(pieces, dim=rows_dim(name))
 
 
 def _tensor_bytes(t: torch.Tensor):
@@ -344,8 +439,6 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
             f"{format_bytes(free)} is free. Free space or choose another destination."
         )
     bar = tqdm(total=resident_total + experts_total, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    # Decoded blocks of a quantized source (a GGUF's) keep their grids where a format can hold them.
-    keep_grids = bool(getattr(ckpt, "quantized_blocks", False))
     layers = []
     for index, ((name, module, sources), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
         params = dict(expert_parameters(module))
@@ -354,16 +447,22 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
         (tmp / "experts").mkdir(exist_ok=True)
         offsets, sums = [], []
         record = np.zeros(layout.stride, dtype=np.uint8)
+        codes_kept = _keeps_codes(fmt, ckpt, module.is_transposed)
         with open(tmp / rel, "wb") as f:
             for e in range(module.num_experts):
                 record[:] = 0
                 for p in sources:
-                    t = _expert_tensor(sources[p], e, ckpt, model, f"{name}.{p}", params[p].shape[1:])
-                    if fmt is not None and t.dim() == 2:
-                        # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
-                        parts = pack(quantize(t.t() if module.is_transposed else t, fmt, keep_grids), fmt, p)
+                    target, shape = f"{name}.{p}", params[p].shape[1:]
+                    q = _expert_codes(sources[p], e, ckpt, model, target, shape) if codes_kept and len(shape) == 2 else None
+                    if q is not None:
+                        parts = pack(q, fmt, p)
                     else:
-                        parts = {p: t}
+                        t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
+                        if fmt is not None and t.dim() == 2:
+                            # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
+                            parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
+                        else:
+                            parts = {p: t}
                     for part, value in parts.items():
                         entry = entries[part]
                         record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(value.to(DTYPES[entry.dtype]))
@@ -378,36 +477,23 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
         layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
 
     meta = model.state_dict()
-    files, shard, shard_bytes = [], {}, 0
-
-    def flush_shard():
-        nonlocal shard, shard_bytes
-        if shard:
-            rel = f"resident-{len(files) + 1:05d}.safetensors"
-            save_file(shard, str(tmp / rel), metadata={"format": "pt"})
-            files.append(FileEntry(rel, (tmp / rel).stat().st_size, file_checksum(tmp / rel)))
-            shard, shard_bytes = {}, 0
-
-    for target in sorted(plan.resident, key=dot_natural_key):
-        source = plan.resident[target]
-        t = ckpt.read(source) if isinstance(source, str) else _run_converter(source, ckpt, model, target)
+    resident = []  # (target, source, storage format or None, the file tensors it becomes)
+    for target in plan.resident:
         want = meta[target]
-        if tuple(t.shape) != tuple(want.shape):
-            raise SourceError(f"{target} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(want.shape)}")
-        if t.is_floating_point() and want.is_floating_point():
-            t = t.to(want.dtype)
         module, _, leaf = target.rpartition(".")
-        if leaf == "weight" and module in dense:
-            # FP8 sources arrive here decoded, one tensor at a time, like every other resident tensor.
-            parts = pack(quantize(t, dense[module], keep_grids), dense[module], module)
-        else:
-            parts = {target: t.contiguous()}
-        shard.update(parts)
-        shard_bytes += sum(p.numel() * p.element_size() for p in parts.values())
-        bar.update(want.numel() * want.element_size())
-        if shard_bytes >= RESIDENT_SHARD_BYTES:
-            flush_shard()
-    flush_shard()
+        fmt = dense.get(module) if leaf == "weight" else None
+        specs = fmt.record_specs(module, *want.shape) if fmt is not None else [(target, want.dtype, tuple(want.shape))]
+        resident.append((target, plan.resident[target], fmt, specs))
+    resident.sort(key=lambda entry: resident_order(entry[3][0][0]))  # (a target's parts sort together)
+    files = []
+    for shard in _shards(resident):
+        rel = f"resident-{len(files) + 1:05d}.safetensors"
+        writer = ResidentFileWriter(tmp / rel, [spec for *_, specs in shard for spec in specs], metadata={"format": "pt"})
+        for target, source, fmt, _ in shard:
+            for name, piece in _resident_pieces(target, source, fmt, meta[target], ckpt, model):
+                writer.write(name, piece)
+            bar.update(meta[target].numel() * meta[target].element_size())
+        files.append(FileEntry(rel, writer.nbytes, writer.close()))
     bar.close()
 
     # A GGUF source writes the tokenizer it rebuilt from its metadata; a checkpoint directory has the files.

@@ -12,7 +12,10 @@ own conversion mapping exactly as it does for a safetensors checkpoint. An exper
 the file whatever the block type (a block never spans two rows), so reading one expert reads only its bytes.
 
 Values. Block-quantized tensors (Q4_0, Q8_0, Q4_K, ...) are decoded with `gguf.quants.dequantize` into
-float32, a bounded number of rows at a time; F32/F16/BF16 tensors keep their dtype. llama.cpp permutes the
+float32, a bounded number of rows at a time; F32/F16/BF16 tensors keep their dtype. 4-bit blocks of 32
+(Q4_0, Q4_1, Q4_K) can instead be read as int4 codes with their scales and zeros (`read_codes`,
+gguf_blocks.py), for a store that keeps them; a big matrix can be read a slice of rows at a time
+(`read_rows`). llama.cpp permutes the
 rows of the query and key projections of llama-family models (its rotary layout); that is undone here the
 way transformers' GGUF loader does (`LlamaTensorProcessor`). Qwen models are stored unpermuted.
 
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import SourceError
+from . import gguf_blocks
 from .source import _pread_exact
 
 # llama.cpp architecture -> (transformers model_type, what it is)
@@ -151,8 +155,6 @@ _EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\..*\.experts\.\d+\.(?P
 class GGUFCheckpoint:
     """A GGUF file (or a split set of them) as a `DecodedCheckpoint`: HF names, float tensors, one at a time."""
 
-    quantized_blocks = True  # its tensors are decoded blocks: the converter keeps their grids (quant.quantize)
-
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         files = _split_files(self.path)
@@ -213,6 +215,42 @@ class GGUFCheckpoint:
             t = t.reshape(src.shape)
         return t
 
+    def read_codes(self, key: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Tensor `key` (or its slice `[index]`) as int4 codes with a float32 scale and zero per 32 weights
+        along its last dimension (gguf_blocks.py: each weight is (code - 8) * s + z), read from its blocks
+        without decoding them; None if its blocks are of another type, or the tensor is not a matrix of
+        whole rows (MLA's split kv_b, a reshaped tensor)."""
+        src = self.sources[key]
+        t = src.tensor
+        if not gguf_blocks.has_codes(t.ggml_type) or src.v_b is not None or src.shape is not None:
+            return None
+        expert = src.expert if index is None or src.expert is not None else index
+        if src.expert is not None and index is not None:
+            raise SourceError(f"{key} is one expert's tensor already; it has no slice [{index}]")
+        if len(t.shape) - (expert is not None) != 2:
+            return None
+        raw, shape = self._read_bytes(t, expert)
+        codes, scales, zeros = gguf_blocks.four_bit_codes(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
+        if src.unpermute_heads is not None:  # a permutation of rows: of each row's codes, scales and zeros alike
+            codes, scales, zeros = (_unpermute(x, src.unpermute_heads) for x in (codes, scales, zeros))
+        return codes, scales, zeros
+
+    def rows(self, key: str) -> int | None:
+        """How many rows `read_rows` can read of tensor `key` (a whole matrix as the file stores it), or
+        None if it must be read whole (an expert's slice, a permuted, joined or reshaped tensor)."""
+        src = self.sources[key]
+        plain = src.expert is None and src.v_b is None and src.shape is None and src.unpermute_heads is None
+        return src.tensor.shape[0] if plain and len(src.tensor.shape) == 2 else None
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of matrix `key` (as `read` decodes them); only where `rows(key)` is a number."""
+        t = self.sources[key].tensor
+        row_bytes = t.nbytes // t.shape[0]
+        part = _Tensor(
+            t.file, t.name, t.ggml_type, (stop - start, t.shape[1]), t.start + start * row_bytes, (stop - start) * row_bytes
+        )
+        return self._read_tensor(part, None)
+
     def source_types(self) -> dict:
         """What the store records of the file for `inspect`: the block type (ggml's name: Q4_K, Q6_K, F32, ...)
         of each expert projection, by MoE layer (one GGUF tensor holds that projection of every expert of a
@@ -251,7 +289,8 @@ class GGUFCheckpoint:
             self._fds[path] = os.open(path, os.O_RDONLY)
         return self._fds[path]
 
-    def _read_tensor(self, t: _Tensor, expert: int | None) -> torch.Tensor:
+    def _read_bytes(self, t: _Tensor, expert: int | None) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The bytes of tensor `t` (or of its expert `expert`'s slice) as uint8, and that slice's shape."""
         shape, start, nbytes = t.shape, t.start, t.nbytes
         if expert is not None:
             if not 0 <= expert < shape[0]:
@@ -262,12 +301,16 @@ class GGUFCheckpoint:
         buf = _pread_exact(fd, nbytes, start) if nbytes else bytearray()
         # Read once: keep the page cache for what the converter writes (the source can be 100s of GB).
         os.posix_fadvise(fd, start, nbytes, os.POSIX_FADV_DONTNEED)
+        return np.frombuffer(buf, dtype=np.uint8), shape
+
+    def _read_tensor(self, t: _Tensor, expert: int | None) -> torch.Tensor:
+        raw, shape = self._read_bytes(t, expert)
         if t.ggml_type in _FLOAT_TYPES or t.ggml_type in _INT_TYPES:
             dtype = _FLOAT_TYPES.get(t.ggml_type) or _INT_TYPES[t.ggml_type]
-            if not nbytes:
+            if not raw.size:
                 return torch.empty(shape, dtype=dtype)
-            return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
-        return _dequantize(buf, t.ggml_type, shape)
+            return torch.from_numpy(raw).view(dtype).reshape(shape)
+        return _dequantize(raw, t.ggml_type, shape)
 
     # ---- names
 
@@ -413,15 +456,15 @@ def _read_header(path: Path) -> tuple[dict, list[_Tensor]]:
 # Values
 
 
-def _dequantize(buf: bytearray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Blocks -> float32 [*shape], decoded a bounded number of rows at a time."""
+def _dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Blocks (uint8) -> float32 [*shape], decoded a bounded number of rows at a time."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     cols = shape[-1]
-    rows = len(buf) // (cols // block * type_size)
-    raw = np.frombuffer(buf, dtype=np.uint8).reshape(rows, cols // block * type_size)
+    rows = raw.size // (cols // block * type_size)
+    raw = raw.reshape(rows, cols // block * type_size)
     out = np.empty((rows, cols), dtype=np.float32)
     step = max(1, _DEQUANT_ELEMENTS // cols)
     try:

@@ -110,14 +110,9 @@ class Quantized:
     offsets: torch.Tensor | None  # int8: None; others: the zero z, [N, K/G] bfloat16
 
 
-def quantize(w: torch.Tensor, fmt: QuantFormat, keep_grids: bool = False) -> Quantized:
-    """Round-to-nearest quantization of W [N, K] (any float dtype) in `fmt`.
-
-    With `keep_grids` (a source whose weights were quantized before: a GGUF's blocks, decoded), a group
-    whose weights already lie on a grid of at most 2^b points (Q4_0/Q4_1/Q4_K blocks, for int4 in groups of
-    32) keeps that grid: its step is the scale and its codes are the source's, so only the scale's and
-    zero's rounding to bf16 is added, where a grid spread over the group's range would round every weight
-    again. Other groups are rounded as without it."""
+def quantize(w: torch.Tensor, fmt: QuantFormat) -> Quantized:
+    """Round-to-nearest quantization of W [N, K] (any float dtype) in `fmt`. (A GGUF's 4-bit blocks of 32
+    are not quantized again: their codes go into int4 group-32 records as they are, gguf_blocks.py.)"""
     w = w.to(torch.float32)
     n, k = w.shape
     if fmt.name == "int8":
@@ -126,30 +121,11 @@ def quantize(w: torch.Tensor, fmt: QuantFormat, keep_grids: bool = False) -> Qua
     g = w.view(n, k // fmt.group_size, fmt.group_size)
     lo, hi = g.amin(dim=2), g.amax(dim=2)
     levels = 2**fmt.bits - 1
-    scales = (hi - lo) / levels
-    if keep_grids:
-        step = grid_steps(g, lo, levels)
-        scales = torch.where(step > 0, step, scales)
-    scales = scales.clamp_min(1e-8).to(torch.bfloat16)
+    scales = ((hi - lo) / levels).clamp_min(1e-8).to(torch.bfloat16)
     zeros = (lo + 8 * scales.float()).to(torch.bfloat16)  # the kernel's zero: W = (q - 8) * s + z, q = 0 at lo
     # Codes are rounded against the parameters as stored (bf16), so that rounding is absorbed.
     codes = torch.round((g - zeros.float()[:, :, None]) / scales.float()[:, :, None]) + 8
     return Quantized(codes.clamp(0, levels).to(torch.uint8).view(n, k), scales, zeros)
-
-
-def grid_steps(g: torch.Tensor, lo: torch.Tensor, levels: int) -> torch.Tensor:
-    """Per group of `g` [N, G', G] (float32), with its minimum `lo`: the step of the grid lo + c * step,
-    c in 0..levels, its weights lie on (within float32's rounding of an earlier dequantization), or 0 where
-    they do not. The step is the smallest gap between the group's distinct weights, so a grid is found
-    when two neighbouring codes are used, which a group of 32 weights on 16 levels all but always has.
-    (It sorts every group: about five times a quantization's own cost, so only for quantized sources.)"""
-    gaps = torch.sort(g, dim=2).values.diff(dim=2)
-    step = gaps.masked_fill(gaps <= 0, torch.inf).amin(dim=2)
-    usable = torch.isfinite(step)
-    safe = torch.where(usable, step, torch.ones_like(step))[:, :, None]
-    codes = torch.round((g - lo[:, :, None]) / safe)
-    on_grid = ((lo[:, :, None] + codes * safe - g).abs() <= 1e-3 * safe).all(dim=2) & (codes.amax(dim=2) <= levels)
-    return torch.where(usable & on_grid, step, torch.zeros_like(step))
 
 
 def reference_dequantize(q: Quantized, fmt: QuantFormat) -> torch.Tensor:
@@ -170,6 +146,12 @@ def pack(q: Quantized, fmt: QuantFormat, name: str) -> dict[str, torch.Tensor]:
     scales_zeros = torch.stack([q.scales.t(), q.offsets.t()], dim=-1).contiguous()  # [K/G, N, 2]
     qweight = nibbles if fmt.bits == 4 else compress_int4_bytes(nibbles, fmt.bits)
     return {f"{name}.qweight": qweight, f"{name}.scales_zeros": scales_zeros}
+
+
+def rows_dim(part: str) -> int:
+    """The dimension of a packed part (named as `pack` names them) along which the matrix's rows run: a
+    matrix packed a slice of rows at a time is the slices' parts joined along it."""
+    return 1 if part.endswith(".scales_zeros") else 0
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from ..errors import StoreError
 from .convert import _cleanup_stale, _move_into_place
 from .quant import PORTABLE_PACKING, QuantFormat, compress_int4_bytes, expand_int4_bytes, legacy_codes, pack_nibbles
+from .resident_writer import ResidentFileWriter, resident_order
 from .store import DTYPES, FileEntry, Store, checksum, file_checksum
 
 
@@ -128,7 +129,10 @@ def _upgrade_resident(store: Store, entry: FileEntry, dense: dict[str, QuantForm
         return entry
     for name in changed:
         tensors[name] = portable_bytes(tensors[name], dense[name.removesuffix(".qweight")])
-    save_file(tensors, str(tmp / entry.path), metadata={"format": "pt"})
-    with open(tmp / entry.path, "rb+") as f:
-        os.fsync(f.fileno())
-    return FileEntry(entry.path, (tmp / entry.path).stat().st_size, file_checksum(tmp / entry.path))
+    names = sorted(tensors, key=resident_order)  # as `convert` writes them: the same bytes as a fresh store's
+    writer = ResidentFileWriter(
+        tmp / entry.path, [(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], {"format": "pt"}
+    )
+    for name in names:
+        writer.write(name, tensors[name])
+    return FileEntry(entry.path, writer.nbytes, writer.close())

@@ -1,0 +1,77 @@
+"""llama.cpp's 4-bit blocks of 32 weights read as int4 codes with a scale and a zero per 32 weights: what
+an int4 group-32 record holds (quant.py: W = (code - 8) * s + z), taken from the blocks' bytes without
+decoding them to floats.
+
+Each of these types stores, per 32 weights of a row, 4-bit codes q and an affine map:
+- Q4_0 (18 bytes: fp16 d, 16 bytes of codes): w = d (q - 8), so s = d and z = 0;
+- Q4_1 (20 bytes: fp16 d, fp16 m, 16 bytes of codes): w = d q + m, so s = d and z = m + 8 d;
+- Q4_K (144 bytes per 256 weights: fp16 d and dmin, eight 6-bit scales sc and mins mn packed in 12 bytes,
+  128 bytes of codes): sub-block j of 32 has w = d sc_j q - dmin mn_j, so s = d sc_j, z = 8 d sc_j - dmin mn_j.
+In a Q4_0/Q4_1 block, byte i holds weight i in its low nibble and weight i + 16 in its high one; in Q4_K,
+each 32 bytes hold two sub-blocks, the first in the low nibbles. s and z are computed in float32 (exact
+for Q4_0 and Q4_K's s; one rounding for the zeros), and a store keeps them in bfloat16, its one loss
+against the file (docs/BENCHMARKS.md, "GGUF files as a convert source").
+
+Other block types have no int4 group-32 counterpart (5, 6 and 8-bit codes; Q2_K and Q3_K scale groups of 16)
+and are decoded to floats and quantized as any float weight is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# ggml type numbers (gguf.GGMLQuantizationType) -> bytes per block of that type.
+Q4_0, Q4_1, Q4_K = 2, 3, 12
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q4_K: 144}
+_BLOCK_WEIGHTS = {Q4_0: 32, Q4_1: 32, Q4_K: 256}
+GROUP = 32  # weights per scale and zero, in every type here
+
+
+def has_codes(ggml_type: int) -> bool:
+    """Whether blocks of this type are int4 codes with a scale and zero per 32 weights."""
+    return ggml_type in _BLOCK_BYTES
+
+
+def four_bit_codes(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [rows, cols] uint8 0..15, s [rows, cols/32] float32, z [rows, cols/32] float32) of `raw`, the
+    bytes of `rows` rows of blocks of `ggml_type` ([rows, cols / block weights * block bytes] uint8), such
+    that each weight is (code - 8) * s + z."""
+    per_block = _BLOCK_BYTES[ggml_type]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, cols // _BLOCK_WEIGHTS[ggml_type], per_block)
+    if ggml_type == Q4_K:
+        codes, s, z = _q4_k(blocks)
+    else:
+        d = _half(blocks[..., 0:2])
+        start = 2 if ggml_type == Q4_0 else 4
+        nibbles = blocks[..., start:]
+        codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # weights 0..15, then 16..31
+        s = d
+        z = np.zeros_like(d) if ggml_type == Q4_0 else _half(blocks[..., 2:4]) + 8 * d
+    return (
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, cols)),
+        torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(rows, cols // GROUP)),
+        torch.from_numpy(np.ascontiguousarray(z, dtype=np.float32).reshape(rows, cols // GROUP)),
+    )
+
+
+def _half(two_bytes: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 holding little-endian fp16 -> [...] float32."""
+    return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [rows, n, 144] -> codes [rows, n, 256], s and z [rows, n, 8]."""
+    d, dmin = _half(blocks[..., 0:2])[..., None], _half(blocks[..., 2:4])[..., None]
+    packed = blocks[..., 4:16]
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    # Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble of bytes 8-11
+    # each, with the top two bits of bytes 0-3 (scales) and 4-7 (mins) above it.
+    sc = np.concatenate([low & 63, (mixed & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+    mn = np.concatenate([high & 63, (mixed >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+    s = d * sc
+    z = 8 * s - dmin * mn
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)
+    codes = np.stack([qs & 15, qs >> 4], axis=-2)  # [rows, n, 4 pairs, low/high, 32]
+    return codes.reshape(*blocks.shape[:-1], 256), s, z
