@@ -2,8 +2,8 @@
 
     python benchmarks/gguf_import.py FILE.gguf STORE --text ../shared/models/tiny-code-moe/heldout.txt [--positions 256] [--json OUT]
 
-STORE is `moestream convert FILE.gguf STORE --experts-dtype fp32` (made first when it does not exist), so the
-store holds the GGUF's dequantized weights. The text's first --positions + 1 tokens (the GGUF's own
+STORE is `moestream convert FILE.gguf STORE --experts-dtype fp32 --dense-dtype float` (made first when it
+does not exist), so the store holds the GGUF's dequantized weights. The text's first --positions + 1 tokens (the GGUF's own
 tokenizer) are fed teacher-forced through both: moestream (`moestream.load`, one forward pass) and llama.cpp
 (llama-cpp-python, `logits_all`). Printed per position set: the share of positions whose top-1 token is
 the same, the first position where they differ, the mean KL(llama.cpp || moestream) of the next-token
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     if not Path(args.store).exists():
-        command = ["moestream", "convert", args.gguf, args.store, "--experts-dtype", "fp32"]
+        command = ["moestream", "convert", args.gguf, args.store, "--experts-dtype", "fp32", "--dense-dtype", "float"]
         subprocess.run([str(Path(sys.executable).with_name("moestream")), *command[1:]], check=True)
     from transformers import AutoTokenizer
 

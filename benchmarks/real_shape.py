@@ -146,14 +146,18 @@ def build(args, work: Path, timings: dict) -> tuple[Path, Path]:
     return store, q4
 
 
-def quantize(src: str, dst: str) -> None:
-    """llama.cpp's own quantizer (llama-quantize's function) through llama-cpp-python's bindings."""
+def quantize(src: str, dst: str, ftype: str = "Q4_0") -> None:
+    """llama.cpp's own quantizer (llama-quantize's function) through llama-cpp-python's bindings; `ftype`
+    is llama.cpp's name of the mix (Q4_0, Q4_K_M, Q3_K_M, Q2_K, ...):
+
+        python benchmarks/real_shape.py worker quantize model-bf16.gguf model-q4_k_m.gguf Q4_K_M
+    """
     import ctypes
 
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = os.cpu_count() or 1
     partial = dst + ".partial"
     rc = llama_cpp.llama_model_quantize(src.encode(), partial.encode(), ctypes.byref(params))

@@ -326,7 +326,7 @@ def test_gguf_converts_to_the_model_of_its_dequantized_weights(family, split_kv_
                 buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
     decoded = write_gguf(model, tmp_path / "model.gguf", split_kv_b=split_kv_b)
     store = tmp_path / "store"
-    assert main(["convert", str(tmp_path / "model.gguf"), str(store), "--experts-dtype", "fp32"]) == 0
+    assert main(["convert", str(tmp_path / "model.gguf"), str(store), "--experts-dtype", "fp32", "--dense-dtype", "float"]) == 0
 
     manifest = Store(store).manifest
     config = config_from_dict(manifest.model_config)
@@ -365,10 +365,16 @@ def test_gguf_agrees_with_transformers_gguf_loader(qwen3_gguf):
 
 
 def test_default_and_quantized_formats_of_a_gguf(qwen3_gguf, tmp_path):
-    """Without --experts-dtype, decoded blocks are stored bf16; int4 experts and int8 dense layers work too."""
+    """Without options, each layer is stored at the bits of its blocks: experts of Q8_0 gate, Q4_0 up and F16
+    down (9.3 bits on average) int8; the Q8_0 query int8, the Q4_0 key int4 in groups of 32, the F16 value
+    and BF16 output projections float, the Q4_0 LM head int8 (never below). Options still choose."""
     _, path, _ = qwen3_gguf
-    default = moestream.convert(path, tmp_path / "bf16", progress=False)
-    assert Store(default).manifest.experts_dtype == "bfloat16"
+    default = Store(moestream.convert(path, tmp_path / "default", progress=False)).manifest
+    assert default.experts_dtype == "int8"
+    formats = {name.rpartition(".")[2]: (f.name, f.group_size) for name, f in default.dense.items() if ".layers.0." in name}
+    assert formats == {"q_proj": ("int8", None), "k_proj": ("int4", 32)} and default.dense["lm_head"].name == "int8"
+    floats = moestream.convert(path, tmp_path / "bf16", "bf16", dense_dtype="float", progress=False)
+    assert Store(floats).manifest.experts_dtype == "bfloat16" and not Store(floats).manifest.dense
     small = moestream.convert(path, tmp_path / "int4", "int4", dense_dtype="int8", progress=False)
     assert Store(small).manifest.experts_dtype.startswith("int4")
     streamed, _ = moestream.load(small, "1MiB")
@@ -381,7 +387,7 @@ def test_split_gguf_converts_as_one_file(tmp_path, capsys):
     decoded = write_gguf(model, tmp_path / "model.gguf", split_max_tensors=10)
     parts = sorted(tmp_path.glob("model-*-of-*.gguf"))
     assert len(parts) >= 3, parts
-    store = moestream.convert(parts[1], tmp_path / "store", "fp32", progress=False)  # any part names the set
+    store = moestream.convert(parts[1], tmp_path / "store", "fp32", dense_dtype="float", progress=False)  # any part names the set
     reference = _reference("qwen3_moe", decoded, torch.bfloat16)
     streamed, _ = moestream.load(store, "1MiB", compute_dtype="fp32")
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
@@ -437,7 +443,7 @@ def test_eval_takes_a_gguf_as_its_reference(qwen3_gguf, tmp_path):
 
     _, path, _ = qwen3_gguf
     text = " ".join(f"the theme {i}: def f(x): return x * {i}" for i in range(40))
-    exact = moestream.convert(path, tmp_path / "fp32", "fp32", progress=False)
+    exact = moestream.convert(path, tmp_path / "fp32", "fp32", dense_dtype="float", progress=False)
     report = compare(exact, path, text, max_tokens=96, context=32, memory="1MiB")
     assert report.reference_kind == "gguf" and report.reference_dtype == "float32, dequantized"
     assert report.kl_mean == 0.0 and report.top1_agreement == 1.0
@@ -525,6 +531,13 @@ def test_a_gguf_of_4_bit_blocks_keeps_their_codes(tmp_path):
     decoded = write_gguf(model, path, types=FOUR_BIT_TYPES)
     store = moestream.convert(path, tmp_path / "store", "int4", group_size=32, dense_dtype="int4", progress=False)
     fmt = QuantFormat.make("int4", 32)
+    # What the options ask for here is the default for these blocks; the experts within 25% of the file's.
+    default = Store(moestream.convert(path, tmp_path / "default", progress=False)).manifest
+    chosen = Store(store).manifest
+    assert [layer.checksums for layer in default.layers] == [layer.checksums for layer in chosen.layers]
+    assert default.resident_files == chosen.resident_files
+    gguf_expert_bytes = sum(t.n_bytes for t in GGUFReader(path).tensors if "_exps" in t.name)
+    assert sum(layer.layout.nbytes * len(layer.offsets) for layer in chosen.layers) <= 1.25 * gguf_expert_bytes
     reader = GGUFReader(path)
     blocks = {t.name: (int(t.tensor_type), np.array(t.data)) for t in reader.tensors}
 

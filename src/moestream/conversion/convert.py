@@ -320,8 +320,8 @@ def convert(
     experts_dtype: str | None = None,
     *,
     layer_dtypes: list[str] = (),
-    group_size: int = DEFAULT_GROUP_SIZE,
-    dense_dtype: str = "float",
+    group_size: int | None = None,
+    dense_dtype: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
     trust_remote_code: bool = False,
@@ -330,20 +330,22 @@ def convert(
     moestream store at `dst`.
 
     experts_dtype: "bf16", "fp16", "fp32" (floats) or "int8", "int4", "int3", "int2" (quant.py); default:
-        the checkpoint's own float dtype (bf16 for FP8/MXFP4 sources).
+        the checkpoint's own float dtype (bf16 for FP8/MXFP4 sources); for a GGUF, each layer at the bits
+        of its blocks (`_gguf_bits_format`).
     layer_dtypes: per-layer overrides such as ["0-3=int3", "-1=int4"], counted over the MoE layers.
-    group_size: inputs per scale of the int4/int3/int2 formats (32, 64 or 128).
-    dense_dtype: "float" (the model's dtype, default), "int8" or "int4": the resident linear layers
+    group_size: inputs per scale of the int4/int3/int2 formats (32, 64 or 128); default 64, or 32 for a
+        GGUF (its blocks' size, so that 4-bit blocks keep their codes).
+    dense_dtype: "float" (the model's dtype; the default), "int8" or "int4": the resident linear layers
         (attention projections, shared experts, dense MLPs, an untied LM head at int8 at least; not the
-        routers). A layer whose shape the int4 kernel cannot take is stored int8, one neither kernel can
-        take stays float.
+        routers); default for a GGUF: each at the bits of its blocks. A layer whose shape the int4 kernel
+        cannot take is stored int8, one neither kernel can take stays float.
     """
     src, dst = Path(src), Path(dst)
     # Checked before any work; the rules' syntax and layer numbers are checked once the model is known.
     for choice in [experts_dtype] + [rule.rpartition("=")[2] for rule in layer_dtypes if "=" in rule]:
         if choice is not None and choice not in EXPERT_FORMATS:
             raise UsageError(f"unknown experts dtype {choice!r}; choose one of {', '.join(EXPERT_FORMATS)}")
-    if dense_dtype not in DENSE_FORMATS:
+    if dense_dtype is not None and dense_dtype not in DENSE_FORMATS:
         raise UsageError(f"unknown dense dtype {dense_dtype!r}; choose one of {', '.join(DENSE_FORMATS)}")
     if dst.exists() and not overwrite:
         raise UsageError(f"{dst} already exists; choose another path, delete it, or pass --overwrite")
@@ -364,10 +366,18 @@ def convert(
     try:
         plan = plan_conversion(model, ckpt)
         rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
+        if group_size is None:
+            group_size = BLOCK_GROUP if gguf is not None else DEFAULT_GROUP_SIZE
+        if gguf is not None and experts_dtype is None:  # each layer at its blocks' bits, unless a rule says
+            rules = {
+                i: rules.get(i, _gguf_expert_choice(gguf, sources, module)) for i, (_, module, sources) in enumerate(plan.experts)
+            }
         formats = [_layer_format(rules.get(i, experts_dtype), group_size) for i in range(len(plan.experts))]
-        dense = dense_formats(
-            [(n, m.out_features, m.in_features, head) for n, m, head in dense_linears(model)], dense_dtype, group_size
-        )
+        linears = [(n, m.out_features, m.in_features, head) for n, m, head in dense_linears(model)]
+        if gguf is not None and dense_dtype is None:
+            dense = _gguf_dense_formats(gguf, plan, linears, group_size)
+        else:
+            dense = dense_formats(linears, dense_dtype or "float", group_size)
         dst.parent.mkdir(parents=True, exist_ok=True)
         _cleanup_stale(dst)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
@@ -383,6 +393,50 @@ def convert(
     finally:
         ckpt.close()
     return dst
+
+
+# The store formats a GGUF block type's bits map to by default (None: the checkpoint's float dtype), for
+# experts and for resident linear layers (which have no int3/int2 kernels).
+_EXPERT_BITS = {2: "int2", 3: "int3", 4: "int4", 8: "int8", 16: None}
+_DENSE_BITS = {4: "int4", 8: "int8", 16: "float"}
+
+
+def _gguf_bits_format(bits: float, table: dict[int, str | None]) -> str | None:
+    """The format of `table` at the bits nearest a tensor's code bits (Q4_K: 4 -> int4, Q5_K: 5 -> int4,
+    Q6_K: 6 -> int8, Q3_K: 3 -> int3; float: 16); a tie goes to the wider one, which loses nothing."""
+    return table[min(table, key=lambda b: (abs(b - bits), -b))]
+
+
+def _first_key(source) -> str:
+    return source if isinstance(source, str) else next(k for ks in source.keys.values() for k in ks)
+
+
+def _gguf_expert_choice(gguf, sources: dict[str, _ExpertSource], module) -> str | None:
+    """An experts layer's default format from a GGUF: one format per layer, so the bits of its projections'
+    blocks averaged over their weights (Q4_K_M's Q4_K gate and up with a Q6_K down: 4.67 -> int4)."""
+    params = dict(expert_parameters(module))
+    total = weights = 0
+    for p, src in sources.items():
+        # A fused parameter's tensor, or the tensors merged into it (gate and up: equal shares of its weights)
+        keys = [src.fused_key] if src.fused_key is not None else [k for ks in src.per_expert[0].keys.values() for k in ks]
+        bits = sum(gguf.code_bits(k) or 16 for k in keys) / len(keys)
+        total += bits * params[p][0].numel()
+        weights += params[p][0].numel()
+    return _gguf_bits_format(total / weights, _EXPERT_BITS)
+
+
+def _gguf_dense_formats(gguf, plan: ConversionPlan, linears, group_size: int) -> dict[str, QuantFormat]:
+    """Each resident linear layer's default format from a GGUF: the bits of its blocks (dense_formats then
+    widens where a kernel cannot take the shape, and keeps the LM head at int8 at least)."""
+    by_choice: dict[str, list] = {}
+    for linear in linears:
+        source = plan.resident.get(f"{linear[0]}.weight")
+        bits = gguf.code_bits(_first_key(source)) if source is not None else None
+        by_choice.setdefault(_gguf_bits_format(bits or 16, _DENSE_BITS), []).append(linear)
+    dense = {}
+    for choice, group in by_choice.items():
+        dense.update(dense_formats(group, choice, group_size))
+    return dense
 
 
 def _layer_format(choice: str | None, group_size: int) -> torch.dtype | QuantFormat | None:

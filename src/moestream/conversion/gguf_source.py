@@ -235,6 +235,17 @@ class GGUFCheckpoint:
             codes, scales, zeros = (_unpermute(x, src.unpermute_heads) for x in (codes, scales, zeros))
         return codes, scales, zeros
 
+    def code_bits(self, key: str) -> int | None:
+        """Bits per weight of tensor `key`'s codes in the file (Q4_K: 4, Q6_K: 6, Q8_0: 8; the block's
+        scales not counted), or None for a float tensor."""
+        from gguf import GGMLQuantizationType as Q
+
+        t = self.sources[key].tensor.ggml_type
+        if t in _FLOAT_TYPES or t in _INT_TYPES:
+            return None
+        name = Q(t).name
+        return next((bits for prefix, bits in _CODE_BITS if name.startswith(prefix)), 8)
+
     def rows(self, key: str) -> int | None:
         """How many rows `read_rows` can read of tensor `key` (a whole matrix as the file stores it), or
         None if it must be read whole (an expert's slice, a permuted, joined or reshaped tensor)."""
@@ -368,6 +379,9 @@ class GGUFCheckpoint:
 # Header
 
 
+# Bits of a block type's codes, by the prefix of its ggml name (IQ1 counted as 2: no store format has fewer).
+_CODE_BITS = (("Q2", 2), ("IQ1", 2), ("IQ2", 2), ("TQ", 2), ("Q3", 3), ("IQ3", 3), ("Q4", 4), ("IQ4", 4), ("MXFP4", 4))
+_CODE_BITS += (("Q5", 5), ("Q6", 6), ("Q8", 8))
 _FLOAT_TYPES: dict[int, torch.dtype] = {}
 _INT_TYPES: dict[int, torch.dtype] = {}
 
@@ -679,9 +693,11 @@ def _build_tokenizer(path: Path, arch: str):
     template). It reads the metadata only: no tensor data."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    # AutoTokenizer also reads the model config from the file, which transformers cannot for deepseek2;
-    # the fast tokenizer class reads the tokenizer keys alone.
-    cls = PreTrainedTokenizerFast if arch == "deepseek2" else AutoTokenizer
+    # The fast tokenizer class reads the tokenizer keys alone and builds the tokenizer from them (about 3 s
+    # for a 150k vocabulary). AutoTokenizer also reads the model config from the file (which transformers
+    # cannot for deepseek2) and its model-specific class rebuilds the vocabulary in Python (about 20 s more
+    # for Qwen's): kept only for llama files, whose sentencepiece vocabularies its class completes (BOS).
+    cls = AutoTokenizer if arch == "llama" else PreTrainedTokenizerFast
     try:
         return cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # transformers' GGUF tokenizer builders raise ValueError, KeyError, ...

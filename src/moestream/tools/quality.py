@@ -288,7 +288,7 @@ def _gguf_reference(path: Path, beside: Path, progress: bool) -> Path:
         )
     directory = Path(tempfile.mkdtemp(prefix=".moestream-eval-reference-", dir=beside))
     try:
-        return convert(path, directory / "store", "fp32", progress=progress)
+        return convert(path, directory / "store", "fp32", dense_dtype="float", progress=progress)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
