@@ -16,7 +16,8 @@ import math
 import os
 import re
 import shutil
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,6 +245,22 @@ def _source_codes(source, ckpt, model, target: str, shape, index: int | None = N
     if tuple(codes.shape) != tuple(shape) or tuple(scales.shape) != groups or tuple(zeros.shape) != groups:
         return None
     return Quantized(codes.contiguous(), scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
+
+
+RECORD_WORKERS = 2  # records built at once (reads, unpacking and packing release the GIL for most of their time)
+
+
+def _in_order(make, items, ahead: int = 2 * RECORD_WORKERS):
+    """`make(item)` of each item, in order, built by RECORD_WORKERS threads at most `ahead` items ahead of
+    the one handed out (so at most that many records wait in memory)."""
+    with ThreadPoolExecutor(RECORD_WORKERS) as pool:
+        pending = deque()
+        for item in items:
+            pending.append(pool.submit(make, item))
+            if len(pending) > ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def _shards(resident: list) -> list[list]:
@@ -500,28 +517,42 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
         rel = f"experts/layer-{index:03d}.bin"
         (tmp / "experts").mkdir(exist_ok=True)
         offsets, sums = [], []
-        record = np.zeros(layout.stride, dtype=np.uint8)
         codes_kept = _keeps_codes(fmt, ckpt, module.is_transposed)
-        with open(tmp / rel, "wb") as f:
-            for e in range(module.num_experts):
-                record[:] = 0
-                for p in sources:
-                    target, shape = f"{name}.{p}", params[p].shape[1:]
-                    q = _expert_codes(sources[p], e, ckpt, model, target, shape) if codes_kept and len(shape) == 2 else None
-                    if q is not None:
-                        parts = pack(q, fmt, p)
+
+        def record_of(
+            e: int,
+            name=name,
+            module=module,
+            sources=sources,
+            layout=layout,
+            fmt=fmt,
+            params=params,
+            entries=entries,
+            codes_kept=codes_kept,
+        ):
+            """Expert e's record (its stride of bytes, zero-padded) and its payload's checksum."""
+            record = np.zeros(layout.stride, dtype=np.uint8)
+            for p in sources:
+                target, shape = f"{name}.{p}", params[p].shape[1:]
+                q = _expert_codes(sources[p], e, ckpt, model, target, shape) if codes_kept and len(shape) == 2 else None
+                if q is not None:
+                    parts = pack(q, fmt, p)
+                else:
+                    t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
+                    if fmt is not None and t.dim() == 2:
+                        # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
+                        parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
                     else:
-                        t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
-                        if fmt is not None and t.dim() == 2:
-                            # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
-                            parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
-                        else:
-                            parts = {p: t}
-                    for part, value in parts.items():
-                        entry = entries[part]
-                        record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(value.to(DTYPES[entry.dtype]))
+                        parts = {p: t}
+                for part, value in parts.items():
+                    entry = entries[part]
+                    record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(value.to(DTYPES[entry.dtype]))
+            return record, checksum(record[: layout.nbytes])
+
+        with open(tmp / rel, "wb") as f:
+            for record, record_sum in _in_order(record_of, range(module.num_experts)):
                 offsets.append(f.tell())
-                sums.append(checksum(record[: layout.nbytes]))
+                sums.append(record_sum)
                 f.write(record.data)
                 bar.update(layout.stride)
             f.flush()

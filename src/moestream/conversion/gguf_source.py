@@ -39,7 +39,7 @@ import torch
 
 from ..errors import SourceError
 from . import gguf_blocks
-from .source import _pread_exact
+from .source import OpenFiles, _pread_exact
 
 # llama.cpp architecture -> (transformers model_type, what it is)
 SUPPORTED_ARCHITECTURES = {
@@ -181,7 +181,7 @@ class GGUFCheckpoint:
         self.config = _build_config(self.architecture, self.metadata, tensors, self.path)
         self.sources = self._map_names()
         self._tokenizer = _build_tokenizer(files[0], self.architecture)
-        self._fds: dict[Path, int] = {}
+        self._files = OpenFiles()
 
     # ---- the DecodedCheckpoint interface
 
@@ -280,9 +280,7 @@ class GGUFCheckpoint:
         return {"experts": experts, "resident": dict(sorted(resident.items()))}
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     def write_extra_files(self, directory: Path) -> list[str]:
         """Save the tokenizer rebuilt from the GGUF metadata into `directory`; return the file names."""
@@ -295,11 +293,6 @@ class GGUFCheckpoint:
 
     # ---- reading
 
-    def _fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
-
     def _read_bytes(self, t: _Tensor, expert: int | None) -> tuple[np.ndarray, tuple[int, ...]]:
         """The bytes of tensor `t` (or of its expert `expert`'s slice) as uint8, and that slice's shape."""
         shape, start, nbytes = t.shape, t.start, t.nbytes
@@ -308,7 +301,7 @@ class GGUFCheckpoint:
                 raise SourceError(f"{t.name} has {shape[0]} experts, not {expert + 1}")
             per = nbytes // shape[0]
             shape, start, nbytes = shape[1:], start + expert * per, per
-        fd = self._fd(t.file)
+        fd = self._files.fd(t.file)
         buf = _pread_exact(fd, nbytes, start) if nbytes else bytearray()
         # Read once: keep the page cache for what the converter writes (the source can be 100s of GB).
         os.posix_fadvise(fd, start, nbytes, os.POSIX_FADV_DONTNEED)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,27 @@ class RawTensor:
         for d in self.shape:
             n *= d
         return n
+
+
+class OpenFiles:
+    """A source's files, each opened once for `pread`, from any thread (the converter builds records on
+    several)."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 def read_safetensors_header(path: Path) -> dict[str, RawTensor]:
@@ -122,17 +144,13 @@ class CheckpointReader:
         self.tensors: dict[str, RawTensor] = {}
         for f in files:
             self.tensors.update(read_safetensors_header(f))
-        self._fds: dict[Path, int] = {}
+        self._files = OpenFiles()
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     def _fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
+        return self._files.fd(path)
 
     def read(self, key: str, index: int | None = None) -> torch.Tensor:
         """The stored tensor `key`, or only its slice `[index]` along dim 0 (one expert of a fused tensor)."""
