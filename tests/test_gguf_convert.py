@@ -420,7 +420,7 @@ def test_bad_gguf_files_are_one_line_errors(qwen3_gguf, tmp_path, capsys):
     write_gguf(dense, tmp_path / "dense.gguf")
 
     for src, expected in (
-        (truncated, "is a truncated or damaged GGUF file"),
+        (truncated, "is truncated: tensor"),  # names the first tensor cut short
         (header_cut, "is a truncated or damaged GGUF file"),
         (foreign, "is not a GGUF file"),
         (empty, "is not a GGUF file"),
@@ -607,3 +607,39 @@ def test_resident_matrices_read_a_slice_of_rows_at_a_time_are_stored_as_read_who
     expected, got = _resident(whole), _resident(sliced)
     assert set(expected) == set(got) and all(torch.equal(expected[k], got[k]) for k in expected)
     assert Store(sliced).manifest.resident_files == Store(whole).manifest.resident_files  # same bytes, same checksums
+
+
+def test_the_header_reader_agrees_with_gguf_py(qwen3_gguf, tmp_path):
+    """conversion/gguf_header.py reads what gguf-py's GGUFReader reads: every metadata value (a long array
+    as its length) and every tensor's type, shape and offset; a header cut anywhere is a ValueError."""
+    from gguf import GGUFValueType
+
+    from moestream.conversion.gguf_header import LONG_ARRAY, read_header
+
+    _, path, _ = qwen3_gguf
+    writer = GGUFWriter(tmp_path / "long.gguf", "qwen3moe")
+    writer.add_array("test.long_strings", [f"token {i}" for i in range(LONG_ARRAY + 7)])
+    writer.add_array("test.long_numbers", list(range(LONG_ARRAY + 3)))
+    writer.add_float64("test.double", 0.1)
+    writer.add_bool("test.flag", True)
+    writer.add_tensor("t", np.arange(64, dtype=np.float32).reshape(2, 32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for file in (path, tmp_path / "long.gguf"):
+        reader = GGUFReader(file)
+        expected = {
+            k: len(f.data) if f.types[0] == GGUFValueType.ARRAY and len(f.data) > LONG_ARRAY else f.contents()
+            for k, f in reader.fields.items()
+            if not k.startswith("GGUF.")  # (the reader's own entries for the header's counts)
+        }
+        table = [(t.name, int(t.tensor_type), tuple(reversed(t.shape.tolist())), int(t.data_offset)) for t in reader.tensors]
+        metadata, got = read_header(file)
+        assert metadata == expected and got == table
+    assert metadata["test.long_strings"] == LONG_ARRAY + 7 and metadata["test.long_numbers"] == LONG_ARRAY + 3
+    data = (tmp_path / "long.gguf").read_bytes()
+    for cut in (10, 30, len(data) // 3, len(data) - 300):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError):
+            read_header(tmp_path / "cut.gguf")

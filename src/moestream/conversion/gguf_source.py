@@ -19,14 +19,16 @@ gguf_blocks.py), for a store that keeps them; a big matrix can be read a slice o
 rows of the query and key projections of llama-family models (its rotary layout); that is undone here the
 way transformers' GGUF loader does (`LlamaTensorProcessor`). Qwen models are stored unpermuted.
 
-Bytes are read with `pread` and dropped from the page cache afterwards, like the safetensors reader: the
-GGUF header is parsed through gguf's memory-mapped reader, but only its header pages are touched.
+Bytes are read with `pread` and dropped from the page cache afterwards, like the safetensors reader; the
+header is read by gguf_header.py (gguf-py's reader builds every string of a vocabulary, which takes
+seconds), and the block types' sizes and decoders are gguf-py's.
 
 Split files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's sharding) are read as one checkpoint.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -39,6 +41,7 @@ import torch
 
 from ..errors import SourceError
 from . import gguf_blocks
+from .gguf_header import read_header
 from .source import OpenFiles, _pread_exact
 
 # llama.cpp architecture -> (transformers model_type, what it is)
@@ -407,18 +410,9 @@ def _split_files(path: Path) -> list[Path]:
     return files
 
 
-def _field_value(field):
-    """A metadata value as Python: numbers, strings, small arrays; large arrays (a vocabulary) as their length."""
-    from gguf import GGUFValueType
-
-    if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > 4096:
-        return len(field.data)
-    return field.contents()
-
-
 def _read_header(path: Path) -> tuple[dict, list[_Tensor]]:
     """Metadata and tensor table of one GGUF file, checked against the file's size (a truncated download)."""
-    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -429,25 +423,19 @@ def _read_header(path: Path) -> tuple[dict, list[_Tensor]]:
             "or a Hugging Face checkpoint directory"
         )
     try:
-        reader = GGUFReader(path)
-        metadata = {key: _field_value(field) for key, field in reader.fields.items()}
+        metadata, table = read_header(path)
         tensors = []
-        for rt in reader.tensors:
-            block, type_size = GGML_QUANT_SIZES[rt.tensor_type]
-            shape = tuple(int(d) for d in reversed(rt.shape.tolist()))
+        for name, kind, shape, start in table:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
             if shape and shape[-1] % block:
-                raise ValueError(f"tensor {rt.name}: rows of {shape[-1]} values do not fill {block}-value blocks")
-            tensors.append(_Tensor(path, rt.name, int(rt.tensor_type), shape, int(rt.data_offset), int(rt.n_bytes)))
-    except SourceError:
-        raise
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, EOFError) as e:
-        # gguf's reader raises what numpy does when the header runs past the end of the file
+                raise ValueError(f"tensor {name}: rows of {shape[-1]} values do not fill {block}-value blocks")
+            nbytes = math.prod(shape) // block * type_size
+            tensors.append(_Tensor(path, name, kind, shape, start, nbytes))
+    except (ValueError, KeyError, OverflowError, UnicodeDecodeError) as e:  # (an unknown type is a ValueError)
         raise SourceError(
             f"{path} is a truncated or damaged GGUF file ({size} bytes; reading its header and tensor table failed: "
             f"{type(e).__name__}: {e}); download it again"
         ) from None
-    finally:
-        reader = None  # the memory map goes with it
     for t in tensors:
         if t.start + t.nbytes > size:
             raise SourceError(
