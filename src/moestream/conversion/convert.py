@@ -267,7 +267,7 @@ def _shards(resident: list) -> list[list]:
     """The resident tensors split into files of about RESIDENT_SHARD_BYTES, in order."""
     shards, size = [[]], 0
     for entry in resident:
-        nbytes = sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in entry[3])
+        nbytes = _spec_bytes(entry[3])
         if shards[-1] and size + nbytes > RESIDENT_SHARD_BYTES:
             shards.append([])
             size = 0
@@ -490,18 +490,32 @@ def _move_into_place(tmp: Path, dst: Path) -> None:
         shutil.rmtree(old)
 
 
-def _estimate_bytes(model, plan: ConversionPlan, layouts: list[RecordLayout]) -> tuple[int, int]:
+def _resident_tensors(model, plan: ConversionPlan, dense: dict[str, QuantFormat]) -> list:
+    """(target, source, storage format or None, the file tensors it becomes) of every resident tensor, in
+    the order the files hold them."""
     meta = model.state_dict()
-    resident = sum(meta[t].numel() * meta[t].element_size() for t in plan.resident)
-    experts = sum(layout.stride * module.num_experts for layout, (_, module, _) in zip(layouts, plan.experts))
-    return resident, experts
+    resident = []
+    for target in plan.resident:
+        want = meta[target]
+        module, _, leaf = target.rpartition(".")
+        fmt = dense.get(module) if leaf == "weight" else None
+        specs = fmt.record_specs(module, *want.shape) if fmt is not None else [(target, want.dtype, tuple(want.shape))]
+        resident.append((target, plan.resident[target], fmt, specs))
+    resident.sort(key=lambda entry: resident_order(entry[3][0][0]))  # (a target's parts sort together)
+    return resident
+
+
+def _spec_bytes(specs) -> int:
+    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in specs)
 
 
 def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, formats, dense, progress) -> Manifest:
     layouts = [
         _layer_layout(name, module, sources, ckpt, storage) for (name, module, sources), storage in zip(plan.experts, formats)
     ]
-    resident_total, experts_total = _estimate_bytes(model, plan, [layout for layout, _ in layouts])
+    resident = _resident_tensors(model, plan, dense)
+    resident_total = sum(_spec_bytes(specs) for *_, specs in resident)
+    experts_total = sum(layout.stride * module.num_experts for (layout, _), (_, module, _) in zip(layouts, plan.experts))
     free = shutil.disk_usage(tmp).free
     need = resident_total + experts_total + 64 * 1024**2
     if free < need:
@@ -562,22 +576,14 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
         layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
 
     meta = model.state_dict()
-    resident = []  # (target, source, storage format or None, the file tensors it becomes)
-    for target in plan.resident:
-        want = meta[target]
-        module, _, leaf = target.rpartition(".")
-        fmt = dense.get(module) if leaf == "weight" else None
-        specs = fmt.record_specs(module, *want.shape) if fmt is not None else [(target, want.dtype, tuple(want.shape))]
-        resident.append((target, plan.resident[target], fmt, specs))
-    resident.sort(key=lambda entry: resident_order(entry[3][0][0]))  # (a target's parts sort together)
     files = []
     for shard in _shards(resident):
         rel = f"resident-{len(files) + 1:05d}.safetensors"
         writer = ResidentFileWriter(tmp / rel, [spec for *_, specs in shard for spec in specs], metadata={"format": "pt"})
-        for target, source, fmt, _ in shard:
+        for target, source, fmt, specs in shard:
             for name, piece in _resident_pieces(target, source, fmt, meta[target], ckpt, model):
                 writer.write(name, piece)
-            bar.update(meta[target].numel() * meta[target].element_size())
+            bar.update(_spec_bytes(specs))
         files.append(FileEntry(rel, writer.nbytes, writer.close()))
     bar.close()
 
