@@ -12,7 +12,7 @@ place at the end: an interrupted conversion never leaves a directory that loads.
 
 from __future__ import annotations
 
-import math
+import functools
 import os
 import re
 import shutil
@@ -43,7 +43,7 @@ from .quant import (
     quantize,
     rows_dim,
 )
-from .resident_writer import ResidentFileWriter, resident_order
+from .resident_writer import ResidentFileWriter, resident_order, spec_bytes
 from .skeleton import build_skeleton, dense_linears, expert_parameters, experts_modules, load_source_config, model_dtype
 from .source import DecodedCheckpoint
 from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum
@@ -194,6 +194,11 @@ def _run_converter(group: _Group, ckpt: DecodedCheckpoint, model, target: str, r
     return next(iter(tensors.values()))
 
 
+def _group_keys(group: _Group) -> list[str]:
+    """The checkpoint keys a converter group merges, all patterns together."""
+    return [k for keys in group.keys.values() for k in keys]
+
+
 def _expert_codes(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> Quantized | None:
     """`_source_codes` of expert `e`'s weight (None where its source has no codes)."""
     if src.fused_key is not None:
@@ -233,8 +238,7 @@ def _source_codes(source, ckpt, model, target: str, shape, index: int | None = N
     if isinstance(source, str):
         parts = ckpt.read_codes(source, index)
     else:
-        keys = [k for ks in source.keys.values() for k in ks]
-        read = {k: ckpt.read_codes(k) for k in keys}
+        read = {k: ckpt.read_codes(k) for k in _group_keys(source)}
         if any(v is None for v in read.values()):
             return None
         parts = [_run_converter(source, ckpt, model, target, read=lambda k, i=i: read[k][i]) for i in range(3)]
@@ -307,6 +311,30 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
             rest.setdefault(other, []).append(value)
     for name, pieces in rest.items():
         yield name, torch.cat(pieces, dim=rows_dim(name))
+
+
+def _expert_record(ckpt, model, name: str, module, sources: dict[str, _ExpertSource], layout: RecordLayout, fmt, e: int):
+    """Expert e's record (its stride of bytes, zero-padded) and its payload's checksum."""
+    params = dict(expert_parameters(module))
+    entries = {t.name: t for t in layout.tensors}
+    codes_kept = _keeps_codes(fmt, ckpt, module.is_transposed)
+    record = np.zeros(layout.stride, dtype=np.uint8)
+    for p in sources:
+        target, shape = f"{name}.{p}", params[p].shape[1:]
+        q = _expert_codes(sources[p], e, ckpt, model, target, shape) if codes_kept and len(shape) == 2 else None
+        if q is not None:
+            parts = pack(q, fmt, p)
+        else:
+            t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
+            if fmt is not None and t.dim() == 2:
+                # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
+                parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
+            else:
+                parts = {p: t}
+        for part, value in parts.items():
+            entry = entries[part]
+            record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(value.to(DTYPES[entry.dtype]))
+    return record, checksum(record[: layout.nbytes])
 
 
 def _tensor_bytes(t: torch.Tensor):
@@ -425,7 +453,7 @@ def _gguf_bits_format(bits: float, table: dict[int, str | None]) -> str | None:
 
 
 def _first_key(source) -> str:
-    return source if isinstance(source, str) else next(k for ks in source.keys.values() for k in ks)
+    return source if isinstance(source, str) else _group_keys(source)[0]
 
 
 def _gguf_expert_choice(gguf, sources: dict[str, _ExpertSource], module) -> str | None:
@@ -435,7 +463,7 @@ def _gguf_expert_choice(gguf, sources: dict[str, _ExpertSource], module) -> str 
     total = weights = 0
     for p, src in sources.items():
         # A fused parameter's tensor, or the tensors merged into it (gate and up: equal shares of its weights)
-        keys = [src.fused_key] if src.fused_key is not None else [k for ks in src.per_expert[0].keys.values() for k in ks]
+        keys = [src.fused_key] if src.fused_key is not None else _group_keys(src.per_expert[0])
         bits = sum(gguf.code_bits(k) or 16 for k in keys) / len(keys)
         total += bits * params[p][0].numel()
         weights += params[p][0].numel()
@@ -506,7 +534,7 @@ def _resident_tensors(model, plan: ConversionPlan, dense: dict[str, QuantFormat]
 
 
 def _spec_bytes(specs) -> int:
-    return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in specs)
+    return sum(spec_bytes(spec) for spec in specs)
 
 
 def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, formats, dense, progress) -> Manifest:
@@ -526,43 +554,10 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
     bar = tqdm(total=resident_total + experts_total, unit="B", unit_scale=True, desc="convert", disable=not progress)
     layers = []
     for index, ((name, module, sources), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
-        params = dict(expert_parameters(module))
-        entries = {t.name: t for t in layout.tensors}
         rel = f"experts/layer-{index:03d}.bin"
         (tmp / "experts").mkdir(exist_ok=True)
         offsets, sums = [], []
-        codes_kept = _keeps_codes(fmt, ckpt, module.is_transposed)
-
-        def record_of(
-            e: int,
-            name=name,
-            module=module,
-            sources=sources,
-            layout=layout,
-            fmt=fmt,
-            params=params,
-            entries=entries,
-            codes_kept=codes_kept,
-        ):
-            """Expert e's record (its stride of bytes, zero-padded) and its payload's checksum."""
-            record = np.zeros(layout.stride, dtype=np.uint8)
-            for p in sources:
-                target, shape = f"{name}.{p}", params[p].shape[1:]
-                q = _expert_codes(sources[p], e, ckpt, model, target, shape) if codes_kept and len(shape) == 2 else None
-                if q is not None:
-                    parts = pack(q, fmt, p)
-                else:
-                    t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
-                    if fmt is not None and t.dim() == 2:
-                        # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
-                        parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
-                    else:
-                        parts = {p: t}
-                for part, value in parts.items():
-                    entry = entries[part]
-                    record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(value.to(DTYPES[entry.dtype]))
-            return record, checksum(record[: layout.nbytes])
-
+        record_of = functools.partial(_expert_record, ckpt, model, name, module, sources, layout, fmt)
         with open(tmp / rel, "wb") as f:
             for record, record_sum in _in_order(record_of, range(module.num_experts)):
                 offsets.append(f.tell())

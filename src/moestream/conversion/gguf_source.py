@@ -203,11 +203,7 @@ class GGUFCheckpoint:
     def read(self, key: str, index: int | None = None) -> torch.Tensor:
         """Tensor `key` (float; blocks decoded to float32), or only its slice `[index]` along dim 0."""
         src = self.sources[key]
-        expert = src.expert
-        if index is not None:
-            if expert is not None:
-                raise SourceError(f"{key} is one expert's tensor already; it has no slice [{index}]")
-            expert = index
+        expert = self._expert(key, index)
         if src.v_b is not None:
             t = _join_kv_b(self._read_tensor(src.tensor, None), self._read_tensor(src.v_b, None))
             return t if index is None else t[index]
@@ -227,9 +223,7 @@ class GGUFCheckpoint:
         t = src.tensor
         if not gguf_blocks.has_codes(t.ggml_type) or src.v_b is not None or src.shape is not None:
             return None
-        expert = src.expert if index is None or src.expert is not None else index
-        if src.expert is not None and index is not None:
-            raise SourceError(f"{key} is one expert's tensor already; it has no slice [{index}]")
+        expert = self._expert(key, index)
         if len(t.shape) - (expert is not None) != 2:
             return None
         raw, shape = self._read_bytes(t, expert)
@@ -295,6 +289,15 @@ class GGUFCheckpoint:
         return names
 
     # ---- reading
+
+    def _expert(self, key: str, index: int | None) -> int | None:
+        """The expert whose slice of the file's tensor `key` stands for, with `[index]` asked for, or None."""
+        expert = self.sources[key].expert
+        if index is not None:
+            if expert is not None:
+                raise SourceError(f"{key} is one expert's tensor already; it has no slice [{index}]")
+            expert = index
+        return expert
 
     def _read_bytes(self, t: _Tensor, expert: int | None) -> tuple[np.ndarray, tuple[int, ...]]:
         """The bytes of tensor `t` (or of its expert `expert`'s slice) as uint8, and that slice's shape."""
@@ -376,8 +379,10 @@ class GGUFCheckpoint:
 
 
 # Bits of a block type's codes, by the prefix of its ggml name (IQ1 counted as 2: no store format has fewer).
-_CODE_BITS = (("Q2", 2), ("IQ1", 2), ("IQ2", 2), ("TQ", 2), ("Q3", 3), ("IQ3", 3), ("Q4", 4), ("IQ4", 4), ("MXFP4", 4))
-_CODE_BITS += (("Q5", 5), ("Q6", 6), ("Q8", 8))
+_CODE_BITS = (
+    ("Q2", 2), ("IQ1", 2), ("IQ2", 2), ("TQ", 2), ("Q3", 3), ("IQ3", 3), ("Q4", 4), ("IQ4", 4), ("MXFP4", 4),
+    ("Q5", 5), ("Q6", 6), ("Q8", 8),
+)  # fmt: skip
 _FLOAT_TYPES: dict[int, torch.dtype] = {}
 _INT_TYPES: dict[int, torch.dtype] = {}
 

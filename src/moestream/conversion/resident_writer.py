@@ -14,6 +14,7 @@ every tensor of the file in memory at once.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -42,6 +43,13 @@ _DTYPE_NAMES = {
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]  # a tensor's name, dtype and shape
 
+
+def spec_bytes(spec: Spec) -> int:
+    """Bytes of the tensor `spec` declares."""
+    _, dtype, shape = spec
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
 _QUANTIZED_PART = re.compile(r"^(?P<module>.+)\.(?P<part>qweight|scales|scales_zeros)$")
 
 
@@ -65,7 +73,7 @@ class ResidentFileWriter:
         offset = 0
         self._sizes = []
         for name, dtype, shape in self._specs:
-            size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            size = spec_bytes((name, dtype, shape))
             header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             self._sizes.append(size)
             offset += size
@@ -113,10 +121,3 @@ class ResidentFileWriter:
     def _put(self, data) -> None:
         self._hash.update(data)
         self._file.write(data)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
