@@ -37,6 +37,7 @@ ARCHS = {
     "qwen2_moe": MODEL_ARCH.QWEN2MOE,
     "mixtral": MODEL_ARCH.LLAMA,
     "deepseek_v3": MODEL_ARCH.DEEPSEEK2,
+    "gpt_oss": MODEL_ARCH.GPT_OSS,
 }
 # Widths that fill the 32-value blocks of Q4_0/Q8_0; Qwen3-MoE's top-k weights normalized, as llama.cpp does.
 CONFIGS = {
@@ -61,6 +62,21 @@ CONFIGS = {
             beta_slow=1.0,
             mscale=1.0,
             mscale_all_dim=1.0,
+        ),
+    ),
+    # Biases, attention sinks, sliding and full layers, gpt-oss's own yarn (no truncation of its bounds).
+    "gpt_oss": dict(
+        TINY["gpt_oss"],
+        vocab_size=VOCAB,
+        intermediate_size=32,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
         ),
     ),
 }
@@ -88,6 +104,8 @@ TYPES = {
     "token_embd": Q.Q8_0,
     "output": Q.Q4_0,
 }
+# gpt-oss files keep the experts in MXFP4, as the model was trained and released.
+FAMILY_TYPES = {"gpt_oss": {**TYPES, "ffn_gate_exps": Q.MXFP4, "ffn_up_exps": Q.MXFP4, "ffn_down_exps": Q.MXFP4}}
 
 
 def bpe_tokenizer():
@@ -196,10 +214,48 @@ def _write_kv_b(writer, names, name, value, config, split: bool) -> np.ndarray:
     return np.concatenate([decoded[0].transpose(0, 2, 1), decoded[1]], axis=1).reshape(value.shape)
 
 
-def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None = None, split_kv_b: bool = True, types=TYPES):
-    """`model` as llama.cpp would write it, each tensor in the type `types` gives it; returns {model
-    parameter: the float32 values the file decodes to}."""
+def _write_gpt_oss_metadata(writer, config):
+    """GptOssModel.set_gguf_parameters: the experts' width, the sliding window, head sizes and yarn's keys."""
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+
+
+def _write_gpt_oss_experts(writer, names, name, value, types) -> np.ndarray:
+    """gpt-oss's experts as llama.cpp writes them: gate_up_proj [E, H, 2I] (gate and up interleaved) split
+    into ffn_gate_exps and ffn_up_exps, down_proj [E, I, H], each transposed to [E, out, in]; biases split
+    the same way. Returns the values the file decodes to, in the model's own layout."""
+    layer = int(name.split(".")[2])
+    bias = name.endswith("_bias")
+    weight = "" if bias else ".weight"
+
+    def add(projection, part):  # part in the model's layout -> its decoded values, in that layout
+        stored = part if bias else part.transpose(0, 2, 1)
+        gguf_name = names.get_name(f"model.layers.{layer}.mlp.experts.{projection}") + (".bias" if bias else ".weight")
+        back = _add_tensor(writer, gguf_name, np.ascontiguousarray(stored), types).reshape(stored.shape)
+        return back if bias else back.transpose(0, 2, 1)
+
+    if "down_proj" in name:
+        return add("down_proj", value)
+    gate, up = add("gate_proj", value[..., ::2]), add("up_proj", value[..., 1::2])
+    return np.stack([gate, up], axis=-1).reshape(value.shape)
+
+
+def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None = None, split_kv_b: bool = True, types=None):
+    """`model` as llama.cpp would write it, each tensor in the type `types` gives it (default: its family's
+    FAMILY_TYPES, else TYPES); returns {model parameter: the float32 values the file decodes to}."""
     config = model.config
+    types = types or FAMILY_TYPES.get(config.model_type, TYPES)
     arch = ARCHS[config.model_type]
     names = get_tensor_name_map(arch, config.num_hidden_layers)
     writer = GGUFWriter(path, architecture or MODEL_ARCH_NAMES[arch], split_max_tensors=split_max_tensors)
@@ -215,6 +271,8 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
     writer.add_file_type(1)
     if config.model_type == "deepseek_v3":
         _write_deepseek2_metadata(writer, config)
+    elif config.model_type == "gpt_oss":
+        _write_gpt_oss_metadata(writer, config)
     elif config.model_type == "mixtral":
         writer.add_feed_forward_length(config.intermediate_size)
         writer.add_expert_count(config.num_local_experts)
@@ -246,6 +304,9 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
         value = value.float().numpy()
         base = name.removesuffix(".weight").removesuffix(".bias")
         suffix = name[len(base) :] or ".weight"
+        if config.model_type == "gpt_oss" and ".experts." in name:
+            decoded[name] = _write_gpt_oss_experts(writer, names, name, value, types)
+            continue
         if base.endswith(".experts.gate_up_proj") or base.endswith(".experts.down_proj"):
             layer = int(name.split(".")[2])
             parts = (
@@ -315,8 +376,8 @@ def qwen3_gguf(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "family, split_kv_b",
-    [("qwen3_moe", True), ("qwen2_moe", True), ("mixtral", True), ("deepseek_v3", True), ("deepseek_v3", False)],
-    ids=["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3-whole-kv_b"],
+    [("qwen3_moe", True), ("qwen2_moe", True), ("mixtral", True), ("deepseek_v3", True), ("deepseek_v3", False), ("gpt_oss", True)],
+    ids=["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3-whole-kv_b", "gpt_oss"],
 )
 def test_gguf_converts_to_the_model_of_its_dequantized_weights(family, split_kv_b, tmp_path):
     model = make_model(family, seed=11, **CONFIGS[family])
@@ -643,3 +704,55 @@ def test_the_header_reader_agrees_with_gguf_py(qwen3_gguf, tmp_path):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(ValueError):
             read_header(tmp_path / "cut.gguf")
+
+
+def test_a_gpt_oss_gguf_of_mxfp4_experts_converts_to_int4_by_default(tmp_path, capsys):
+    """gpt-oss's MXFP4 experts (4-bit e2m1 values, a power-of-two scale per 32) have no exact store format:
+    with no options they are stored at the nearest bits, int4 in groups of 32, quantized from the file's
+    decoded weights exactly as the quantizer does from any float checkpoint, within 25% of the file's
+    size; `inspect` names both."""
+    model = make_model("gpt_oss", seed=14, **CONFIGS["gpt_oss"])
+    path = tmp_path / "gpt-oss-mxfp4.gguf"
+    decoded = write_gguf(model, path)
+    store = moestream.convert(path, tmp_path / "store", progress=False)
+    manifest = Store(store).manifest
+    fmt = QuantFormat.make("int4", 32)
+    assert manifest.experts_dtype == "int4-g32"
+    records = _records_of(store)
+    rounded = dict(decoded)  # the file's weights with the experts' as the int4 records hold them
+    gguf_weight_bytes = sum(t.n_bytes for t in GGUFReader(path).tensors if "_exps.weight" in t.name)
+    assert sum(t.numel() * t.element_size() for key, t in records.items() if not key[2].endswith("_bias")) <= 1.25 * gguf_weight_bytes
+
+    for layer in range(CONFIGS["gpt_oss"]["num_hidden_layers"]):
+        experts = f"model.layers.{layer}.mlp.experts"
+        for e in range(CONFIGS["gpt_oss"]["num_local_experts"]):
+            for proj in ("gate_up_proj", "down_proj"):
+                want = quant.quantize(torch.from_numpy(np.ascontiguousarray(decoded[f"{experts}.{proj}"][e].T)), fmt)
+                assert torch.equal(stored_codes(records[(experts, e, f"{proj}.qweight")], fmt), want.codes)
+                assert torch.equal(records[(experts, e, f"{proj}.scales_zeros")], torch.stack([want.scales.t(), want.offsets.t()], -1))
+                rounded[f"{experts}.{proj}"] = rounded[f"{experts}.{proj}"].copy()
+                rounded[f"{experts}.{proj}"][e] = reference_dequantize(want, fmt).float().t().numpy()
+                bias = torch.from_numpy(decoded[f"{experts}.{proj}_bias"][e])
+                assert torch.equal(records[(experts, e, f"{proj}_bias")].float(), bias.to(records[(experts, e, f"{proj}_bias")].dtype).float())
+
+    capsys.readouterr()
+    assert main(["inspect", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF down_proj MXFP4, gate_proj MXFP4, up_proj MXFP4 -> stored int4-g32" in out, out
+
+    # With float dense layers, the streamed model is transformers' on those weights (up to torch's int4 kernel's
+    # bf16 activations), the file's float model up to that rounding (in this tiny random model: 9% of the
+    # logits' norm), and every budget decodes the same.
+    store = moestream.convert(path, tmp_path / "float-dense", dense_dtype="float", progress=False)
+    assert Store(store).manifest.experts_dtype == "int4-g32"
+    reference, unrounded = _reference("gpt_oss", rounded, torch.bfloat16), _reference("gpt_oss", decoded, torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(9))
+    greedy = []
+    for budget in ("8KiB", "1MiB"):
+        streamed, _ = moestream.load(store, budget, compute_dtype="fp32", activations="float")
+        with torch.no_grad():
+            expected, got, floats = reference(ids).logits, streamed(ids).logits, unrounded(ids).logits
+            greedy.append(streamed.generate(ids, max_new_tokens=6, do_sample=False)[0].tolist())
+        assert ((got - expected).norm() / expected.norm()).item() <= 1e-2
+        assert ((got - floats).norm() / floats.norm()).item() <= 0.2
+    assert greedy[0] == greedy[1]

@@ -50,6 +50,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen1.5/Qwen2-MoE"),
     "llama": ("mixtral", "Mixtral: llama with experts"),
     "deepseek2": ("deepseek_v3", "DeepSeek-V3/R1 and models built on them"),
+    "gpt-oss": ("gpt_oss", "gpt-oss"),
 }
 _DEQUANT_ELEMENTS = 1 << 24  # rows decoded per step: bounds gguf's numpy temporaries to a few times 64 MiB
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -115,11 +116,21 @@ _DEEPSEEK_LAYER = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# gpt-oss: biases on attention and experts, attention sinks, a router with a bias. Its experts module keeps
+# one tensor per layer in the input-major layout [E, in, out], gate and up interleaved along the output
+# (gate_up_proj[..., ::2] is the gate); llama.cpp splits them and stores each transposed (GptOssModel).
+_GPT_OSS_LAYER = {
+    **{leaf: _ATTENTION[leaf] for leaf in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
 _NAMES = {
     "qwen3moe": (_QWEN_LAYER, _QWEN_EXPERTS),
     "qwen2moe": (_QWEN_LAYER, _QWEN_EXPERTS),
     "llama": (_MIXTRAL_LAYER, _MIXTRAL_EXPERTS),
     "deepseek2": (_DEEPSEEK_LAYER, _QWEN_EXPERTS),
+    "gpt-oss": (_GPT_OSS_LAYER, {}),
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<leaf>[a-z0-9_]+?)(?:\.(?P<expert>\d+))?\.(?P<kind>weight|bias)$")
 
@@ -145,6 +156,15 @@ class _Source:
     unpermute_heads: int | None = None  # undo llama.cpp's q/k row permutation with this many heads
     shape: tuple[int, ...] | None = None  # a reshape the model expects (a [1, H] gate stored as [H])
     v_b: _Tensor | None = None  # MLA: `tensor` is attn_k_b [H, kv_lora, nope], this attn_v_b [H, v, kv_lora]
+    # gpt-oss: `tensor`'s rows (ffn_gate_exps) alternate with these (ffn_up_exps) along the output dimension,
+    # and `transposed`: the model keeps the matrix [in, out]
+    interleave: _Tensor | None = None
+    transposed: bool = False
+
+    @property
+    def whole(self) -> bool:
+        """Whether the model's tensor is the file's tensor as stored (or one expert's slice of it)."""
+        return self.v_b is None and self.shape is None and self.interleave is None and not self.transposed
 
 
 def _describe_supported() -> str:
@@ -152,7 +172,8 @@ def _describe_supported() -> str:
 
 
 # A Hugging Face name of one expert's projection: its layer and projection (the experts module differs by family).
-_EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\..*\.experts\.\d+\.(?P<projection>\w+)\.weight$")
+# gpt-oss names one tensor per layer and projection instead (`experts.down_proj`, `experts.down_proj_bias`).
+_EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\..*\.experts\.(?:\d+\.(?P<projection>\w+)\.weight|(?P<fused>\w+))$")
 
 
 class GGUFCheckpoint:
@@ -196,7 +217,8 @@ class GGUFCheckpoint:
         (as for FP8/MXFP4 sources; `--experts-dtype fp32` keeps the decoded values exactly)."""
         src = self.sources[key]
         dtype = _FLOAT_TYPES.get(src.tensor.ggml_type, torch.bfloat16)
-        if src.v_b is not None and _FLOAT_TYPES.get(src.v_b.ggml_type) != dtype:
+        other = src.v_b or src.interleave
+        if other is not None and _FLOAT_TYPES.get(other.ggml_type) != dtype:
             return torch.bfloat16
         return dtype
 
@@ -208,6 +230,11 @@ class GGUFCheckpoint:
             t = _join_kv_b(self._read_tensor(src.tensor, None), self._read_tensor(src.v_b, None))
             return t if index is None else t[index]
         t = self._read_tensor(src.tensor, expert)
+        if src.interleave is not None:  # the output dimension: dim 0 of one expert's slice, 1 of the whole
+            out = 0 if expert is not None else 1
+            t = torch.stack([t, self._read_tensor(src.interleave, expert)], dim=out + 1).flatten(out, out + 1)
+        if src.transposed:
+            t = t.transpose(-1, -2)
         if src.unpermute_heads is not None:
             t = _unpermute(t, src.unpermute_heads)
         if src.shape is not None and index is None:
@@ -221,7 +248,7 @@ class GGUFCheckpoint:
         whole rows (MLA's split kv_b, a reshaped tensor)."""
         src = self.sources[key]
         t = src.tensor
-        if not gguf_blocks.has_codes(t.ggml_type) or src.v_b is not None or src.shape is not None:
+        if not gguf_blocks.has_codes(t.ggml_type) or not src.whole:
             return None
         expert = self._expert(key, index)
         if len(t.shape) - (expert is not None) != 2:
@@ -237,17 +264,21 @@ class GGUFCheckpoint:
         scales not counted), or None for a float tensor."""
         from gguf import GGMLQuantizationType as Q
 
-        t = self.sources[key].tensor.ggml_type
-        if t in _FLOAT_TYPES or t in _INT_TYPES:
-            return None
-        name = Q(t).name
-        return next((bits for prefix, bits in _CODE_BITS if name.startswith(prefix)), 8)
+        src = self.sources[key]
+        bits = []
+        for t in (src.tensor, src.interleave, src.v_b):
+            if t is None or t.ggml_type in _FLOAT_TYPES or t.ggml_type in _INT_TYPES:
+                continue
+            name = Q(t.ggml_type).name
+            bits.append(next((b for prefix, b in _CODE_BITS if name.startswith(prefix)), 8))
+        # tensors joined from two of the file's (gpt-oss's gate and up, MLA's k_b and v_b): their mean
+        return round(sum(bits) / len(bits)) if bits else None
 
     def rows(self, key: str) -> int | None:
         """How many rows `read_rows` can read of tensor `key` (a whole matrix as the file stores it), or
         None if it must be read whole (an expert's slice, a permuted, joined or reshaped tensor)."""
         src = self.sources[key]
-        plain = src.expert is None and src.v_b is None and src.shape is None and src.unpermute_heads is None
+        plain = src.expert is None and src.whole and src.unpermute_heads is None
         return src.tensor.shape[0] if plain and len(src.tensor.shape) == 2 else None
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
@@ -270,10 +301,14 @@ class GGUFCheckpoint:
         for key, src in self.sources.items():
             name = Q(src.tensor.ggml_type).name
             m = _EXPERT_KEY.match(key)
-            if m is not None:
-                experts.setdefault(m["layer"], {})[m["projection"]] = name
-            else:
+            if m is None:
                 resident[name] = resident.get(name, 0) + 1
+            elif m["projection"] is not None:
+                experts.setdefault(m["layer"], {})[m["projection"]] = name
+            elif src.interleave is not None:  # gpt-oss's gate_up_proj: the file's gate and up tensors
+                experts.setdefault(m["layer"], {}).update(gate_proj=name, up_proj=Q(src.interleave.ggml_type).name)
+            elif not key.endswith("_bias"):  # (the experts' biases are float; they travel in the records)
+                experts.setdefault(m["layer"], {})[m["fused"]] = name
         return {"experts": experts, "resident": dict(sorted(resident.items()))}
 
     def close(self) -> None:
@@ -346,6 +381,8 @@ class GGUFCheckpoint:
                     sources[name] = _Source(t)
                     continue
                 sources[prefix + _MIXTRAL_EXPERT[leaf].format(e=int(m["expert"])) + f".{kind}"] = _Source(t)
+            elif self.architecture == "gpt-oss" and leaf in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                sources.update(self._gpt_oss_experts(name, t, layer, leaf, kind))
             elif leaf in expert_names:
                 if len(t.shape) != 3:
                     raise SourceError(f"{self.path}: {name} has shape {t.shape}; expected [experts, rows, columns]")
@@ -368,10 +405,29 @@ class GGUFCheckpoint:
                 if permuted and leaf in ("attn_q", "attn_k"):
                     unpermute = heads if leaf == "attn_q" else kv_heads
                 shape = (1, t.shape[0]) if leaf == "ffn_gate_inp_shexp" and len(t.shape) == 1 else None
-                sources[prefix + layer_names[leaf] + f".{kind}"] = _Source(t, unpermute_heads=unpermute, shape=shape)
+                # gpt-oss's sinks are a bare parameter (`self_attn.sinks`); llama.cpp names them attn_sinks.weight
+                hf_name = prefix + layer_names[leaf] + ("" if leaf == "attn_sinks" else f".{kind}")
+                sources[hf_name] = _Source(t, unpermute_heads=unpermute, shape=shape)
             else:
                 sources[name] = _Source(t)
         return sources
+
+    def _gpt_oss_experts(self, name: str, t: _Tensor, layer: int, leaf: str, kind: str) -> dict[str, _Source]:
+        """gpt-oss's experts module's tensors from llama.cpp's: gate_up_proj [E, H, 2I] is ffn_gate_exps and
+        ffn_up_exps [E, I, H] interleaved along I and transposed (their biases [E, I] interleaved);
+        down_proj [E, I, H] is ffn_down_exps [E, H, I] transposed."""
+        prefix = f"model.layers.{layer}.mlp.experts."
+        suffix = "" if kind == "weight" else "_bias"
+        if len(t.shape) != (3 if kind == "weight" else 2):
+            raise SourceError(f"{self.path}: {name} has shape {t.shape}; expected [experts, ...] of {3 if kind == 'weight' else 2} dimensions")
+        if leaf == "ffn_down_exps":
+            return {f"{prefix}down_proj{suffix}": _Source(t, transposed=kind == "weight")}
+        if leaf == "ffn_up_exps":
+            return {}  # read with its gate
+        up = self.tensors.get(f"blk.{layer}.ffn_up_exps.{kind}")
+        if up is None or up.shape != t.shape:
+            raise SourceError(f"{self.path}: {name} has no blk.{layer}.ffn_up_exps.{kind} of its shape to interleave with")
+        return {f"{prefix}gate_up_proj{suffix}": _Source(t, interleave=up, transposed=kind == "weight")}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -587,6 +643,9 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
         config.update(_deepseek2_config(key, tensors, path, experts, layers))
         config["num_key_value_heads"] = heads  # llama.cpp writes MLA as one shared latent head (1)
         config["rope_parameters"] = _rope_parameters(key, path, deepseek=True)
+    elif arch == "gpt-oss":
+        config.update(_gpt_oss_config(key, gate_exps, path, experts, layers))
+        config["rope_parameters"]["truncate"] = False  # gpt-oss's yarn keeps its fractional bounds (its own config)
     else:  # llama with experts: Mixtral
         width = key("feed_forward_length", None) or (
             gate_exps[1] if gate_exps else (shape("blk.0.ffn_gate.0.weight") or (None,))[0]
@@ -644,6 +703,30 @@ def _deepseek2_config(key, tensors: dict[str, _Tensor], path: Path, experts: int
         v_head_dim=int(v),
         rope_interleave=True,  # llama.cpp rotates DeepSeek's adjacent pairs (its NORM rope), as the original does
         num_mtp_layers=0,  # llama.cpp leaves the multi-token-prediction layers out of deepseek2 files
+    )
+
+
+def _gpt_oss_config(key, gate_exps, path: Path, experts: int, layers: int) -> dict:
+    """gpt-oss's fields from llama.cpp's gpt-oss keys (GptOssModel.set_gguf_parameters). Its clamped SwiGLU's
+    alpha and limit are not in the file: llama.cpp's graph fixes them at the values gpt-oss's config has."""
+    width = key("expert_feed_forward_length", None) or (gate_exps[1] if gate_exps else None)
+    if width is None:
+        raise SourceError(f"{path}: neither gpt-oss.expert_feed_forward_length nor an ffn_gate_exps tensor says the experts' width")
+    # Sliding-window layers: a per-layer array, or every n-th layer full (llama.cpp's default for gpt-oss: 2,
+    # the even layers sliding), as llama.cpp's load_swa_pattern reads them.
+    pattern = key("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+        if len(sliding) != layers:
+            raise SourceError(f"{path}: gpt-oss.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers")
+    else:
+        sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    return dict(
+        num_local_experts=experts,
+        intermediate_size=int(width),
+        sliding_window=int(key("attention.sliding_window")),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        attention_bias=True,
     )
 
 
