@@ -237,7 +237,6 @@ def _write_gpt_oss_experts(writer, names, name, value, types) -> np.ndarray:
     the same way. Returns the values the file decodes to, in the model's own layout."""
     layer = int(name.split(".")[2])
     bias = name.endswith("_bias")
-    weight = "" if bias else ".weight"
 
     def add(projection, part):  # part in the model's layout -> its decoded values, in that layout
         stored = part if bias else part.transpose(0, 2, 1)
@@ -376,7 +375,14 @@ def qwen3_gguf(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "family, split_kv_b",
-    [("qwen3_moe", True), ("qwen2_moe", True), ("mixtral", True), ("deepseek_v3", True), ("deepseek_v3", False), ("gpt_oss", True)],
+    [
+        ("qwen3_moe", True),
+        ("qwen2_moe", True),
+        ("mixtral", True),
+        ("deepseek_v3", True),
+        ("deepseek_v3", False),
+        ("gpt_oss", True),
+    ],
     ids=["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3-whole-kv_b", "gpt_oss"],
 )
 def test_gguf_converts_to_the_model_of_its_dequantized_weights(family, split_kv_b, tmp_path):
@@ -721,7 +727,10 @@ def test_a_gpt_oss_gguf_of_mxfp4_experts_converts_to_int4_by_default(tmp_path, c
     records = _records_of(store)
     rounded = dict(decoded)  # the file's weights with the experts' as the int4 records hold them
     gguf_weight_bytes = sum(t.n_bytes for t in GGUFReader(path).tensors if "_exps.weight" in t.name)
-    assert sum(t.numel() * t.element_size() for key, t in records.items() if not key[2].endswith("_bias")) <= 1.25 * gguf_weight_bytes
+    assert (
+        sum(t.numel() * t.element_size() for key, t in records.items() if not key[2].endswith("_bias"))
+        <= 1.25 * gguf_weight_bytes
+    )
 
     for layer in range(CONFIGS["gpt_oss"]["num_hidden_layers"]):
         experts = f"model.layers.{layer}.mlp.experts"
@@ -729,11 +738,15 @@ def test_a_gpt_oss_gguf_of_mxfp4_experts_converts_to_int4_by_default(tmp_path, c
             for proj in ("gate_up_proj", "down_proj"):
                 want = quant.quantize(torch.from_numpy(np.ascontiguousarray(decoded[f"{experts}.{proj}"][e].T)), fmt)
                 assert torch.equal(stored_codes(records[(experts, e, f"{proj}.qweight")], fmt), want.codes)
-                assert torch.equal(records[(experts, e, f"{proj}.scales_zeros")], torch.stack([want.scales.t(), want.offsets.t()], -1))
+                assert torch.equal(
+                    records[(experts, e, f"{proj}.scales_zeros")], torch.stack([want.scales.t(), want.offsets.t()], -1)
+                )
                 rounded[f"{experts}.{proj}"] = rounded[f"{experts}.{proj}"].copy()
                 rounded[f"{experts}.{proj}"][e] = reference_dequantize(want, fmt).float().t().numpy()
                 bias = torch.from_numpy(decoded[f"{experts}.{proj}_bias"][e])
-                assert torch.equal(records[(experts, e, f"{proj}_bias")].float(), bias.to(records[(experts, e, f"{proj}_bias")].dtype).float())
+                assert torch.equal(
+                    records[(experts, e, f"{proj}_bias")].float(), bias.to(records[(experts, e, f"{proj}_bias")].dtype).float()
+                )
 
     capsys.readouterr()
     assert main(["inspect", str(store)]) == 0

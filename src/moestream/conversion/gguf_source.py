@@ -419,7 +419,9 @@ class GGUFCheckpoint:
         prefix = f"model.layers.{layer}.mlp.experts."
         suffix = "" if kind == "weight" else "_bias"
         if len(t.shape) != (3 if kind == "weight" else 2):
-            raise SourceError(f"{self.path}: {name} has shape {t.shape}; expected [experts, ...] of {3 if kind == 'weight' else 2} dimensions")
+            raise SourceError(
+                f"{self.path}: {name} has shape {t.shape}; expected [experts, ...] of {3 if kind == 'weight' else 2} dimensions"
+            )
         if leaf == "ffn_down_exps":
             return {f"{prefix}down_proj{suffix}": _Source(t, transposed=kind == "weight")}
         if leaf == "ffn_up_exps":
@@ -711,7 +713,9 @@ def _gpt_oss_config(key, gate_exps, path: Path, experts: int, layers: int) -> di
     alpha and limit are not in the file: llama.cpp's graph fixes them at the values gpt-oss's config has."""
     width = key("expert_feed_forward_length", None) or (gate_exps[1] if gate_exps else None)
     if width is None:
-        raise SourceError(f"{path}: neither gpt-oss.expert_feed_forward_length nor an ffn_gate_exps tensor says the experts' width")
+        raise SourceError(
+            f"{path}: neither gpt-oss.expert_feed_forward_length nor an ffn_gate_exps tensor says the experts' width"
+        )
     # Sliding-window layers: a per-layer array, or every n-th layer full (llama.cpp's default for gpt-oss: 2,
     # the even layers sliding), as llama.cpp's load_swa_pattern reads them.
     pattern = key("attention.sliding_window_pattern", 2)
