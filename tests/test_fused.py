@@ -77,6 +77,16 @@ def test_only_classes_that_compute_the_same_take_the_kernel(kernel):
     assert not fused.agrees(_single_rounding(256, torch.bfloat16), kernel)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [2048, 4096, 7168])
+def test_real_widths_take_the_kernel(kernel, dtype, hidden):
+    # Qwen3-30B-A3B, Mixtral, DeepSeek-V3 widths: a float32 running sum of thousands of squares misses
+    # torch's cascaded mean by tens of units in the last place, and the check then refused every norm
+    norm = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **TINY["qwen3_moe"])).model.norm
+    real = type(norm)(hidden, eps=1e-6).to(dtype)
+    assert fused.agrees(real, kernel)
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused")

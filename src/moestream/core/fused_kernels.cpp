@@ -47,12 +47,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* a = xp + r * H;
         scalar_t* o = op + r * H;
-        float sum = 0.f;
+        // The squares rounded to float32 as torch's pow rounds them, summed in double: torch's mean sums
+        // them in a cascade of float32 partial sums, which a plain float32 running sum misses by tens of
+        // units at a width of thousands (the agreement check then kept the module's own eight ops).
+        double sum = 0.0;
         for (int64_t i = 0; i < H; ++i) {
           const float v = static_cast<float>(a[i]);
-          sum += v * v;
+          sum += static_cast<double>(v * v);
         }
-        const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + epsilon);
+        const float variance = static_cast<float>(sum / static_cast<double>(H));
+        const float inv = 1.f / std::sqrt(variance + epsilon);
         for (int64_t i = 0; i < H; ++i) {
           const scalar_t normed = static_cast<scalar_t>(static_cast<float>(a[i]) * inv);
           o[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));
