@@ -35,9 +35,9 @@ from .quant import (
     DEFAULT_GROUP_SIZE,
     DENSE_FORMATS,
     QuantFormat,
-    Quantized,
     dense_formats,
     expert_record_specs,
+    int4_parts,
     pack,
     parse_layer_rules,
     quantize,
@@ -63,7 +63,7 @@ EXTRA_FILES = (
     "generation_config.json",
 )
 RESIDENT_SHARD_BYTES = 512 * 1024**2  # resident tensors per file (about)
-RESIDENT_SLICE_BYTES = 64 * 1024**2  # float32 rows decoded at a time of a matrix the source reads by rows
+RESIDENT_SLICE_BYTES = 32 * 1024**2  # float32 rows decoded at a time of a matrix the source reads by rows (per worker)
 
 
 @dataclass
@@ -199,11 +199,11 @@ def _group_keys(group: _Group) -> list[str]:
     return [k for keys in group.keys.values() for k in keys]
 
 
-def _expert_codes(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> Quantized | None:
-    """`_source_codes` of expert `e`'s weight (None where its source has no codes)."""
+def _expert_int4(src: _ExpertSource, e: int, ckpt, model, target: str, shape, name: str) -> dict[str, torch.Tensor] | None:
+    """`_source_int4` of expert `e`'s weight (None where its source has no codes)."""
     if src.fused_key is not None:
-        return _source_codes(src.fused_key, ckpt, model, target, shape, index=e)
-    return _source_codes(src.per_expert[e], ckpt, model, target, shape)
+        return _source_int4(src.fused_key, ckpt, model, target, shape, name, index=e)
+    return _source_int4(src.per_expert[e], ckpt, model, target, shape, name)
 
 
 def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> torch.Tensor:
@@ -221,7 +221,7 @@ def _keeps_codes(fmt, ckpt, transposed: bool = False) -> bool:
     """Whether weights stored in `fmt` are taken as codes from the source's blocks where it has them (a
     GGUF's 4-bit blocks of 32: gguf_blocks.py) instead of being decoded and quantized again."""
     return (
-        hasattr(ckpt, "read_codes")
+        hasattr(ckpt, "read_int4")
         and isinstance(fmt, QuantFormat)
         and fmt.name == "int4"
         and fmt.group_size == BLOCK_GROUP
@@ -229,26 +229,27 @@ def _keeps_codes(fmt, ckpt, transposed: bool = False) -> bool:
     )
 
 
-def _source_codes(source, ckpt, model, target: str, shape, index: int | None = None) -> Quantized | None:
-    """The int4 codes, with bf16 scales and zeros per 32 weights, of a weight of `shape` [N, K] whose source
-    blocks hold them (`ckpt.read_codes`), through the same conversion operations as its floats would go
-    (they stack, concatenate and rename along the rows, which the codes, scales and zeros all share);
-    None where a source tensor has no codes, or the conversion's result is not their [N, K] matrix.
-    `source`: a checkpoint key (slice `index` of it), or a converter group."""
+def _source_int4(source, ckpt, model, target: str, shape, name: str, index: int | None = None) -> dict[str, torch.Tensor] | None:
+    """The int4 group-32 record tensors (`quant.int4_parts` named `name`) of a weight of `shape` [N, K]
+    whose source blocks hold its codes (`ckpt.read_int4`: portable bytes, scales and zeros), through the
+    same conversion operations as its floats would go (they stack, concatenate and rename along the rows,
+    which the bytes, scales and zeros all share); None where a source tensor has no codes, or the
+    conversion's result is not its [N, K/2] bytes. `source`: a checkpoint key (slice `index` of it), or a
+    converter group."""
     if isinstance(source, str):
-        parts = ckpt.read_codes(source, index)
+        parts = ckpt.read_int4(source, index)
     else:
-        read = {k: ckpt.read_codes(k) for k in _group_keys(source)}
+        read = {k: ckpt.read_int4(k) for k in _group_keys(source)}
         if any(v is None for v in read.values()):
             return None
         parts = [_run_converter(source, ckpt, model, target, read=lambda k, i=i: read[k][i]) for i in range(3)]
     if parts is None:
         return None
-    codes, scales, zeros = (x[0] if x.dim() == len(shape) + 1 and x.shape[0] == 1 else x for x in parts)
+    nibbles, scales, zeros = (x[0] if x.dim() == len(shape) + 1 and x.shape[0] == 1 else x for x in parts)
     groups = (shape[0], shape[1] // BLOCK_GROUP)
-    if tuple(codes.shape) != tuple(shape) or tuple(scales.shape) != groups or tuple(zeros.shape) != groups:
+    if tuple(nibbles.shape) != (shape[0], shape[1] // 2) or tuple(scales.shape) != groups or tuple(zeros.shape) != groups:
         return None
-    return Quantized(codes.contiguous(), scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
+    return int4_parts(name, nibbles.contiguous(), scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
 
 
 RECORD_WORKERS = 2  # records built at once (reads, unpacking and packing release the GIL for most of their time)
@@ -283,34 +284,41 @@ def _shards(resident: list) -> list[list]:
 def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.Tensor, ckpt, model):
     """The file tensors of resident tensor `target` (`fmt`'s parts, or the tensor in the model's dtype), in
     file order, as (name, piece) pairs. A matrix the source reads by rows (`ckpt.rows`) comes a slice of
-    RESIDENT_SLICE_BYTES at a time: its first part streams, its other parts (a quantized matrix's scales,
-    small) are joined and follow."""
+    RESIDENT_SLICE_BYTES at a time, the slices decoded and quantized by RECORD_WORKERS threads (`_in_order`,
+    one slice ahead each): its first part streams, its other parts (a quantized matrix's scales, small)
+    are joined and follow."""
     module = target.rpartition(".")[0]
-    codes = _source_codes(source, ckpt, model, target, want.shape) if _keeps_codes(fmt, ckpt) else None
-    if codes is not None:
-        yield from pack(codes, fmt, module).items()
+    kept = _source_int4(source, ckpt, model, target, want.shape, module) if _keeps_codes(fmt, ckpt) else None
+    if kept is not None:
+        yield from kept.items()
         return
     rows = ckpt.rows(source) if isinstance(source, str) and hasattr(ckpt, "rows") and want.dim() == 2 else None
-    sliced = rows is not None and rows == want.shape[0]
-    if sliced:
-        step = max(1, RESIDENT_SLICE_BYTES // (4 * want.shape[1]))
-        slices = (ckpt.read_rows(source, r, min(rows, r + step)) for r in range(0, rows, step))
-    else:
-        slices = iter([ckpt.read(source) if isinstance(source, str) else _run_converter(source, ckpt, model, target)])
-    rest: dict[str, list[torch.Tensor]] = {}
-    for t in slices:
-        if (t.shape[1:] if sliced else t.shape) != (want.shape[1:] if sliced else want.shape):
-            raise SourceError(f"{target} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(want.shape)}")
-        if fmt is None:
-            yield target, t.to(want.dtype)
-            continue
+
+    def parts(t: torch.Tensor, shape) -> dict[str, torch.Tensor]:
+        if tuple(t.shape) != tuple(shape):
+            raise SourceError(f"{target} has shape {tuple(t.shape)} in the checkpoint, the model expects {tuple(shape)}")
         # FP8 sources arrive here decoded, one tensor at a time, like every other resident tensor.
-        (name, piece), *others = pack(quantize(t, fmt), fmt, module).items()
-        yield name, piece
+        return {target: t.to(want.dtype)} if fmt is None else pack(quantize(t, fmt), fmt, module)
+
+    if rows is not None and rows == want.shape[0]:
+        step = max(1, RESIDENT_SLICE_BYTES // (4 * want.shape[1]))
+
+        def piece(r: int) -> dict[str, torch.Tensor]:
+            stop = min(rows, r + step)
+            return parts(ckpt.read_rows(source, r, stop), (stop - r, *want.shape[1:]))
+
+        pieces = _in_order(piece, range(0, rows, step), ahead=RECORD_WORKERS)
+    else:
+        whole = ckpt.read(source) if isinstance(source, str) else _run_converter(source, ckpt, model, target)
+        pieces = iter([parts(whole, want.shape)])
+    rest: dict[str, list[torch.Tensor]] = {}
+    for piece_parts in pieces:
+        (name, first), *others = piece_parts.items()
+        yield name, first
         for other, value in others:
             rest.setdefault(other, []).append(value)
-    for name, pieces in rest.items():
-        yield name, torch.cat(pieces, dim=rows_dim(name))
+    for name, joined in rest.items():
+        yield name, torch.cat(joined, dim=rows_dim(name))
 
 
 def _expert_record(ckpt, model, name: str, module, sources: dict[str, _ExpertSource], layout: RecordLayout, fmt, e: int):
@@ -321,10 +329,8 @@ def _expert_record(ckpt, model, name: str, module, sources: dict[str, _ExpertSou
     record = np.zeros(layout.stride, dtype=np.uint8)
     for p in sources:
         target, shape = f"{name}.{p}", params[p].shape[1:]
-        q = _expert_codes(sources[p], e, ckpt, model, target, shape) if codes_kept and len(shape) == 2 else None
-        if q is not None:
-            parts = pack(q, fmt, p)
-        else:
+        parts = _expert_int4(sources[p], e, ckpt, model, target, shape, p) if codes_kept and len(shape) == 2 else None
+        if parts is None:
             t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
             if fmt is not None and t.dim() == 2:
                 # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .quant import unpack_nibbles
+
 # ggml type numbers (gguf.GGMLQuantizationType) -> bytes per block of that type.
 Q4_0, Q4_1, Q4_K = 2, 3, 12
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q4_K: 144}
@@ -33,27 +35,61 @@ def has_codes(ggml_type: int) -> bool:
     return ggml_type in _BLOCK_BYTES
 
 
-def four_bit_codes(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes [rows, cols] uint8 0..15, s [rows, cols/32] float32, z [rows, cols/32] float32) of `raw`, the
-    bytes of `rows` rows of blocks of `ggml_type` ([rows, cols / block weights * block bytes] uint8), such
-    that each weight is (code - 8) * s + z."""
+def four_bit_nibbles(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(nibbles [rows, cols/2] uint8 in the store's portable int4 layout, s [rows, cols/32] float32,
+    z [rows, cols/32] float32) of `raw`, the bytes of `rows` rows of blocks of `ggml_type` ([rows,
+    cols / block weights * block bytes] uint8), such that each weight is (code - 8) * s + z. The codes are
+    re-paired from the blocks' nibbles straight into the layout's (byte j: weights 2j and 2j+1), never
+    one byte per code: half the memory traffic of unpacking and packing again."""
     per_block = _BLOCK_BYTES[ggml_type]
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, cols // _BLOCK_WEIGHTS[ggml_type], per_block)
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // _BLOCK_WEIGHTS[ggml_type], per_block)
+    words = blocks.view(np.uint16)  # every block type here has an even size and its codes at an even offset
     if ggml_type == Q4_K:
-        codes, s, z = _q4_k(blocks)
+        s, z = _q4_k_scales(blocks)
+        nibbles = _repaired(words[..., 8:].reshape(*blocks.shape[:-1], 4, 16))  # each 32 bytes: two sub-blocks
     else:
         d = _half(blocks[..., 0:2])
-        start = 2 if ggml_type == Q4_0 else 4
-        nibbles = blocks[..., start:]
-        codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # weights 0..15, then 16..31
         s = d
         z = np.zeros_like(d) if ggml_type == Q4_0 else _half(blocks[..., 2:4]) + 8 * d
+        nibbles = _repaired(words[..., 1 if ggml_type == Q4_0 else 2 :])
     return (
-        torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, cols)),
+        torch.from_numpy(nibbles.reshape(rows, cols // 2)),
         torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(rows, cols // GROUP)),
         torch.from_numpy(np.ascontiguousarray(z, dtype=np.float32).reshape(rows, cols // GROUP)),
     )
+
+
+def four_bit_codes(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `four_bit_nibbles`, with one code (0..15) per weight: codes [rows, cols] uint8."""
+    nibbles, s, z = four_bit_nibbles(raw, ggml_type, cols)
+    return unpack_nibbles(nibbles), s, z
+
+
+def _pair_table() -> np.ndarray:
+    """For every byte pair (a, b) read as the little-endian uint16 a | b << 8: the two portable bytes it
+    becomes in `_repaired`, (a & 15) | (b & 15) << 4 in the low byte and a >> 4 | (b >> 4) << 4 in the high."""
+    w = np.arange(1 << 16, dtype=np.uint32)
+    low = (w & 0x0F) | ((w >> 4) & 0xF0)
+    high = ((w >> 4) & 0x0F) | ((w >> 8) & 0xF0)
+    return (low | (high << 8)).astype(np.uint16)
+
+
+_PAIRS = _pair_table()  # 128 KiB: one lookup per byte pair, which numpy's strided byte arithmetic is 1.8x slower than
+
+
+def _repaired(words: np.ndarray) -> np.ndarray:
+    """Units of 2m bytes, as m little-endian uint16 words [..., m], holding 4m weights, the first 2m in the
+    low nibbles and the next 2m in the high ones (a Q4_0/Q4_1 block's 16 bytes; two Q4_K sub-blocks in
+    32) -> the same weights in the portable order, 2m bytes [..., 2m]: byte j holds weights 2j (low
+    nibble) and 2j + 1 (high). Byte j < m comes from the low nibbles of bytes 2j and 2j + 1 (word j),
+    byte m + j from their high nibbles. Read as words, the blocks' bytes need no copy first."""
+    m = words.shape[-1]
+    pairs = _PAIRS[words].view(np.uint8).reshape(*words.shape, 2)
+    out = np.empty((*words.shape[:-1], 2, m), dtype=np.uint8)
+    out[..., 0, :] = pairs[..., 0]
+    out[..., 1, :] = pairs[..., 1]
+    return out.reshape(*words.shape[:-1], 2 * m)
 
 
 def _half(two_bytes: np.ndarray) -> np.ndarray:
@@ -61,8 +97,8 @@ def _half(two_bytes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32)
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K super-blocks [rows, n, 144] -> codes [rows, n, 256], s and z [rows, n, 8]."""
+def _q4_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [rows, n, 144] -> s and z [rows, n, 8], one per sub-block of 32."""
     d, dmin = _half(blocks[..., 0:2])[..., None], _half(blocks[..., 2:4])[..., None]
     packed = blocks[..., 4:16]
     low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
@@ -71,7 +107,4 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sc = np.concatenate([low & 63, (mixed & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
     mn = np.concatenate([high & 63, (mixed >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
     s = d * sc
-    z = 8 * s - dmin * mn
-    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)
-    codes = np.stack([qs & 15, qs >> 4], axis=-2)  # [rows, n, 4 pairs, low/high, 32]
-    return codes.reshape(*blocks.shape[:-1], 256), s, z
+    return s, 8 * s - dmin * mn

@@ -13,7 +13,7 @@ the file whatever the block type (a block never spans two rows), so reading one 
 
 Values. Block-quantized tensors (Q4_0, Q8_0, Q4_K, ...) are decoded with `gguf.quants.dequantize` into
 float32, a bounded number of rows at a time; F32/F16/BF16 tensors keep their dtype. 4-bit blocks of 32
-(Q4_0, Q4_1, Q4_K) can instead be read as int4 codes with their scales and zeros (`read_codes`,
+(Q4_0, Q4_1, Q4_K) can instead be read as int4 codes with their scales and zeros (`read_int4`,
 gguf_blocks.py), for a store that keeps them; a big matrix can be read a slice of rows at a time
 (`read_rows`). llama.cpp permutes the
 rows of the query and key projections of llama-family models (its rotary layout); that is undone here the
@@ -241,11 +241,11 @@ class GGUFCheckpoint:
             t = t.reshape(src.shape)
         return t
 
-    def read_codes(self, key: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Tensor `key` (or its slice `[index]`) as int4 codes with a float32 scale and zero per 32 weights
-        along its last dimension (gguf_blocks.py: each weight is (code - 8) * s + z), read from its blocks
-        without decoding them; None if its blocks are of another type, or the tensor is not a matrix of
-        whole rows (MLA's split kv_b, a reshaped tensor)."""
+    def read_int4(self, key: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Tensor `key` (or its slice `[index]`) as int4 codes in the store's portable bytes [N, K/2], with a
+        float32 scale and zero per 32 weights along its last dimension [N, K/32] (gguf_blocks.py: each
+        weight is (code - 8) * s + z), read from its blocks without decoding them; None if its blocks are of
+        another type, or the tensor is not a matrix of whole rows (MLA's split kv_b, a reshaped tensor)."""
         src = self.sources[key]
         t = src.tensor
         if not gguf_blocks.has_codes(t.ggml_type) or not src.whole:
@@ -254,10 +254,10 @@ class GGUFCheckpoint:
         if len(t.shape) - (expert is not None) != 2:
             return None
         raw, shape = self._read_bytes(t, expert)
-        codes, scales, zeros = gguf_blocks.four_bit_codes(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
+        parts = gguf_blocks.four_bit_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
         if src.unpermute_heads is not None:  # a permutation of rows: of each row's codes, scales and zeros alike
-            codes, scales, zeros = (_unpermute(x, src.unpermute_heads) for x in (codes, scales, zeros))
-        return codes, scales, zeros
+            parts = tuple(_unpermute(x, src.unpermute_heads) for x in parts)
+        return parts
 
     def code_bits(self, key: str) -> int | None:
         """Bits per weight of tensor `key`'s codes in the file (Q4_K: 4, Q6_K: 6, Q8_0: 8; the block's
