@@ -1,6 +1,8 @@
 """The converter's safetensors writer (conversion/resident_writer.py): tensors declared up front and written
 in pieces make a file the safetensors library reads back exactly; pieces out of order, of the wrong dtype or
-too many bytes, and a file closed short, are refused."""
+too many bytes, and a file closed short, are refused; a conversion that fails while writing them leaves nothing."""
+
+import threading
 
 import pytest
 import torch
@@ -47,3 +49,29 @@ def test_wrong_pieces_and_short_files_are_refused(tmp_path):
         writer.write("a", torch.randn(2, 2))
     with pytest.raises(SourceError, match="closed with 24 of its 35"):
         writer.close()
+
+
+@pytest.mark.parametrize("failing", ["resident", "experts"])
+def test_a_failure_on_either_side_of_the_conversion_stops_both_and_leaves_nothing(tmp_path, monkeypatch, failing):
+    """The resident files and the expert layers are written by two threads at once: an error on either
+    side is the one reported, the other side stops, and no partial store is left behind."""
+    from tiny import tiny_checkpoint
+
+    import moestream
+    from moestream.conversion import convert as conversion
+
+    _, ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", seed=5)
+    name = "_resident_pieces" if failing == "resident" else "_expert_record"
+    original = getattr(conversion, name)
+
+    def broken(*args, **kwargs):
+        raise SourceError(f"broken {failing} source")
+
+    monkeypatch.setattr(conversion, name, broken)
+    with pytest.raises(SourceError, match=f"broken {failing} source"):
+        moestream.convert(ckpt, tmp_path / "store", "int8", dense_dtype="int8", progress=False)
+    assert not (tmp_path / "store").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".store.partial")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("moestream-resident")]
+    monkeypatch.setattr(conversion, name, original)  # and the same conversion then succeeds
+    assert moestream.convert(ckpt, tmp_path / "store", "int8", dense_dtype="int8", progress=False).is_dir()

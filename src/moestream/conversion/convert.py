@@ -16,6 +16,7 @@ import functools
 import os
 import re
 import shutil
+import threading
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -558,34 +559,18 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
             f"{format_bytes(free)} is free. Free space or choose another destination."
         )
     bar = tqdm(total=resident_total + experts_total, unit="B", unit_scale=True, desc="convert", disable=not progress)
-    layers = []
-    for index, ((name, module, sources), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
-        rel = f"experts/layer-{index:03d}.bin"
-        (tmp / "experts").mkdir(exist_ok=True)
-        offsets, sums = [], []
-        record_of = functools.partial(_expert_record, ckpt, model, name, module, sources, layout, fmt)
-        with open(tmp / rel, "wb") as f:
-            for record, record_sum in _in_order(record_of, range(module.num_experts)):
-                offsets.append(f.tell())
-                sums.append(record_sum)
-                f.write(record.data)
-                bar.update(layout.stride)
-            f.flush()
-            os.fsync(f.fileno())
-            # Written once, read by O_DIRECT later: do not leave hundreds of GB of it in the page cache.
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
-
-    meta = model.state_dict()
-    files = []
-    for shard in _shards(resident):
-        rel = f"resident-{len(files) + 1:05d}.safetensors"
-        writer = ResidentFileWriter(tmp / rel, [spec for *_, specs in shard for spec in specs], metadata={"format": "pt"})
-        for target, source, fmt, specs in shard:
-            for name, piece in _resident_pieces(target, source, fmt, meta[target], ckpt, model):
-                writer.write(name, piece)
-            bar.update(_spec_bytes(specs))
-        files.append(FileEntry(rel, writer.nbytes, writer.close()))
+    # The resident files are written by a thread of their own while the expert layers are: each side waits
+    # on its reads, fsyncs and single-threaded steps where the other computes (docs/BENCHMARKS.md, "GGUF
+    # files as a convert source"). An error on either side stops the other before the store is removed.
+    stop = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="moestream-resident") as side:
+        resident_files = side.submit(_write_resident, tmp, model, ckpt, resident, bar, stop)
+        try:
+            layers = _write_expert_layers(tmp, model, ckpt, plan, layouts, bar, stop)
+        except BaseException:
+            stop.set()
+            raise
+        files = resident_files.result()
     bar.close()
 
     # A GGUF source writes the tokenizer it rebuilt from its metadata; a checkpoint directory has the files.
@@ -612,6 +597,53 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
         },
         dense=dense,
     )
+
+
+def _write_expert_layers(tmp: Path, model, ckpt, plan: ConversionPlan, layouts, bar, stop: threading.Event) -> list[ExpertLayer]:
+    """Each MoE layer's experts file, its records built by RECORD_WORKERS threads (`_in_order`)."""
+    layers = []
+    for index, ((name, module, sources), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
+        rel = f"experts/layer-{index:03d}.bin"
+        (tmp / "experts").mkdir(exist_ok=True)
+        offsets, sums = [], []
+        record_of = functools.partial(_expert_record, ckpt, model, name, module, sources, layout, fmt)
+        with open(tmp / rel, "wb") as f:
+            for record, record_sum in _in_order(record_of, range(module.num_experts)):
+                if stop.is_set():  # the resident side failed: its error is the one to report
+                    return layers
+                offsets.append(f.tell())
+                sums.append(record_sum)
+                f.write(record.data)
+                bar.update(layout.stride)
+            f.flush()
+            os.fsync(f.fileno())
+            # Written once, read by O_DIRECT later: do not leave hundreds of GB of it in the page cache.
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
+    return layers
+
+
+def _write_resident(tmp: Path, model, ckpt, resident: list, bar, stop: threading.Event) -> list[FileEntry]:
+    """The resident safetensors files, in shards of about RESIDENT_SHARD_BYTES. Sets `stop` if it fails;
+    returns early once `stop` is set by the experts' side."""
+    meta = model.state_dict()
+    files = []
+    try:
+        for shard in _shards(resident):
+            rel = f"resident-{len(files) + 1:05d}.safetensors"
+            writer = ResidentFileWriter(tmp / rel, [spec for *_, specs in shard for spec in specs], metadata={"format": "pt"})
+            for target, source, fmt, specs in shard:
+                for name, piece in _resident_pieces(target, source, fmt, meta[target], ckpt, model):
+                    if stop.is_set():
+                        writer.abandon()
+                        return files
+                    writer.write(name, piece)
+                bar.update(_spec_bytes(specs))
+            files.append(FileEntry(rel, writer.nbytes, writer.close()))
+    except BaseException:
+        stop.set()
+        raise
+    return files
 
 
 def _describe_formats(layers: list[ExpertLayer]) -> str:

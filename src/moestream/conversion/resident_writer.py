@@ -118,6 +118,10 @@ class ResidentFileWriter:
             raise SourceError(f"{self.path.name}: closed with {self._total} of its {self._data_bytes} tensor bytes written")
         return self._hash.hexdigest()
 
+    def abandon(self) -> None:
+        """Close the file unfinished: the store it belongs to is being removed."""
+        self._file.close()
+
     def _put(self, data) -> None:
         self._hash.update(data)
         self._file.write(data)
