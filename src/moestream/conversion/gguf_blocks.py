@@ -44,14 +44,14 @@ def four_bit_nibbles(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.
     per_block = _BLOCK_BYTES[ggml_type]
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // _BLOCK_WEIGHTS[ggml_type], per_block)
-    words = blocks.view(np.uint16)  # every block type here has an even size and its codes at an even offset
+    words = blocks.view("<u2")  # every block type here has an even size and its codes at an even offset
     if ggml_type == Q4_K:
-        s, z = _q4_k_scales(blocks)
+        s, z = _q4_k_scales(blocks, words)
         nibbles = _repaired(words[..., 8:].reshape(*blocks.shape[:-1], 4, 16))  # each 32 bytes: two sub-blocks
     else:
-        d = _half(blocks[..., 0:2])
+        d = _half(words[..., 0])
         s = d
-        z = np.zeros_like(d) if ggml_type == Q4_0 else _half(blocks[..., 2:4]) + 8 * d
+        z = np.zeros_like(d) if ggml_type == Q4_0 else _half(words[..., 1]) + 8 * d
         nibbles = _repaired(words[..., 1 if ggml_type == Q4_0 else 2 :])
     return (
         torch.from_numpy(nibbles.reshape(rows, cols // 2)),
@@ -68,11 +68,12 @@ def four_bit_codes(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Te
 
 def _pair_table() -> np.ndarray:
     """For every byte pair (a, b) read as the little-endian uint16 a | b << 8: the two portable bytes it
-    becomes in `_repaired`, (a & 15) | (b & 15) << 4 in the low byte and a >> 4 | (b >> 4) << 4 in the high."""
+    becomes in `_repaired`, (a & 15) | (b & 15) << 4 in the low byte and a >> 4 | (b >> 4) << 4 in the high.
+    Words and table are little-endian ("<u2") on any host, so the bytes come out in that order."""
     w = np.arange(1 << 16, dtype=np.uint32)
     low = (w & 0x0F) | ((w >> 4) & 0xF0)
     high = ((w >> 4) & 0x0F) | ((w >> 8) & 0xF0)
-    return (low | (high << 8)).astype(np.uint16)
+    return (low | (high << 8)).astype("<u2")
 
 
 _PAIRS = _pair_table()  # 128 KiB: one lookup per byte pair, which numpy's strided byte arithmetic is 1.8x slower than
@@ -92,14 +93,16 @@ def _repaired(words: np.ndarray) -> np.ndarray:
     return out.reshape(*words.shape[:-1], 2 * m)
 
 
-def _half(two_bytes: np.ndarray) -> np.ndarray:
-    """[..., 2] uint8 holding little-endian fp16 -> [...] float32."""
-    return np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32)
+def _half(word: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 read as uint16 words [...] -> [...] float32 (a strided view of the blocks' words:
+    4x faster than copying their two bytes out first)."""
+    return word.view("<f2").astype(np.float32)
 
 
-def _q4_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K super-blocks [rows, n, 144] -> s and z [rows, n, 8], one per sub-block of 32."""
-    d, dmin = _half(blocks[..., 0:2])[..., None], _half(blocks[..., 2:4])[..., None]
+def _q4_k_scales(blocks: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [rows, n, 144] (and the same as uint16 words) -> s and z [rows, n, 8], one per
+    sub-block of 32."""
+    d, dmin = _half(words[..., 0])[..., None], _half(words[..., 1])[..., None]
     packed = blocks[..., 4:16]
     low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     # Sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: a nibble of bytes 8-11
