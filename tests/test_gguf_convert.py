@@ -28,6 +28,7 @@ from moestream.conversion.quant import QuantFormat, Quantized, reference_dequant
 from moestream.conversion.skeleton import config_from_dict
 from moestream.conversion.store import DTYPES, Store
 from moestream.conversion.synthetic import make_model
+from moestream.errors import SourceError
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
 VOCAB = 256 + len(MERGES) + 2  # bytes, merged tokens, two specials
@@ -37,6 +38,7 @@ ARCHS = {
     "qwen2_moe": MODEL_ARCH.QWEN2MOE,
     "mixtral": MODEL_ARCH.LLAMA,
     "deepseek_v3": MODEL_ARCH.DEEPSEEK2,
+    "deepseek_v2": MODEL_ARCH.DEEPSEEK2,
     "gpt_oss": MODEL_ARCH.GPT_OSS,
 }
 # Widths that fill the 32-value blocks of Q4_0/Q8_0; Qwen3-MoE's top-k weights normalized, as llama.cpp does.
@@ -53,6 +55,29 @@ CONFIGS = {
         q_lora_rank=32,
         kv_lora_rank=32,
         num_mtp_layers=0,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
+    # DeepSeek-V2-Lite's layout: softmax routing without groups (llama.cpp's softmax gating), MLA without a
+    # query LoRA, a dense first layer, a shared expert, the top-k weights scaled and not normalized.
+    "deepseek_v2": dict(
+        TINY["deepseek_v3"],
+        vocab_size=VOCAB,
+        moe_intermediate_size=32,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        topk_method="greedy",
         rope_parameters=dict(
             rope_type="yarn",
             rope_theta=10000.0,
@@ -175,10 +200,13 @@ def _write_deepseek2_metadata(writer, config):
     writer.add_expert_count(config.n_routed_experts)
     writer.add_expert_group_count(config.n_group)
     writer.add_expert_group_used_count(config.topk_group)
-    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    # V2/V2.5 files have no gating key (llama.cpp then uses softmax); V3's say sigmoid
+    if config.model_type == "deepseek_v3":
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_q_lora_rank(config.q_lora_rank)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
     writer.add_kv_lora_rank(config.kv_lora_rank)
     writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
     writer.add_value_length(config.kv_lora_rank)
@@ -262,13 +290,13 @@ def write_gguf(model, path, split_max_tensors: int = 0, architecture: str | None
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_head_count(config.num_attention_heads)
-    if config.model_type != "deepseek_v3":  # MLA: one latent head, below
+    if config.model_type not in ("deepseek_v3", "deepseek_v2"):  # MLA: one latent head, below
         writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_file_type(1)
-    if config.model_type == "deepseek_v3":
+    if config.model_type in ("deepseek_v3", "deepseek_v2"):
         _write_deepseek2_metadata(writer, config)
     elif config.model_type == "gpt_oss":
         _write_gpt_oss_metadata(writer, config)
@@ -352,7 +380,7 @@ def _reference(family, decoded, resident_dtype, config=None):
         for name, value in decoded.items():
             t = torch.from_numpy(np.ascontiguousarray(value))
             # DeepSeek-V3's router is float32 whatever the model's dtype (transformers' DeepseekV3TopkRouter)
-            fp32_router = family == "deepseek_v3" and ".mlp.gate." in name
+            fp32_router = family in ("deepseek_v3", "deepseek_v2") and ".mlp.gate." in name
             if ".experts." not in name and not fp32_router:
                 t = t.to(resident_dtype).float()
             model.state_dict()[name].copy_(t)  # a parameter, or a buffer (DeepSeek's score correction)
@@ -381,9 +409,10 @@ def qwen3_gguf(tmp_path_factory):
         ("mixtral", True),
         ("deepseek_v3", True),
         ("deepseek_v3", False),
+        ("deepseek_v2", True),
         ("gpt_oss", True),
     ],
-    ids=["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3-whole-kv_b", "gpt_oss"],
+    ids=["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "deepseek_v3-whole-kv_b", "deepseek_v2", "gpt_oss"],
 )
 def test_gguf_converts_to_the_model_of_its_dequantized_weights(family, split_kv_b, tmp_path):
     model = make_model(family, seed=11, **CONFIGS[family])
@@ -769,3 +798,37 @@ def test_a_gpt_oss_gguf_of_mxfp4_experts_converts_to_int4_by_default(tmp_path, c
         assert ((got - expected).norm() / expected.norm()).item() <= 1e-2
         assert ((got - floats).norm() / floats.norm()).item() <= 0.2
     assert greedy[0] == greedy[1]
+
+
+def test_deepseek2_files_map_to_v2_or_v3_by_their_gating(tmp_path):
+    """llama.cpp's deepseek2 files hold DeepSeek-V2/V2.5 (softmax gating, or no gating key at all) and V3/R1
+    (sigmoid): each becomes its own transformers model, V2's grouped routing its group-limited top-k; a
+    softmax file that normalizes its top-k weights, or another gating function, is refused by name."""
+    from moestream.conversion.gguf_source import _deepseek2_config
+
+    base = {
+        "expert_feed_forward_length": 32, "feed_forward_length": 64, "rope.dimension_count": 8,
+        "attention.key_length_mla": 24, "attention.value_length_mla": 16, "attention.kv_lora_rank": 32,
+    }  # fmt: skip
+
+    def config(**metadata):
+        md = {**base, **metadata}
+
+        def key(name, default=KeyError):
+            if name not in md and default is KeyError:
+                raise KeyError(name)
+            return md.get(name, default)
+
+        return _deepseek2_config(key, {}, tmp_path / "f.gguf", experts=8, layers=2)
+
+    v2 = config()  # a V2 file: no gating key
+    assert v2["model_type"] == "deepseek_v2" and v2["topk_method"] == "greedy" and "rope_interleave" not in v2
+    grouped = config(expert_gating_func=1, expert_group_count=4, expert_group_used_count=2)
+    assert grouped["model_type"] == "deepseek_v2" and grouped["topk_method"] == "group_limited_greedy"
+    assert (grouped["n_group"], grouped["topk_group"]) == (4, 2)
+    v3 = config(expert_gating_func=2, expert_weights_norm=True)
+    assert v3["model_type"] == "deepseek_v3" and v3["norm_topk_prob"] and v3["rope_interleave"]
+    with pytest.raises(SourceError, match="normalizes the top-k weights"):
+        config(expert_gating_func=1, expert_weights_norm=True)
+    with pytest.raises(SourceError, match="gating function 3"):
+        config(expert_gating_func=3)

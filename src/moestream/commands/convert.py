@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "src",
         help="checkpoint directory (config.json, *.safetensors, tokenizer files), or a llama.cpp .gguf file of a "
-        "qwen3moe, qwen2moe, Mixtral or DeepSeek-V3/R1 (deepseek2) model (its tensors are dequantized to float, then stored as the options say)",
+        "qwen3moe, qwen2moe, Mixtral, DeepSeek-V2/V3/R1 (deepseek2) or gpt-oss model (its blocks kept at their bits where a store format holds them, else dequantized and stored as the options say)",
     )
     parser.add_argument("dst", help="store directory to create")
     parser.add_argument(

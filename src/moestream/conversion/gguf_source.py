@@ -49,7 +49,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", "Qwen3-MoE"),
     "qwen2moe": ("qwen2_moe", "Qwen1.5/Qwen2-MoE"),
     "llama": ("mixtral", "Mixtral: llama with experts"),
-    "deepseek2": ("deepseek_v3", "DeepSeek-V3/R1 and models built on them"),
+    "deepseek2": ("deepseek_v3", "DeepSeek-V2/V3/R1 and models built on them"),  # softmax-routed files: deepseek_v2
     "gpt-oss": ("gpt_oss", "gpt-oss"),
 }
 _DEQUANT_ELEMENTS = 1 << 24  # rows decoded per step: bounds gguf's numpy temporaries to a few times 64 MiB
@@ -643,6 +643,7 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
             config["shared_expert_intermediate_size"] = int(shared)
     elif arch == "deepseek2":
         config.update(_deepseek2_config(key, tensors, path, experts, layers))
+        model_type = config.pop("model_type")
         config["num_key_value_heads"] = heads  # llama.cpp writes MLA as one shared latent head (1)
         config["rope_parameters"] = _rope_parameters(key, path, deepseek=True)
     elif arch == "gpt-oss":
@@ -657,7 +658,8 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
         config.update(num_local_experts=experts, intermediate_size=int(width), sliding_window=None)
         if "head_dim" not in config and (rope_dim := key("rope.dimension_count", None)) is not None:
             config["head_dim"] = int(rope_dim)
-    model_type = SUPPORTED_ARCHITECTURES[arch][0]
+    if arch != "deepseek2":
+        model_type = SUPPORTED_ARCHITECTURES[arch][0]
     try:
         return AutoConfig.for_model(model_type, **config)
     except Exception as e:  # config classes validate with their own error types
@@ -665,12 +667,20 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
 
 
 def _deepseek2_config(key, tensors: dict[str, _Tensor], path: Path, experts: int, layers: int) -> dict:
-    """DeepSeek-V3's fields from llama.cpp's deepseek2 keys (DeepseekV2Model.set_gguf_parameters)."""
-    gating = int(key("expert_gating_func", 0))  # absent in V2/V2.5 files: llama.cpp then routes with softmax
-    if gating != 2:
+    """DeepSeek-V3's fields (with its `model_type`) from llama.cpp's deepseek2 keys (DeepseekV2Model
+    .set_gguf_parameters), or DeepSeek-V2's for a file whose experts are routed with softmax: V2 and V2.5
+    files, whose gating key llama.cpp's converter leaves out (llama.cpp then routes with softmax)."""
+    gating = int(key("expert_gating_func", 1))  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE: 1 softmax, 2 sigmoid
+    if gating not in (1, 2):
         raise SourceError(
-            f"{path}: this deepseek2 GGUF routes its experts with softmax (DeepSeek-V2/V2.5); moestream converts the "
-            "sigmoid-routed ones (DeepSeek-V3/R1 and models built on them). Convert the Hugging Face checkpoint instead."
+            f"{path}: this deepseek2 GGUF routes its experts with gating function {gating}; moestream converts "
+            "softmax (1: DeepSeek-V2/V2.5) and sigmoid (2: DeepSeek-V3/R1) ones"
+        )
+    softmax = gating == 1
+    if softmax and bool(key("expert_weights_norm", False)):
+        raise SourceError(
+            f"{path}: this deepseek2 GGUF routes with softmax and normalizes the top-k weights, which "
+            "transformers' DeepSeek-V2 does not; convert the Hugging Face checkpoint instead"
         )
 
     def one(name):  # a per-layer array with one value, or a number
@@ -688,7 +698,8 @@ def _deepseek2_config(key, tensors: dict[str, _Tensor], path: Path, experts: int
     if qk is None:
         qk, v = key("attention.key_length"), key("attention.value_length")
     q_lora = key("attention.q_lora_rank", None)
-    return dict(
+    groups = int(key("expert_group_count", 1))
+    fields = dict(
         n_routed_experts=experts,
         moe_intermediate_size=one("expert_feed_forward_length"),
         intermediate_size=one("feed_forward_length"),
@@ -696,13 +707,19 @@ def _deepseek2_config(key, tensors: dict[str, _Tensor], path: Path, experts: int
         first_k_dense_replace=int(key("leading_dense_block_count", 0)),
         routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
         norm_topk_prob=bool(key("expert_weights_norm", False)),
-        n_group=int(key("expert_group_count", 1)),
+        n_group=groups,
         topk_group=int(key("expert_group_used_count", 1)),
         q_lora_rank=int(q_lora) if q_lora is not None else None,
         kv_lora_rank=int(key("attention.kv_lora_rank")),
         qk_rope_head_dim=rope,
         qk_nope_head_dim=int(qk) - rope,
         v_head_dim=int(v),
+    )
+    if softmax:  # V2's router: the experts' softmax, top-k within the best groups by their best expert
+        return dict(fields, model_type="deepseek_v2", topk_method="group_limited_greedy" if groups > 1 else "greedy")
+    return dict(
+        fields,
+        model_type="deepseek_v3",
         rope_interleave=True,  # llama.cpp rotates DeepSeek's adjacent pairs (its NORM rope), as the original does
         num_mtp_layers=0,  # llama.cpp leaves the multi-token-prediction layers out of deepseek2 files
     )
