@@ -832,3 +832,37 @@ def test_deepseek2_files_map_to_v2_or_v3_by_their_gating(tmp_path):
         config(expert_gating_func=1, expert_weights_norm=True)
     with pytest.raises(SourceError, match="gating function 3"):
         config(expert_gating_func=3)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K])
+def test_a_4_bit_token_embedding_keeps_its_codes(tmp_path, qtype):
+    """A GGUF's Q4_0/Q4_K token embedding is stored as its int4 codes with bf16 scales and zeros (not a bf16
+    copy 3.5x their size) and looked up as that format defines (float64 definition, exactly in float32):
+    the model streams what it streams with a float table of those values; `--dense-dtype float` keeps it
+    float."""
+    model = make_model("qwen3_moe", seed=17, **WIDE)
+    decoded = write_gguf(model, tmp_path / "m.gguf", types={**TYPES, "token_embd": qtype})
+    store = moestream.convert(tmp_path / "m.gguf", tmp_path / "store", "fp32", progress=False)
+    manifest = Store(store).manifest
+    fmt = manifest.dense["model.embed_tokens"]
+    assert (fmt.name, fmt.group_size) == ("int4", 32)
+    parts = _resident(store)
+    codes = stored_codes(parts["model.embed_tokens.qweight"], fmt)
+    raw = np.array(next(t.data for t in GGUFReader(tmp_path / "m.gguf").tensors if t.name == "token_embd.weight"))
+    assert torch.equal(codes, four_bit_codes(raw.reshape(codes.shape[0], -1), int(qtype), codes.shape[1])[0])
+    sz = parts["model.embed_tokens.scales_zeros"]
+    embedding = reference_dequantize(Quantized(codes, sz[..., 0].t(), sz[..., 1].t()), fmt).float()
+    assert (embedding - torch.from_numpy(decoded["model.embed_tokens.weight"])).abs().max() < 0.05  # bf16 scales
+
+    # The same store, its embedding's lookup replaced by a float table of exactly those values: the same logits.
+    streamed, _ = moestream.load(store, "4MiB", compute_dtype="fp32")
+    looked_up, _ = moestream.load(store, "4MiB", compute_dtype="fp32")
+    assert type(streamed.get_input_embeddings()).__name__ == "QuantizedEmbedding"
+    looked_up.get_input_embeddings().forward = lambda ids: torch.nn.functional.embedding(ids, embedding)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(streamed.get_input_embeddings()(ids), embedding[ids])
+        expected, got = looked_up(ids).logits, streamed(ids).logits
+    assert torch.equal(got, expected)
+    floats = Store(moestream.convert(tmp_path / "m.gguf", tmp_path / "float", "fp32", dense_dtype="float", progress=False))
+    assert "model.embed_tokens" not in floats.manifest.dense

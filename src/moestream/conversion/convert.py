@@ -289,11 +289,14 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
     one slice ahead each): its first part streams, its other parts (a quantized matrix's scales, small)
     are joined and follow."""
     module = target.rpartition(".")[0]
-    kept = _source_int4(source, ckpt, model, target, want.shape, module) if _keeps_codes(fmt, ckpt) else None
-    if kept is not None:
-        yield from kept.items()
-        return
     rows = ckpt.rows(source) if isinstance(source, str) and hasattr(ckpt, "rows") and want.dim() == 2 else None
+    sliced = rows is not None and rows == want.shape[0]
+    codes_kept = _keeps_codes(fmt, ckpt) and (ckpt.has_int4_codes(source) if sliced else True)
+    if codes_kept and not sliced:
+        kept = _source_int4(source, ckpt, model, target, want.shape, module)
+        if kept is not None:
+            yield from kept.items()
+            return
 
     def parts(t: torch.Tensor, shape) -> dict[str, torch.Tensor]:
         if tuple(t.shape) != tuple(shape):
@@ -301,11 +304,18 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
         # FP8 sources arrive here decoded, one tensor at a time, like every other resident tensor.
         return {target: t.to(want.dtype)} if fmt is None else pack(quantize(t, fmt), fmt, module)
 
-    if rows is not None and rows == want.shape[0]:
+    if sliced:
         step = max(1, RESIDENT_SLICE_BYTES // (4 * want.shape[1]))
 
         def piece(r: int) -> dict[str, torch.Tensor]:
             stop = min(rows, r + step)
+            if codes_kept:  # the blocks' codes, a slice of rows at a time (a 150k-token embedding: 170 MB of them)
+                nibbles, scales, zeros = ckpt.read_int4_rows(source, r, stop)
+                if nibbles.shape[1] * 2 != want.shape[1]:
+                    raise SourceError(
+                        f"{target} has {nibbles.shape[1] * 2} columns in the checkpoint, the model expects {want.shape[1]}"
+                    )
+                return int4_parts(module, nibbles, scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
             return parts(ckpt.read_rows(source, r, stop), (stop - r, *want.shape[1:]))
 
         pieces = _in_order(piece, range(0, rows, step), ahead=RECORD_WORKERS)
@@ -430,6 +440,8 @@ def convert(
             dense = _gguf_dense_formats(gguf, plan, linears, group_size)
         else:
             dense = dense_formats(linears, dense_dtype or "float", group_size)
+        if gguf is not None and dense_dtype != "float":  # its 4-bit token embedding kept as codes
+            dense.update(_gguf_embedding_format(gguf, model, plan, group_size))
         dst.parent.mkdir(parents=True, exist_ok=True)
         _cleanup_stale(dst)
         tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
@@ -495,6 +507,26 @@ def _gguf_dense_formats(gguf, plan: ConversionPlan, linears, group_size: int) ->
     for choice, group in by_choice.items():
         dense.update(dense_formats(group, choice, group_size))
     return dense
+
+
+def _gguf_embedding_format(gguf, model, plan: ConversionPlan, group_size: int) -> dict[str, QuantFormat]:
+    """{name: int4 group 32} for a GGUF's token embedding whose blocks are 4-bit codes of 32 (Q4_0, Q4_1,
+    Q4_K), so that the store keeps its codes (core/dense.py's QuantizedEmbedding looks rows up in them)
+    instead of a bf16 copy 3.5x their size; empty for any other embedding, one the LM head shares, or
+    other group sizes."""
+    embedding = model.get_input_embeddings()
+    output = model.get_output_embeddings()
+    if (
+        type(embedding) is not torch.nn.Embedding
+        or group_size != BLOCK_GROUP
+        or (output is not None and output.weight is embedding.weight)
+    ):
+        return {}
+    name = next(n for n, m in model.named_modules() if m is embedding)
+    source = plan.resident.get(f"{name}.weight")
+    if not isinstance(source, str) or not gguf.has_int4_codes(source):
+        return {}
+    return {name: QuantFormat.make("int4", BLOCK_GROUP)}
 
 
 def _layer_format(choice: str | None, group_size: int) -> torch.dtype | QuantFormat | None:

@@ -259,6 +259,11 @@ class GGUFCheckpoint:
             parts = tuple(_unpermute(x, src.unpermute_heads) for x in parts)
         return parts
 
+    def has_int4_codes(self, key: str) -> bool:
+        """Whether `read_int4` gives tensor `key`'s codes (whole rows of 4-bit blocks of 32)."""
+        src = self.sources[key]
+        return gguf_blocks.has_codes(src.tensor.ggml_type) and src.whole and src.expert is None and len(src.tensor.shape) == 2
+
     def code_bits(self, key: str) -> int | None:
         """Bits per weight of tensor `key`'s codes in the file (Q4_K: 4, Q6_K: 6, Q8_0: 8; the block's
         scales not counted), or None for a float tensor."""
@@ -289,6 +294,17 @@ class GGUFCheckpoint:
             t.file, t.name, t.ggml_type, (stop - start, t.shape[1]), t.start + start * row_bytes, (stop - start) * row_bytes
         )
         return self._read_tensor(part, None)
+
+    def read_int4_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`read_int4` of rows [start, stop) of matrix `key`; only where `rows(key)` is a number and
+        `has_int4_codes(key)`."""
+        t = self.sources[key].tensor
+        row_bytes = t.nbytes // t.shape[0]
+        part = _Tensor(
+            t.file, t.name, t.ggml_type, (stop - start, t.shape[1]), t.start + start * row_bytes, (stop - start) * row_bytes
+        )
+        raw, shape = self._read_bytes(part, None)
+        return gguf_blocks.four_bit_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
 
     def source_types(self) -> dict:
         """What the store records of the file for `inspect`: the block type (ggml's name: Q4_K, Q6_K, F32, ...)

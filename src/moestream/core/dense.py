@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import nn
 
-from ..conversion.quant import QuantFormat
+from ..conversion.quant import QuantFormat, stored_codes
 from ..errors import StoreError
 from .kernels import int8_activations_fit, quantized_matmul
 from .repack import kernel_layout
@@ -43,18 +43,64 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt.name}{group}"
 
 
+class QuantizedEmbedding(nn.Module):
+    """The token embedding held as `qweight` plus `scales_zeros` (int4) or `scales` (int8), as the
+    converter keeps a GGUF's 4-bit token embedding (its codes, not a bf16 copy 3.5x their size). Each
+    looked-up row is dequantized as the format defines it (quant.reference_dequantize), in float32, then
+    given the model's compute dtype (`dtype`, set by `set_compute_dtype`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: QuantFormat):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.fmt = num_embeddings, embedding_dim, fmt
+        for name, dtype, shape in fmt.record_specs("w", num_embeddings, embedding_dim):
+            self.register_buffer(name.removeprefix("w."), torch.empty(shape, dtype=dtype, device="meta"))
+        self.dtype = torch.float32
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        if self.fmt.name == "int8":
+            rows = self.qweight[ids].float() * self.scales[ids, None].float()
+        else:
+            codes = stored_codes(self.qweight[ids], self.fmt).float().view(len(ids), -1, self.fmt.group_size)
+            scales_zeros = self.scales_zeros[:, ids].float()  # [K/G, T, 2]
+            s, z = scales_zeros[..., 0].t()[..., None], scales_zeros[..., 1].t()[..., None]
+            rows = ((codes - 8) * s + z).view(len(ids), self.embedding_dim)
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.fmt.group_size}" if self.fmt.group_size else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt.name}{group}"
+
+
 def install(model: nn.Module, formats: dict[str, QuantFormat]) -> None:
-    """Swap the named nn.Linear modules of a meta-device skeleton for QuantizedLinear."""
+    """Swap the named nn.Linear modules of a meta-device skeleton for QuantizedLinear, and a named token
+    embedding for QuantizedEmbedding."""
     for name, fmt in formats.items():
         try:
-            linear = model.get_submodule(name)
+            module = model.get_submodule(name)
         except AttributeError:
-            linear = None
-        if type(linear) is not nn.Linear:  # a subclass has its own forward (skeleton.dense_linears)
-            raise StoreError(f"the store quantized {name}, which is not a plain linear layer of this model; convert it again")
+            module = None
         parent, _, child = name.rpartition(".")
-        quantized = QuantizedLinear(linear.in_features, linear.out_features, linear.bias, fmt)
+        if type(module) is nn.Embedding and module is model.get_input_embeddings():
+            quantized = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, fmt)
+            setattr(model.get_submodule(parent) if parent else model, child, quantized)
+            continue
+        if type(module) is not nn.Linear:  # a subclass has its own forward (skeleton.dense_linears)
+            raise StoreError(
+                f"the store quantized {name}, which is not a plain linear layer or the token embedding of this model; "
+                "convert it again"
+            )
+        quantized = QuantizedLinear(module.in_features, module.out_features, module.bias, fmt)
         setattr(model.get_submodule(parent) if parent else model, child, quantized)
+
+
+def embedding_output(model: nn.Module) -> tuple[int, torch.dtype]:
+    """The width and dtype of what the token embedding hands the first layer (the model's compute dtype
+    once `set_compute_dtype` ran), whether it is a plain or a quantized embedding."""
+    embedding = model.get_input_embeddings()
+    if isinstance(embedding, QuantizedEmbedding):
+        return embedding.embedding_dim, embedding.dtype
+    return embedding.weight.shape[-1], embedding.weight.dtype
 
 
 def prepare_for_cpu(model: nn.Module, int8_activations: bool) -> None:
@@ -119,6 +165,9 @@ def set_compute_dtype(model: nn.Module, stored: torch.dtype, dtype: torch.dtype)
     int4 scales and zeros stay bf16: the int4 kernel reads them so."""
     cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
+        if isinstance(module, QuantizedEmbedding):  # its rows take the dtype as they are looked up
+            module.dtype = dtype
+            continue
         if isinstance(module, QuantizedLinear):
             if module.fmt.name == "int8":
                 module.scales = module.scales.to(dtype)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..conversion.skeleton import experts_modules
-from . import fused, fused_build, repack
+from . import dense, fused, fused_build, repack
 from .kernels import native_bf16
 
 
@@ -78,7 +78,7 @@ def _kept(modules) -> str:
 def _experts(model, engine, compute_dtype: torch.dtype, compiled: bool) -> FastPath:
     """The fused one-token experts kernel, per layer, resolved here for the compute dtype."""
     modules = [module for _, module in experts_modules(model)]
-    hidden = model.get_input_embeddings().weight.shape[-1]
+    hidden, _ = dense.embedding_output(model)
     x = torch.zeros(1, hidden, dtype=compute_dtype)
     on, off = 0, set()
     for layer, module in enumerate(modules):

@@ -153,7 +153,7 @@ def install(model: nn.Module, routers=()) -> int:
         if verdict[key]:
             module.forward = functools.partial(_fused_forward, module, ext.rms_norm, _epsilon(module))
             installed += 1
-    install_attention(model, ext, model.get_input_embeddings().weight.dtype)  # after the norms: it runs theirs
+    install_attention(model, ext, dense.embedding_output(model)[1])  # after the norms: it runs theirs
     return installed
 
 
