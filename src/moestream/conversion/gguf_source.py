@@ -288,22 +288,13 @@ class GGUFCheckpoint:
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of matrix `key` (as `read` decodes them); only where `rows(key)` is a number."""
-        t = self.sources[key].tensor
-        row_bytes = t.nbytes // t.shape[0]
-        part = _Tensor(
-            t.file, t.name, t.ggml_type, (stop - start, t.shape[1]), t.start + start * row_bytes, (stop - start) * row_bytes
-        )
-        return self._read_tensor(part, None)
+        return self._read_tensor(_rows_of(self.sources[key].tensor, start, stop), None)
 
     def read_int4_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`read_int4` of rows [start, stop) of matrix `key`; only where `rows(key)` is a number and
         `has_int4_codes(key)`."""
         t = self.sources[key].tensor
-        row_bytes = t.nbytes // t.shape[0]
-        part = _Tensor(
-            t.file, t.name, t.ggml_type, (stop - start, t.shape[1]), t.start + start * row_bytes, (stop - start) * row_bytes
-        )
-        raw, shape = self._read_bytes(part, None)
+        raw, shape = self._read_bytes(_rows_of(t, start, stop), None)
         return gguf_blocks.four_bit_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
 
     def source_types(self) -> dict:
@@ -571,6 +562,14 @@ def _join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
         k_b, v_b = k_b.float(), v_b.float()
     kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
     return kv.reshape(-1, kv.shape[-1])
+
+
+def _rows_of(t: _Tensor, start: int, stop: int) -> _Tensor:
+    """Rows [start, stop) of matrix `t` as a tensor of the file (a block never spans two rows)."""
+    row_bytes = t.nbytes // t.shape[0]
+    return _Tensor(
+        t.file, t.name, t.ggml_type, (stop - start, t.shape[1]), t.start + start * row_bytes, (stop - start) * row_bytes
+    )
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:

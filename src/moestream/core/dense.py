@@ -1,4 +1,5 @@
-"""Resident linear layers stored quantized (`convert --dense-dtype int8|int4`): the module that runs them.
+"""Resident linear layers stored quantized (`convert --dense-dtype int8|int4`), and a GGUF's 4-bit token
+embedding kept as its codes: the modules that run them.
 
 The converter quantizes the weight of each linear that conversion.skeleton.dense_linears names and
 stores it in the layout its kernel consumes (quant.py), so loading is a plain state-dict load: `install`
