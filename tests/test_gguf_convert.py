@@ -835,7 +835,7 @@ def test_deepseek2_files_map_to_v2_or_v3_by_their_gating(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K])
-def test_a_4_bit_token_embedding_keeps_its_codes(tmp_path, qtype):
+def test_a_4_bit_token_embedding_keeps_its_codes(tmp_path, qtype, capsys):
     """A GGUF's Q4_0/Q4_K token embedding is stored as its int4 codes with bf16 scales and zeros (not a bf16
     copy 3.5x their size) and looked up as that format defines (float64 definition, exactly in float32):
     the model streams what it streams with a float table of those values; `--dense-dtype float` keeps it
@@ -864,5 +864,8 @@ def test_a_4_bit_token_embedding_keeps_its_codes(tmp_path, qtype):
         assert torch.equal(streamed.get_input_embeddings()(ids), embedding[ids])
         expected, got = looked_up(ids).logits, streamed(ids).logits
     assert torch.equal(got, expected)
+    capsys.readouterr()
+    assert main(["inspect", str(store)]) == 0
+    assert "the token embedding int4-g32" in capsys.readouterr().out
     floats = Store(moestream.convert(tmp_path / "m.gguf", tmp_path / "float", "fp32", dense_dtype="float", progress=False))
     assert "model.embed_tokens" not in floats.manifest.dense

@@ -111,9 +111,18 @@ def _layer_index(module: str) -> int | None:
 
 
 def _describe_dense(manifest) -> str:
-    """Which resident linear layers are quantized (convert --dense-dtype), e.g. "int8 x 12, float x 2"."""
+    """Which resident linear layers are quantized (convert --dense-dtype), e.g. "int8 x 12, float x 2", and
+    the token embedding where a GGUF's 4-bit one was kept as codes."""
     if not manifest.dense:
         return "float (as the model)"
-    names = [f"{f.name}-g{f.group_size}" if f.group_size else f.name for f in manifest.dense.values()]
+
+    def name(f) -> str:
+        return f"{f.name}-g{f.group_size}" if f.group_size else f.name
+
+    embeddings = {m: f for m, f in manifest.dense.items() if m.endswith("embed_tokens")}
+    names = [name(f) for m, f in manifest.dense.items() if m not in embeddings]
     counts = ", ".join(f"{n} x{names.count(n)}" for n in dict.fromkeys(names))
+    if embeddings:
+        kept = ", ".join(name(f) for f in embeddings.values())
+        return f"{counts} linear layers, the token embedding {kept} (routers, norms and a tied LM head as the model)"
     return f"{counts} linear layers (routers, norms, embeddings and a tied LM head as the model)"
