@@ -22,9 +22,9 @@ from tiny import TINY
 import moestream
 from moestream.cli import main
 from moestream.conversion import quant
-from moestream.conversion.gguf_blocks import four_bit_codes
+from moestream.conversion.gguf_blocks import four_bit_nibbles
 from moestream.conversion.gguf_source import GGUFCheckpoint
-from moestream.conversion.quant import QuantFormat, Quantized, reference_dequantize, stored_codes
+from moestream.conversion.quant import QuantFormat, Quantized, reference_dequantize, stored_codes, unpack_nibbles
 from moestream.conversion.skeleton import config_from_dict
 from moestream.conversion.store import DTYPES, Store
 from moestream.conversion.synthetic import make_model
@@ -41,6 +41,17 @@ ARCHS = {
     "deepseek_v2": MODEL_ARCH.DEEPSEEK2,
     "gpt_oss": MODEL_ARCH.GPT_OSS,
 }
+# DeepSeek's yarn rope, as llama.cpp's deepseek2 keys state it.
+DEEPSEEK_YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
 # Widths that fill the 32-value blocks of Q4_0/Q8_0; Qwen3-MoE's top-k weights normalized, as llama.cpp does.
 CONFIGS = {
     "qwen3_moe": dict(TINY["qwen3_moe"], vocab_size=VOCAB, moe_intermediate_size=32, norm_topk_prob=True),
@@ -55,16 +66,7 @@ CONFIGS = {
         q_lora_rank=32,
         kv_lora_rank=32,
         num_mtp_layers=0,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=64,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
+        rope_parameters=DEEPSEEK_YARN,
     ),
     # DeepSeek-V2-Lite's layout: softmax routing without groups (llama.cpp's softmax gating), MLA without a
     # query LoRA, a dense first layer, a shared expert, the top-k weights scaled and not normalized.
@@ -78,16 +80,7 @@ CONFIGS = {
         topk_group=1,
         norm_topk_prob=False,
         topk_method="greedy",
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=64,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
+        rope_parameters=DEEPSEEK_YARN,
     ),
     # Biases, attention sinks, sliding and full layers, gpt-oss's own yarn (no truncation of its bounds).
     "gpt_oss": dict(
@@ -131,6 +124,12 @@ TYPES = {
 }
 # gpt-oss files keep the experts in MXFP4, as the model was trained and released.
 FAMILY_TYPES = {"gpt_oss": {**TYPES, "ffn_gate_exps": Q.MXFP4, "ffn_up_exps": Q.MXFP4, "ffn_down_exps": Q.MXFP4}}
+
+
+def four_bit_codes(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gguf_blocks.four_bit_nibbles with one code (0..15) per weight: codes [rows, cols] uint8, s, z."""
+    nibbles, s, z = four_bit_nibbles(raw, ggml_type, cols)
+    return unpack_nibbles(nibbles), s, z
 
 
 def bpe_tokenizer():

@@ -21,8 +21,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .quant import unpack_nibbles
-
 # ggml type numbers (gguf.GGMLQuantizationType) -> bytes per block of that type.
 Q4_0, Q4_1, Q4_K = 2, 3, 12
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q4_K: 144}
@@ -58,12 +56,6 @@ def four_bit_nibbles(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.
         torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(rows, cols // GROUP)),
         torch.from_numpy(np.ascontiguousarray(z, dtype=np.float32).reshape(rows, cols // GROUP)),
     )
-
-
-def four_bit_codes(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As `four_bit_nibbles`, with one code (0..15) per weight: codes [rows, cols] uint8."""
-    nibbles, s, z = four_bit_nibbles(raw, ggml_type, cols)
-    return unpack_nibbles(nibbles), s, z
 
 
 def _pair_table() -> np.ndarray:

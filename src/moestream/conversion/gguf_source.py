@@ -253,8 +253,7 @@ class GGUFCheckpoint:
         expert = self._expert(key, index)
         if len(t.shape) - (expert is not None) != 2:
             return None
-        raw, shape = self._read_bytes(t, expert)
-        parts = gguf_blocks.four_bit_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
+        parts = self._read_int4(t, expert)
         if src.unpermute_heads is not None:  # a permutation of rows: of each row's codes, scales and zeros alike
             parts = tuple(_unpermute(x, src.unpermute_heads) for x in parts)
         return parts
@@ -293,9 +292,7 @@ class GGUFCheckpoint:
     def read_int4_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`read_int4` of rows [start, stop) of matrix `key`; only where `rows(key)` is a number and
         `has_int4_codes(key)`."""
-        t = self.sources[key].tensor
-        raw, shape = self._read_bytes(_rows_of(t, start, stop), None)
-        return gguf_blocks.four_bit_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
+        return self._read_int4(_rows_of(self.sources[key].tensor, start, stop), None)
 
     def source_types(self) -> dict:
         """What the store records of the file for `inspect`: the block type (ggml's name: Q4_K, Q6_K, F32, ...)
@@ -354,6 +351,11 @@ class GGUFCheckpoint:
         # Read once: keep the page cache for what the converter writes (the source can be 100s of GB).
         os.posix_fadvise(fd, start, nbytes, os.POSIX_FADV_DONTNEED)
         return np.frombuffer(buf, dtype=np.uint8), shape
+
+    def _read_int4(self, t: _Tensor, expert: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A matrix of 4-bit blocks of 32 (or its expert's slice) as portable int4 bytes, scales and zeros."""
+        raw, shape = self._read_bytes(t, expert)
+        return gguf_blocks.four_bit_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
 
     def _read_tensor(self, t: _Tensor, expert: int | None) -> torch.Tensor:
         raw, shape = self._read_bytes(t, expert)
@@ -658,7 +660,6 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
             config["shared_expert_intermediate_size"] = int(shared)
     elif arch == "deepseek2":
         config.update(_deepseek2_config(key, tensors, path, experts, layers))
-        model_type = config.pop("model_type")
         config["num_key_value_heads"] = heads  # llama.cpp writes MLA as one shared latent head (1)
         config["rope_parameters"] = _rope_parameters(key, path, deepseek=True)
     elif arch == "gpt-oss":
@@ -673,8 +674,7 @@ def _build_config(arch: str, md: dict, tensors: dict[str, _Tensor], path: Path):
         config.update(num_local_experts=experts, intermediate_size=int(width), sliding_window=None)
         if "head_dim" not in config and (rope_dim := key("rope.dimension_count", None)) is not None:
             config["head_dim"] = int(rope_dim)
-    if arch != "deepseek2":
-        model_type = SUPPORTED_ARCHITECTURES[arch][0]
+    model_type = config.pop("model_type", SUPPORTED_ARCHITECTURES[arch][0])  # deepseek2: V2 or V3, by its gating
     try:
         return AutoConfig.for_model(model_type, **config)
     except Exception as e:  # config classes validate with their own error types
