@@ -153,26 +153,31 @@ def _ggml_type(gguf_name: str, ndim: int, types=TYPES) -> Q:
     return Q.F32 if ndim == 1 else types.get(leaf, Q.F32)
 
 
-def random_q4_k(values: np.ndarray) -> np.ndarray:
-    """Q4_K blocks for a tensor of `values`' shape, which gguf-py cannot quantize: random codes, 6-bit scales
-    and mins, finite fp16 super-block scales; the same blocks for the same values."""
+# K-quant super-blocks of 256 weights: (bytes per block, offset of their fp16 scale and min).
+K_BLOCKS = {Q.Q4_K: (144, 0), Q.Q2_K: (84, 80)}
+
+
+def random_k_blocks(values: np.ndarray, qtype: Q = Q.Q4_K) -> np.ndarray:
+    """Q4_K or Q2_K blocks for a tensor of `values`' shape, which gguf-py cannot quantize: random codes and
+    sub-block scales and mins, finite fp16 super-block scales; the same blocks for the same values."""
+    size, at = K_BLOCKS[qtype]
     rng = np.random.default_rng(zlib.crc32(values.tobytes()))
     rows, cols = values.reshape(-1, values.shape[-1]).shape
-    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
     scales = (np.abs(rng.standard_normal((rows, cols // 256, 2))) * 2e-4).astype(np.float16)
-    blocks[..., 0:4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
-    return blocks.reshape(*values.shape[:-1], cols // 256 * 144)
+    blocks[..., at : at + 4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    return blocks.reshape(*values.shape[:-1], cols // 256 * size)
 
 
 def _round_trip(values: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
-    """(what the file stores, the values it decodes to) for float32 `values` stored as `qtype` (Q4_K:
+    """(what the file stores, the values it decodes to) for float32 `values` stored as `qtype` (Q4_K, Q2_K:
     random blocks instead of `values`)."""
     if qtype == Q.F32:
         return values, values
     if qtype == Q.F16:
         stored = values.astype(np.float16)
         return stored, stored.astype(np.float32)
-    stored = random_q4_k(values) if qtype == Q.Q4_K else quantize(values, qtype)
+    stored = random_k_blocks(values, qtype) if qtype in K_BLOCKS else quantize(values, qtype)
     return stored, dequantize(stored, qtype).reshape(values.shape)
 
 
@@ -589,7 +594,7 @@ def test_four_bit_blocks_are_codes_with_a_scale_and_zero_per_32_weights(qtype):
     """What gguf_blocks reads from the bytes is the blocks' own decoding (gguf-py's), exactly."""
     g = np.random.default_rng(int(qtype))
     w = (g.standard_normal((24, 512)) * g.random((24, 1)) + g.standard_normal((24, 1)) * 0.1).astype(np.float32)
-    raw = random_q4_k(w) if qtype == Q.Q4_K else quantize(w, qtype)
+    raw = random_k_blocks(w) if qtype == Q.Q4_K else quantize(w, qtype)
     codes, s, z = four_bit_codes(raw, int(qtype), 512)
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and s.shape == z.shape == (24, 16)
     mine = (codes.double().view(24, 16, 32) - 8) * s.double()[..., None] + z.double()[..., None]
@@ -833,25 +838,40 @@ def test_deepseek2_files_map_to_v2_or_v3_by_their_gating(tmp_path):
         config(expert_gating_func=3)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K])
-def test_a_4_bit_token_embedding_keeps_its_codes(tmp_path, qtype, capsys):
-    """A GGUF's Q4_0/Q4_K token embedding is stored as its int4 codes with bf16 scales and zeros (not a bf16
-    copy 3.5x their size) and looked up as that format defines (float64 definition, exactly in float32):
-    the model streams what it streams with a float table of those values; `--dense-dtype float` keeps it
-    float."""
+@pytest.mark.parametrize(
+    "qtype, stored",
+    [(Q.Q4_0, ("int4", 32)), (Q.Q4_K, ("int4", 32)), (Q.Q2_K, ("int4", 32)), (Q.Q5_0, ("int8", None)), (Q.Q8_0, ("int8", None))],
+)
+def test_a_quantized_token_embedding_stays_quantized(tmp_path, qtype, stored, capsys):
+    """A GGUF's token embedding in blocks is stored in the narrowest dense format holding their code bits
+    (not a bf16 copy two to six times their size): Q4_0/Q4_K as their int4 codes with bf16 scales and
+    zeros, Q2_K quantized to int4 in groups of 32, Q5_0 and Q8_0 to int8 by rows, each within its
+    rounding of the file's values; rows are looked up as the format defines them (float64 definition,
+    exactly in float32), and the model streams what it streams with a float table of those values.
+    `--dense-dtype float` keeps it float."""
     model = make_model("qwen3_moe", seed=17, **WIDE)
     decoded = write_gguf(model, tmp_path / "m.gguf", types={**TYPES, "token_embd": qtype})
     store = moestream.convert(tmp_path / "m.gguf", tmp_path / "store", "fp32", progress=False)
-    manifest = Store(store).manifest
-    fmt = manifest.dense["model.embed_tokens"]
-    assert (fmt.name, fmt.group_size) == ("int4", 32)
+    fmt = Store(store).manifest.dense["model.embed_tokens"]
+    assert (fmt.name, fmt.group_size) == stored
     parts = _resident(store)
-    codes = stored_codes(parts["model.embed_tokens.qweight"], fmt)
-    raw = np.array(next(t.data for t in GGUFReader(tmp_path / "m.gguf").tensors if t.name == "token_embd.weight"))
-    assert torch.equal(codes, four_bit_codes(raw.reshape(codes.shape[0], -1), int(qtype), codes.shape[1])[0])
-    sz = parts["model.embed_tokens.scales_zeros"]
-    embedding = reference_dequantize(Quantized(codes, sz[..., 0].t(), sz[..., 1].t()), fmt).float()
-    assert (embedding - torch.from_numpy(decoded["model.embed_tokens.weight"])).abs().max() < 0.05  # bf16 scales
+    file_values = torch.from_numpy(decoded["model.embed_tokens.weight"])
+    if fmt.name == "int8":
+        scales = parts["model.embed_tokens.scales"]
+        embedding = reference_dequantize(Quantized(parts["model.embed_tokens.qweight"], scales, None), fmt).float()
+        assert ((embedding - file_values).abs() <= scales[:, None] * 0.5001).all()  # half a step of its row
+    else:
+        codes = stored_codes(parts["model.embed_tokens.qweight"], fmt)
+        sz = parts["model.embed_tokens.scales_zeros"]
+        embedding = reference_dequantize(Quantized(codes, sz[..., 0].t(), sz[..., 1].t()), fmt).float()
+        if qtype in (Q.Q4_0, Q.Q4_K):  # the file's codes, their scales and zeros rounded to bf16
+            raw = np.array(next(t.data for t in GGUFReader(tmp_path / "m.gguf").tensors if t.name == "token_embd.weight"))
+            assert torch.equal(codes, four_bit_codes(raw.reshape(codes.shape[0], -1), int(qtype), codes.shape[1])[0])
+            assert (embedding - file_values).abs().max() < 0.05
+        else:  # half a step of its group, give or take the bf16 rounding of the step and the zero
+            s, z = (p.t().float().repeat_interleave(fmt.group_size, dim=1) for p in sz.unbind(-1))
+            assert ((embedding - file_values).abs() <= s * 0.51 + z.abs() * 2**-8).all()
+            assert (embedding - file_values).abs().max() > 0  # not the file's grid: re-rounded
 
     # The same store, its embedding's lookup replaced by a float table of exactly those values: the same logits.
     streamed, _ = moestream.load(store, "4MiB", compute_dtype="fp32")
@@ -865,6 +885,6 @@ def test_a_4_bit_token_embedding_keeps_its_codes(tmp_path, qtype, capsys):
     assert torch.equal(got, expected)
     capsys.readouterr()
     assert main(["inspect", str(store)]) == 0
-    assert "the token embedding int4-g32" in capsys.readouterr().out
+    assert f"the token embedding {fmt.name}" in capsys.readouterr().out
     floats = Store(moestream.convert(tmp_path / "m.gguf", tmp_path / "float", "fp32", dense_dtype="float", progress=False))
     assert "model.embed_tokens" not in floats.manifest.dense

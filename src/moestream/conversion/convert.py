@@ -440,7 +440,7 @@ def convert(
             dense = _gguf_dense_formats(gguf, plan, linears, group_size)
         else:
             dense = dense_formats(linears, dense_dtype or "float", group_size)
-        if gguf is not None and dense_dtype != "float":  # its 4-bit token embedding kept as codes
+        if gguf is not None and dense_dtype != "float":  # its quantized token embedding kept quantized
             dense.update(_gguf_embedding_format(gguf, model, plan, group_size))
         dst.parent.mkdir(parents=True, exist_ok=True)
         _cleanup_stale(dst)
@@ -510,23 +510,27 @@ def _gguf_dense_formats(gguf, plan: ConversionPlan, linears, group_size: int) ->
 
 
 def _gguf_embedding_format(gguf, model, plan: ConversionPlan, group_size: int) -> dict[str, QuantFormat]:
-    """{name: int4 group 32} for a GGUF's token embedding whose blocks are 4-bit codes of 32 (Q4_0, Q4_1,
-    Q4_K), so that the store keeps its codes (core/dense.py's QuantizedEmbedding looks rows up in them)
-    instead of a bf16 copy 3.5x their size; empty for any other embedding, one the LM head shares, or
-    other group sizes."""
+    """{name: format} for a GGUF's untied token embedding stored in blocks, so that the store does not hold
+    a bf16 copy two to six times their size (core/dense.py's QuantizedEmbedding looks rows up in it): the
+    narrowest dense format with at least their code bits, int4 in groups for Q2_K to Q4_K (4-bit blocks of
+    32 keep their codes: _keeps_codes), int8 by rows for Q5_x to Q8_0. Unlike a linear layer's (nearest
+    bits), a lookup reads one row per token, so its bits cost memory, not decode time: Q5_K re-rounded to
+    int4 cost a third more KL on the fixture, int8 nothing measurable (docs/BENCHMARKS.md). Blocks other
+    than 4-bit ones of 32 are decoded and quantized a slice of rows at a time. Empty for a float embedding,
+    one the LM head shares, or a width no format takes."""
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
-    if (
-        type(embedding) is not torch.nn.Embedding
-        or group_size != BLOCK_GROUP
-        or (output is not None and output.weight is embedding.weight)
-    ):
+    if type(embedding) is not torch.nn.Embedding or (output is not None and output.weight is embedding.weight):
         return {}
     name = next(n for n, m in model.named_modules() if m is embedding)
     source = plan.resident.get(f"{name}.weight")
-    if not isinstance(source, str) or not gguf.has_int4_codes(source):
+    bits = gguf.code_bits(source) if isinstance(source, str) else None
+    if bits is None:
         return {}
-    return {name: QuantFormat.make("int4", BLOCK_GROUP)}
+    fmt = QuantFormat.make("int8") if bits > 4 else QuantFormat.make("int4", group_size)
+    if fmt.group_size and embedding.embedding_dim % fmt.group_size:
+        return {}
+    return {name: fmt}
 
 
 def _layer_format(choice: str | None, group_size: int) -> torch.dtype | QuantFormat | None:

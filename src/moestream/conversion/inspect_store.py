@@ -112,7 +112,7 @@ def _layer_index(module: str) -> int | None:
 
 def _describe_dense(manifest) -> str:
     """Which resident linear layers are quantized (convert --dense-dtype), e.g. "int8 x 12, float x 2", and
-    the token embedding where a GGUF's 4-bit one was kept as codes."""
+    the token embedding where a GGUF's was kept quantized."""
     if not manifest.dense:
         return "float (as the model)"
 

@@ -1,5 +1,5 @@
-"""Resident linear layers stored quantized (`convert --dense-dtype int8|int4`), and a GGUF's 4-bit token
-embedding kept as its codes: the modules that run them.
+"""Resident linear layers stored quantized (`convert --dense-dtype int8|int4`), and a GGUF's quantized token
+embedding kept quantized: the modules that run them.
 
 The converter quantizes the weight of each linear that conversion.skeleton.dense_linears names and
 stores it in the layout its kernel consumes (quant.py), so loading is a plain state-dict load: `install`
@@ -46,7 +46,7 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """The token embedding held as `qweight` plus `scales_zeros` (int4) or `scales` (int8), as the
-    converter keeps a GGUF's 4-bit token embedding (its codes, not a bf16 copy 3.5x their size). Each
+    converter keeps a GGUF's quantized token embedding (not a bf16 copy two to six times its size). Each
     looked-up row is dequantized as the format defines it (quant.reference_dequantize), in float32, then
     given the model's compute dtype (`dtype`, set by `set_compute_dtype`)."""
 
