@@ -153,19 +153,19 @@ def _ggml_type(gguf_name: str, ndim: int, types=TYPES) -> Q:
     return Q.F32 if ndim == 1 else types.get(leaf, Q.F32)
 
 
-# K-quant super-blocks of 256 weights: (bytes per block, offset of their fp16 scale and min).
-K_BLOCKS = {Q.Q4_K: (144, 0), Q.Q2_K: (84, 80)}
+# K-quant super-blocks of 256 weights: (bytes per block, offset of their fp16 scale (and min), how many).
+K_BLOCKS = {Q.Q4_K: (144, 0, 2), Q.Q2_K: (84, 80, 2), Q.Q6_K: (210, 208, 1)}
 
 
 def random_k_blocks(values: np.ndarray, qtype: Q = Q.Q4_K) -> np.ndarray:
-    """Q4_K or Q2_K blocks for a tensor of `values`' shape, which gguf-py cannot quantize: random codes and
-    sub-block scales and mins, finite fp16 super-block scales; the same blocks for the same values."""
-    size, at = K_BLOCKS[qtype]
+    """Q4_K, Q2_K or Q6_K blocks for a tensor of `values`' shape, which gguf-py cannot quantize: random codes
+    and sub-block scales (and mins), finite fp16 super-block scales; the same blocks for the same values."""
+    size, at, halves = K_BLOCKS[qtype]
     rng = np.random.default_rng(zlib.crc32(values.tobytes()))
     rows, cols = values.reshape(-1, values.shape[-1]).shape
     blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    scales = (np.abs(rng.standard_normal((rows, cols // 256, 2))) * 2e-4).astype(np.float16)
-    blocks[..., at : at + 4] = scales.view(np.uint8).reshape(rows, cols // 256, 4)
+    scales = (np.abs(rng.standard_normal((rows, cols // 256, halves))) * 2e-4).astype(np.float16)
+    blocks[..., at : at + 2 * halves] = scales.view(np.uint8).reshape(rows, cols // 256, 2 * halves)
     return blocks.reshape(*values.shape[:-1], cols // 256 * size)
 
 
@@ -602,6 +602,20 @@ def test_four_bit_blocks_are_codes_with_a_scale_and_zero_per_32_weights(qtype):
     assert torch.equal(mine, theirs)
 
 
+def test_q6_k_blocks_decode_as_gguf_py_decodes_them():
+    """gguf_blocks.q6_k_decoded (the LM head of K-quant files) gives gguf-py's values bit for bit: random
+    codes and scales, fp16 block scales from tiny to large and negative."""
+    from moestream.conversion.gguf_blocks import q6_k_decoded
+
+    g = np.random.default_rng(6)
+    raw = g.integers(0, 256, (40, 3 * 210), dtype=np.uint8)  # 40 rows of 768 weights
+    d = (g.standard_normal((40, 3)) * 10.0 ** g.integers(-6, 3, (40, 3))).astype(np.float16)
+    raw.reshape(40, 3, 210)[..., 208:] = d.view(np.uint8).reshape(40, 3, 2)
+    theirs = torch.from_numpy(dequantize(raw, Q.Q6_K))
+    mine = q6_k_decoded(raw).view(40, 768)
+    assert theirs.abs().max() > 0 and torch.equal(mine, theirs)
+
+
 def _records_of(store) -> dict[tuple[str, int, str], torch.Tensor]:
     """Every tensor of every expert record, read back from the store files."""
     out = {}
@@ -840,12 +854,19 @@ def test_deepseek2_files_map_to_v2_or_v3_by_their_gating(tmp_path):
 
 @pytest.mark.parametrize(
     "qtype, stored",
-    [(Q.Q4_0, ("int4", 32)), (Q.Q4_K, ("int4", 32)), (Q.Q2_K, ("int4", 32)), (Q.Q5_0, ("int8", None)), (Q.Q8_0, ("int8", None))],
+    [
+        (Q.Q4_0, ("int4", 32)),
+        (Q.Q4_K, ("int4", 32)),
+        (Q.Q2_K, ("int4", 32)),
+        (Q.Q5_0, ("int8", None)),
+        (Q.Q6_K, ("int8", None)),
+        (Q.Q8_0, ("int8", None)),
+    ],
 )
 def test_a_quantized_token_embedding_stays_quantized(tmp_path, qtype, stored, capsys):
     """A GGUF's token embedding in blocks is stored in the narrowest dense format holding their code bits
     (not a bf16 copy two to six times their size): Q4_0/Q4_K as their int4 codes with bf16 scales and
-    zeros, Q2_K quantized to int4 in groups of 32, Q5_0 and Q8_0 to int8 by rows, each within its
+    zeros, Q2_K quantized to int4 in groups of 32, Q5_0, Q6_K and Q8_0 to int8 by rows, each within its
     rounding of the file's values; rows are looked up as the format defines them (float64 definition,
     exactly in float32), and the model streams what it streams with a float table of those values.
     `--dense-dtype float` keeps it float."""

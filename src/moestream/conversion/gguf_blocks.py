@@ -13,7 +13,9 @@ for Q4_0 and Q4_K's s; one rounding for the zeros), and a store keeps them in bf
 against the file (docs/BENCHMARKS.md, "GGUF files as a convert source").
 
 Other block types have no int4 group-32 counterpart (5, 6 and 8-bit codes; Q2_K and Q3_K scale groups of 16)
-and are decoded to floats and quantized as any float weight is.
+and are decoded to floats and quantized as any float weight is: by gguf-py's `dequantize`, except Q6_K
+(`q6_k_decoded`: the same values 2.5x faster), the LM head of nearly every K-quant file, whose decoding
+was a fifth of a 150k-token file's import.
 """
 
 from __future__ import annotations
@@ -103,3 +105,25 @@ def _q4_k_scales(blocks: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.
     mn = np.concatenate([high & 63, (mixed >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
     s = d * sc
     return s, 8 * s - dmin * mn
+
+
+# Q6_K's 210-byte super-block of 256 weights: ql (128 bytes: the low 4 bits), qh (64: the high 2), 16 int8
+# scales (one per 16 weights), fp16 d; w = d * scale * (q - 32).
+Q6_K, _Q6_K_BYTES = 14, 210
+_LOW_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+_HIGH_SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+
+
+def q6_k_decoded(raw: np.ndarray) -> torch.Tensor:
+    """Q6_K blocks [..., n * 210] uint8 -> their weights [blocks, 256] float32, the values gguf-py's
+    dequantize gives (the same operations in torch, which runs them 2.5x faster). Within each half of 128
+    weights, weight 32 s + j has its low 4 bits in nibble s // 2 of ql byte 64 h + 32 (s % 2) + j and its high
+    two at bit 2 s of qh byte 32 h + j (llama.cpp's dequantize_row_q6_K)."""
+    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(-1, _Q6_K_BYTES)
+    n = blocks.shape[0]
+    low = ((blocks[:, :128].reshape(n, 2, 1, 64) >> _LOW_SHIFTS) & 15).reshape(n, 8, 32)
+    high = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> _HIGH_SHIFTS) & 3).reshape(n, 8, 32)
+    codes = (low | (high << 4)).reshape(n, 16, 16)
+    d = blocks[:, 208:210].contiguous().view(torch.float16).float()  # [n, 1]
+    scales = (d * blocks[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
+    return codes.float().sub_(32).mul_(scales).reshape(n, 256)

@@ -536,7 +536,10 @@ def _dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torc
     step = max(1, _DEQUANT_ELEMENTS // cols)
     try:
         for r in range(0, rows, step):
-            out[r : r + step] = dequantize(raw[r : r + step], GGMLQuantizationType(ggml_type))
+            if ggml_type == gguf_blocks.Q6_K:
+                out[r : r + step] = gguf_blocks.q6_k_decoded(raw[r : r + step]).view(-1, cols).numpy()
+            else:
+                out[r : r + step] = dequantize(raw[r : r + step], GGMLQuantizationType(ggml_type))
     except NotImplementedError:
         raise SourceError(
             f"the gguf package cannot dequantize ggml type {GGMLQuantizationType(ggml_type).name}; "
