@@ -205,11 +205,14 @@ def test_a_loaded_model_rotates_with_the_kernel_and_equals_transformers_own(ext,
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])
-@pytest.mark.parametrize("name", ["int4", "int8"])
+@pytest.mark.parametrize("name", ["int4", "int8", "mxfp4", "iq4nl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: CPUs without bf16 arithmetic
 def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name, dtype, int8_activations):
     from moestream.conversion import quant
-    from moestream.core.kernels import cpu_record, expert_linear
+    from moestream.core.kernels import cpu_record, expert_linear, table_values
+
+    if name in quant.TABLES and not int8_activations:
+        pytest.skip("a table format's one-token kernel takes int8 activations (fused.one_token_experts)")
 
     g = torch.Generator().manual_seed(43)
     hidden, inner, n = 64, 128, 3
@@ -225,6 +228,7 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name,
         a = torch.nn.functional.silu(h[:inner]) * h[inner:]
         exact.append(quant.reference_dequantize(q2, fmt) @ a)
     p = fmt.params
+    table = table_values(name) if fmt.table is not None else None
     got = ext.experts_decode(
         x,
         [r["gate_up_proj.qweight"] for r in records],
@@ -235,6 +239,7 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name,
         fmt.group_size or 0,
         int8_activations,
         None,
+        table,
     )
     assert got.shape == (n, hidden) and got.dtype == dtype
     for j, r in enumerate(records):
@@ -248,7 +253,7 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name,
     weights = torch.rand(n, 1, generator=g)  # float32, as the routers give them on the CPU
     summed = ext.experts_decode(
         x, *(list(args) for args in zip(*[_matrices(r, fmt) for r in records])), fmt.bits, fmt.group_size or 0,
-        int8_activations, weights,
+        int8_activations, weights, table,
     )  # fmt: skip
     assert torch.equal(summed, got.clone().mul_(weights).view(1, n, -1).sum(dim=1))  # as the engine sums them
 

@@ -28,6 +28,7 @@ from moestream.conversion.quant import QuantFormat, Quantized, reference_dequant
 from moestream.conversion.skeleton import config_from_dict
 from moestream.conversion.store import DTYPES, Store
 from moestream.conversion.synthetic import make_model
+from moestream.core import fused_build
 from moestream.errors import SourceError
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
@@ -153,31 +154,38 @@ def _ggml_type(gguf_name: str, ndim: int, types=TYPES) -> Q:
     return Q.F32 if ndim == 1 else types.get(leaf, Q.F32)
 
 
-# K-quant super-blocks of 256 weights: (bytes per block, offset of their fp16 scale (and min), how many).
-K_BLOCKS = {Q.Q4_K: (144, 0, 2), Q.Q2_K: (84, 80, 2), Q.Q6_K: (210, 208, 1)}
+# Block types gguf-py cannot quantize: (weights per block, bytes per block, offset of their fp16 scale (and
+# min), how many).
+RANDOM_BLOCKS = {
+    Q.Q4_K: (256, 144, 0, 2),
+    Q.Q2_K: (256, 84, 80, 2),
+    Q.Q6_K: (256, 210, 208, 1),
+    Q.IQ4_NL: (32, 18, 0, 1),
+    Q.IQ4_XS: (256, 136, 0, 1),
+}
 
 
-def random_k_blocks(values: np.ndarray, qtype: Q = Q.Q4_K) -> np.ndarray:
-    """Q4_K, Q2_K or Q6_K blocks for a tensor of `values`' shape, which gguf-py cannot quantize: random codes
-    and sub-block scales (and mins), finite fp16 super-block scales; the same blocks for the same values."""
-    size, at, halves = K_BLOCKS[qtype]
+def random_blocks(values: np.ndarray, qtype: Q = Q.Q4_K) -> np.ndarray:
+    """Blocks of `qtype` (one of RANDOM_BLOCKS) for a tensor of `values`' shape: random codes and sub-block
+    scales (and mins), finite fp16 block scales; the same blocks for the same values."""
+    weights, size, at, halves = RANDOM_BLOCKS[qtype]
     rng = np.random.default_rng(zlib.crc32(values.tobytes()))
     rows, cols = values.reshape(-1, values.shape[-1]).shape
-    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    scales = (np.abs(rng.standard_normal((rows, cols // 256, halves))) * 2e-4).astype(np.float16)
-    blocks[..., at : at + 2 * halves] = scales.view(np.uint8).reshape(rows, cols // 256, 2 * halves)
-    return blocks.reshape(*values.shape[:-1], cols // 256 * size)
+    blocks = rng.integers(0, 256, (rows, cols // weights, size), dtype=np.uint8)
+    scales = (np.abs(rng.standard_normal((rows, cols // weights, halves))) * 2e-4).astype(np.float16)
+    blocks[..., at : at + 2 * halves] = scales.view(np.uint8).reshape(rows, cols // weights, 2 * halves)
+    return blocks.reshape(*values.shape[:-1], cols // weights * size)
 
 
 def _round_trip(values: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
-    """(what the file stores, the values it decodes to) for float32 `values` stored as `qtype` (Q4_K, Q2_K:
-    random blocks instead of `values`)."""
+    """(what the file stores, the values it decodes to) for float32 `values` stored as `qtype` (RANDOM_BLOCKS'
+    types: random blocks instead of `values`)."""
     if qtype == Q.F32:
         return values, values
     if qtype == Q.F16:
         stored = values.astype(np.float16)
         return stored, stored.astype(np.float32)
-    stored = random_k_blocks(values, qtype) if qtype in K_BLOCKS else quantize(values, qtype)
+    stored = random_blocks(values, qtype) if qtype in RANDOM_BLOCKS else quantize(values, qtype)
     return stored, dequantize(stored, qtype).reshape(values.shape)
 
 
@@ -594,7 +602,7 @@ def test_four_bit_blocks_are_codes_with_a_scale_and_zero_per_32_weights(qtype):
     """What gguf_blocks reads from the bytes is the blocks' own decoding (gguf-py's), exactly."""
     g = np.random.default_rng(int(qtype))
     w = (g.standard_normal((24, 512)) * g.random((24, 1)) + g.standard_normal((24, 1)) * 0.1).astype(np.float32)
-    raw = random_k_blocks(w) if qtype == Q.Q4_K else quantize(w, qtype)
+    raw = random_blocks(w) if qtype == Q.Q4_K else quantize(w, qtype)
     codes, s, z = four_bit_codes(raw, int(qtype), 512)
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and s.shape == z.shape == (24, 16)
     mine = (codes.double().view(24, 16, 32) - 8) * s.double()[..., None] + z.double()[..., None]
@@ -614,6 +622,60 @@ def test_q6_k_blocks_decode_as_gguf_py_decodes_them():
     theirs = torch.from_numpy(dequantize(raw, Q.Q6_K))
     mine = q6_k_decoded(raw).view(40, 768)
     assert theirs.abs().max() > 0 and torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("qtype", [Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS])
+def test_table_blocks_are_codes_with_a_scale_per_32_weights(qtype):
+    """What gguf_blocks reads from MXFP4/IQ4 blocks (codes into the table format's values, a float32 scale per
+    32) is gguf-py's decoding, exactly."""
+    from moestream.conversion.gguf_blocks import table_nibbles, table_of
+
+    g = np.random.default_rng(int(qtype))
+    w = (g.standard_normal((24, 512)) * g.random((24, 1))).astype(np.float32)
+    raw = quantize(w, qtype) if qtype == Q.MXFP4 else random_blocks(w, qtype)
+    nibbles, s = table_nibbles(raw, int(qtype), 512)
+    values = torch.tensor(quant.TABLES[table_of(int(qtype))], dtype=torch.float64)
+    mine = values[unpack_nibbles(nibbles).long()].view(24, 16, 32) * s.double()[..., None]
+    theirs = torch.from_numpy(dequantize(raw, qtype)).double().view(24, 16, 32)
+    assert theirs.abs().max() > 0 and torch.equal(mine, theirs)
+
+
+def test_iq4_experts_keep_their_codes(tmp_path):
+    """Experts of IQ4_XS gate and up and IQ4_NL down blocks (as llama.cpp's IQ4_XS preset writes them where
+    rows are shorter than 256) are stored with no options as iq4nl: the file's codes, each block's scale
+    rounded to bf16 (the one loss), and the model streams transformers' forward on those weights."""
+    model = make_model("qwen3_moe", seed=21, **WIDE)
+    types = {**TYPES, "ffn_gate_exps": Q.IQ4_XS, "ffn_up_exps": Q.IQ4_XS, "ffn_down_exps": Q.IQ4_NL}
+    decoded = write_gguf(model, tmp_path / "m.gguf", types=types)
+    store = moestream.convert(tmp_path / "m.gguf", tmp_path / "store", dense_dtype="float", progress=False)
+    assert Store(store).manifest.experts_dtype == "iq4nl-g32"
+    fmt = QuantFormat.make("iq4nl")
+    held = dict(decoded)
+    records = _records_of(store)
+    for layer in range(WIDE["num_hidden_layers"]):
+        experts = f"model.layers.{layer}.mlp.experts"
+        for proj in ("gate_up_proj", "down_proj"):
+            held[f"{experts}.{proj}"] = held[f"{experts}.{proj}"].copy()
+            for e in range(WIDE["num_experts"]):
+                sz = records[(experts, e, f"{proj}.scales_zeros")]
+                q = Quantized(stored_codes(records[(experts, e, f"{proj}.qweight")], fmt), sz[..., 0].t(), sz[..., 1].t())
+                mine = reference_dequantize(q, fmt)
+                file_values = torch.from_numpy(decoded[f"{experts}.{proj}"][e]).double()
+                # the same codes: equal up to each block's scale rounded to bf16 (2^-9 of it)
+                assert ((mine - file_values).abs() <= file_values.abs() * 2**-8 + 1e-12).all()
+                held[f"{experts}.{proj}"][e] = mine.float().numpy()
+    assert _logits_error(store, held, seed=3) <= 1e-5
+
+
+def _logits_error(store, weights: dict, seed: int) -> float:
+    """The relative error of the store's streamed logits (float32, float activations) against transformers'
+    WIDE qwen3_moe on `weights` (resident ones rounded to bf16), on fresh random tokens."""
+    reference = _reference("qwen3_moe", weights, torch.bfloat16, WIDE)
+    streamed, _ = moestream.load(store, "1MiB", compute_dtype="fp32", activations="float")
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, streamed(ids).logits
+    return ((got - expected).norm() / expected.norm()).item()
 
 
 def _records_of(store) -> dict[tuple[str, int, str], torch.Tensor]:
@@ -696,12 +758,7 @@ def test_a_gguf_of_4_bit_blocks_keeps_their_codes(tmp_path):
     # The streamed model is the file's float model up to those roundings, the LM head's re-quantization to
     # int8 and the int4 kernels' arithmetic (about 1e-2 here); a projection or a row out of place would be
     # off by the size of the logits themselves.
-    reference = _reference("qwen3_moe", decoded, torch.bfloat16, WIDE)
-    streamed, _ = moestream.load(store, "1MiB", compute_dtype="fp32", activations="float")
-    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        expected, got = reference(ids).logits, streamed(ids).logits
-    assert ((got - expected).norm() / expected.norm()).item() <= 5e-2
+    assert _logits_error(store, decoded, seed=8) <= 5e-2
 
 
 @pytest.mark.parametrize("dense_dtype", ["float", "int8", "int4"])
@@ -759,63 +816,59 @@ def test_the_header_reader_agrees_with_gguf_py(qwen3_gguf, tmp_path):
             read_header(tmp_path / "cut.gguf")
 
 
-def test_a_gpt_oss_gguf_of_mxfp4_experts_converts_to_int4_by_default(tmp_path, capsys):
-    """gpt-oss's MXFP4 experts (4-bit e2m1 values, a power-of-two scale per 32) have no exact store format:
-    with no options they are stored at the nearest bits, int4 in groups of 32, quantized from the file's
-    decoded weights exactly as the quantizer does from any float checkpoint, within 25% of the file's
-    size; `inspect` names both."""
+def test_a_gpt_oss_gguf_of_mxfp4_experts_keeps_them_exactly(tmp_path, capsys):
+    """gpt-oss's MXFP4 experts (e2m1 values, a power-of-two scale per 32) are stored with no options in the
+    mxfp4 table format: each record holds the file's codes and scales, so its weights are the file's exactly
+    (float64), gate and up rows interleaved as the model has them, within 25% of the file's size; `inspect`
+    names both. The streamed model is transformers' on the file's decoded weights, with float activations
+    to float32 rounding, with int8 ones as closely as int8 activations allow, and every budget decodes the
+    same. `--experts-dtype int4` still re-quantizes them."""
     model = make_model("gpt_oss", seed=14, **CONFIGS["gpt_oss"])
     path = tmp_path / "gpt-oss-mxfp4.gguf"
     decoded = write_gguf(model, path)
-    store = moestream.convert(path, tmp_path / "store", progress=False)
+    store = moestream.convert(path, tmp_path / "store", dense_dtype="float", progress=False)
     manifest = Store(store).manifest
-    fmt = QuantFormat.make("int4", 32)
-    assert manifest.experts_dtype == "int4-g32"
+    fmt = QuantFormat.make("mxfp4")
+    assert manifest.experts_dtype == "mxfp4-g32"
     records = _records_of(store)
-    rounded = dict(decoded)  # the file's weights with the experts' as the int4 records hold them
     gguf_weight_bytes = sum(t.n_bytes for t in GGUFReader(path).tensors if "_exps.weight" in t.name)
     assert (
         sum(t.numel() * t.element_size() for key, t in records.items() if not key[2].endswith("_bias"))
         <= 1.25 * gguf_weight_bytes
     )
-
     for layer in range(CONFIGS["gpt_oss"]["num_hidden_layers"]):
         experts = f"model.layers.{layer}.mlp.experts"
         for e in range(CONFIGS["gpt_oss"]["num_local_experts"]):
             for proj in ("gate_up_proj", "down_proj"):
-                want = quant.quantize(torch.from_numpy(np.ascontiguousarray(decoded[f"{experts}.{proj}"][e].T)), fmt)
-                assert torch.equal(stored_codes(records[(experts, e, f"{proj}.qweight")], fmt), want.codes)
-                assert torch.equal(
-                    records[(experts, e, f"{proj}.scales_zeros")], torch.stack([want.scales.t(), want.offsets.t()], -1)
-                )
-                rounded[f"{experts}.{proj}"] = rounded[f"{experts}.{proj}"].copy()
-                rounded[f"{experts}.{proj}"][e] = reference_dequantize(want, fmt).float().t().numpy()
-                bias = torch.from_numpy(decoded[f"{experts}.{proj}_bias"][e])
-                assert torch.equal(
-                    records[(experts, e, f"{proj}_bias")].float(), bias.to(records[(experts, e, f"{proj}_bias")].dtype).float()
-                )
+                sz = records[(experts, e, f"{proj}.scales_zeros")]
+                held = Quantized(stored_codes(records[(experts, e, f"{proj}.qweight")], fmt), sz[..., 0].t(), sz[..., 1].t())
+                file_values = torch.from_numpy(np.ascontiguousarray(decoded[f"{experts}.{proj}"][e].T)).double()
+                assert torch.equal(reference_dequantize(held, fmt), file_values), (layer, e, proj)
 
     capsys.readouterr()
     assert main(["inspect", str(store)]) == 0
     out = capsys.readouterr().out
-    assert "GGUF down_proj MXFP4, gate_proj MXFP4, up_proj MXFP4 -> stored int4-g32" in out, out
+    assert "GGUF down_proj MXFP4, gate_proj MXFP4, up_proj MXFP4 -> stored mxfp4-g32" in out, out
 
-    # With float dense layers, the streamed model is transformers' on those weights (up to torch's int4 kernel's
-    # bf16 activations), the file's float model up to that rounding (in this tiny random model: 9% of the
-    # logits' norm), and every budget decodes the same.
-    store = moestream.convert(path, tmp_path / "float-dense", dense_dtype="float", progress=False)
-    assert Store(store).manifest.experts_dtype == "int4-g32"
-    reference, unrounded = _reference("gpt_oss", rounded, torch.bfloat16), _reference("gpt_oss", decoded, torch.bfloat16)
+    reference = _reference("gpt_oss", decoded, torch.bfloat16)
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = reference(ids).logits
     greedy = []
     for budget in ("8KiB", "1MiB"):
         streamed, _ = moestream.load(store, budget, compute_dtype="fp32", activations="float")
         with torch.no_grad():
-            expected, got, floats = reference(ids).logits, streamed(ids).logits, unrounded(ids).logits
+            got = streamed(ids).logits
             greedy.append(streamed.generate(ids, max_new_tokens=6, do_sample=False)[0].tolist())
-        assert ((got - expected).norm() / expected.norm()).item() <= 1e-2
-        assert ((got - floats).norm() / floats.norm()).item() <= 0.2
+        assert ((got - expected).norm() / expected.norm()).item() <= 1e-5
     assert greedy[0] == greedy[1]
+    if fused_build.extension() is not None:
+        streamed, _ = moestream.load(store, "1MiB", compute_dtype="fp32", activations="int8")
+        with torch.no_grad():
+            got = streamed(ids).logits
+        assert ((got - expected).norm() / expected.norm()).item() <= 2e-2
+    requantized = Store(moestream.convert(path, tmp_path / "int4", "int4", progress=False)).manifest
+    assert requantized.experts_dtype == "int4-g32"
 
 
 def test_deepseek2_files_map_to_v2_or_v3_by_their_gating(tmp_path):
@@ -861,14 +914,16 @@ def test_deepseek2_files_map_to_v2_or_v3_by_their_gating(tmp_path):
         (Q.Q5_0, ("int8", None)),
         (Q.Q6_K, ("int8", None)),
         (Q.Q8_0, ("int8", None)),
+        (Q.IQ4_NL, ("iq4nl", 32)),
     ],
 )
 def test_a_quantized_token_embedding_stays_quantized(tmp_path, qtype, stored, capsys):
     """A GGUF's token embedding in blocks is stored in the narrowest dense format holding their code bits
     (not a bf16 copy two to six times their size): Q4_0/Q4_K as their int4 codes with bf16 scales and
-    zeros, Q2_K quantized to int4 in groups of 32, Q5_0, Q6_K and Q8_0 to int8 by rows, each within its
-    rounding of the file's values; rows are looked up as the format defines them (float64 definition,
-    exactly in float32), and the model streams what it streams with a float table of those values.
+    zeros, IQ4_NL as its codes in the iq4nl table format, Q2_K quantized to int4 in groups of 32, Q5_0, Q6_K
+    and Q8_0 to int8 by rows, each within its rounding of the file's values; rows are looked up as the
+    format defines them (float64 definition, exactly in float32), and the model streams what it streams
+    with a float table of those values.
     `--dense-dtype float` keeps it float."""
     model = make_model("qwen3_moe", seed=17, **WIDE)
     decoded = write_gguf(model, tmp_path / "m.gguf", types={**TYPES, "token_embd": qtype})
@@ -889,6 +944,8 @@ def test_a_quantized_token_embedding_stays_quantized(tmp_path, qtype, stored, ca
             raw = np.array(next(t.data for t in GGUFReader(tmp_path / "m.gguf").tensors if t.name == "token_embd.weight"))
             assert torch.equal(codes, four_bit_codes(raw.reshape(codes.shape[0], -1), int(qtype), codes.shape[1])[0])
             assert (embedding - file_values).abs().max() < 0.05
+        elif fmt.table is not None:  # the file's codes: its values up to each block's scale rounded to bf16
+            assert ((embedding - file_values).abs() <= file_values.abs() * 2**-8 + 1e-12).all()
         else:  # half a step of its group, give or take the bf16 rounding of the step and the zero
             s, z = (p.t().float().repeat_interleave(fmt.group_size, dim=1) for p in sz.unbind(-1))
             assert ((embedding - file_values).abs() <= s * 0.51 + z.abs() * 2**-8).all()

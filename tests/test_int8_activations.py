@@ -42,7 +42,7 @@ def _activations(m: int, k: int, dtype: torch.dtype, g: torch.Generator) -> torc
     return x.to(dtype)
 
 
-FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int3", 64), ("int2", 32), ("int8", None)]
+FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int3", 64), ("int2", 32), ("int8", None), ("mxfp4", 32), ("iq4nl", 32)]
 
 
 @pytest.mark.parametrize("name,group", FORMATS)

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import moestream
 from moestream.conversion.quant import (
+    TABLES,
     QuantFormat,
     compress_int4_bytes,
     expand_int4_bytes,
@@ -77,7 +78,25 @@ def test_dense_int2_int3_bytes_expand_to_the_int4_bytes(bits):
         assert torch.equal(expand_int4_bytes(dense, bits), int4_bytes)
 
 
-@pytest.mark.parametrize("name,group", FORMATS)
+def test_table_formats_take_the_nearest_table_value():
+    """mxfp4 and iq4nl from floats (the kernels' tests make their records so): per group of 32 the scale
+    maps the largest |w| onto the table's largest |value|, the zero is 0, and each weight takes the table
+    value nearest w / s."""
+    for name, table in TABLES.items():
+        fmt = QuantFormat.make(name)
+        assert (fmt.group_size, fmt.bits, fmt.table) == (32, 4, table)
+        w = _weights(48, 256, 11)
+        q = quantize(w, fmt)
+        assert not q.offsets.any() and int(q.codes.max()) <= 15
+        values = torch.tensor(table, dtype=torch.float64)
+        scaled = w.double().view(48, 8, 32) / q.scales.double()[..., None]
+        taken = values[q.codes.long()].view(48, 8, 32)
+        best = (scaled[..., None] - values).abs().amin(-1)
+        assert ((scaled - taken).abs() <= best + 1e-9).all()
+        assert torch.equal(reference_dequantize(q, fmt), (taken * q.scales.double()[..., None]).view(48, 256))
+
+
+@pytest.mark.parametrize("name,group", FORMATS + [("mxfp4", 32), ("iq4nl", 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_match_the_float64_definition(name, group, dtype):
     fmt = QuantFormat.make(name, group or 32)

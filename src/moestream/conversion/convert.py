@@ -35,6 +35,7 @@ from .gguf_blocks import GROUP as BLOCK_GROUP
 from .quant import (
     DEFAULT_GROUP_SIZE,
     DENSE_FORMATS,
+    TABLE_GROUP,
     QuantFormat,
     dense_formats,
     expert_record_specs,
@@ -200,11 +201,13 @@ def _group_keys(group: _Group) -> list[str]:
     return [k for keys in group.keys.values() for k in keys]
 
 
-def _expert_int4(src: _ExpertSource, e: int, ckpt, model, target: str, shape, name: str) -> dict[str, torch.Tensor] | None:
-    """`_source_int4` of expert `e`'s weight (None where its source has no codes)."""
+def _expert_codes(
+    src: _ExpertSource, e: int, ckpt, model, target: str, shape, name: str, table: str | None
+) -> dict[str, torch.Tensor] | None:
+    """`_source_codes` of expert `e`'s weight (None where its source has no codes)."""
     if src.fused_key is not None:
-        return _source_int4(src.fused_key, ckpt, model, target, shape, name, index=e)
-    return _source_int4(src.per_expert[e], ckpt, model, target, shape, name)
+        return _source_codes(src.fused_key, ckpt, model, target, shape, name, index=e, table=table)
+    return _source_codes(src.per_expert[e], ckpt, model, target, shape, name, table=table)
 
 
 def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> torch.Tensor:
@@ -220,7 +223,11 @@ def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) 
 
 def _keeps_codes(fmt, ckpt, transposed: bool = False) -> bool:
     """Whether weights stored in `fmt` are taken as codes from the source's blocks where it has them (a
-    GGUF's 4-bit blocks of 32: gguf_blocks.py) instead of being decoded and quantized again."""
+    GGUF's 4-bit blocks of 32, or its MXFP4/IQ4 blocks for a table format: gguf_blocks.py) instead of being
+    decoded and quantized again. A table format's codes come in the record's [N, K] orientation whatever
+    the module's float one (GGUFCheckpoint.read_table)."""
+    if isinstance(fmt, QuantFormat) and fmt.table is not None:
+        return hasattr(ckpt, "read_table")
     return (
         hasattr(ckpt, "read_int4")
         and isinstance(fmt, QuantFormat)
@@ -230,17 +237,24 @@ def _keeps_codes(fmt, ckpt, transposed: bool = False) -> bool:
     )
 
 
-def _source_int4(source, ckpt, model, target: str, shape, name: str, index: int | None = None) -> dict[str, torch.Tensor] | None:
+def _source_codes(
+    source, ckpt, model, target: str, shape, name: str, index: int | None = None, table: str | None = None
+) -> dict[str, torch.Tensor] | None:
     """The int4 group-32 record tensors (`quant.int4_parts` named `name`) of a weight of `shape` [N, K]
-    whose source blocks hold its codes (`ckpt.read_int4`: portable bytes, scales and zeros), through the
+    whose source blocks hold its codes (`ckpt.read_int4`: portable bytes, scales and zeros; or with
+    `table`, a table format's: `ckpt.read_table`), through the
     same conversion operations as its floats would go (they stack, concatenate and rename along the rows,
     which the bytes, scales and zeros all share); None where a source tensor has no codes, or the
     conversion's result is not its [N, K/2] bytes. `source`: a checkpoint key (slice `index` of it), or a
     converter group."""
+
+    def read_codes(key: str, i: int | None = None):
+        return ckpt.read_table(key, table, i) if table else ckpt.read_int4(key, i)
+
     if isinstance(source, str):
-        parts = ckpt.read_int4(source, index)
+        parts = read_codes(source, index)
     else:
-        read = {k: ckpt.read_int4(k) for k in _group_keys(source)}
+        read = {k: read_codes(k) for k in _group_keys(source)}
         if any(v is None for v in read.values()):
             return None
         parts = [_run_converter(source, ckpt, model, target, read=lambda k, i=i: read[k][i]) for i in range(3)]
@@ -291,9 +305,11 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
     module = target.rpartition(".")[0]
     rows = ckpt.rows(source) if isinstance(source, str) and hasattr(ckpt, "rows") and want.dim() == 2 else None
     sliced = rows is not None and rows == want.shape[0]
-    codes_kept = _keeps_codes(fmt, ckpt) and (ckpt.has_int4_codes(source) if sliced else True)
+    table = fmt.name if isinstance(fmt, QuantFormat) and fmt.table is not None else None
+    has_codes = (lambda key: ckpt.table_of(key) == table) if table else (lambda key: ckpt.has_int4_codes(key))
+    codes_kept = _keeps_codes(fmt, ckpt) and (has_codes(source) if sliced else True)
     if codes_kept and not sliced:
-        kept = _source_int4(source, ckpt, model, target, want.shape, module)
+        kept = _source_codes(source, ckpt, model, target, want.shape, module, table=table)
         if kept is not None:
             yield from kept.items()
             return
@@ -310,7 +326,8 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
         def piece(r: int) -> dict[str, torch.Tensor]:
             stop = min(rows, r + step)
             if codes_kept:  # the blocks' codes, a slice of rows at a time (a 150k-token embedding: 170 MB of them)
-                nibbles, scales, zeros = ckpt.read_int4_rows(source, r, stop)
+                read_rows = ckpt.read_table_rows if table else ckpt.read_int4_rows
+                nibbles, scales, zeros = read_rows(source, r, stop)
                 if nibbles.shape[1] * 2 != want.shape[1]:
                     raise SourceError(
                         f"{target} has {nibbles.shape[1] * 2} columns in the checkpoint, the model expects {want.shape[1]}"
@@ -340,7 +357,10 @@ def _expert_record(ckpt, model, name: str, module, sources: dict[str, _ExpertSou
     record = np.zeros(layout.stride, dtype=np.uint8)
     for p in sources:
         target, shape = f"{name}.{p}", params[p].shape[1:]
-        parts = _expert_int4(sources[p], e, ckpt, model, target, shape, p) if codes_kept and len(shape) == 2 else None
+        parts = None
+        if codes_kept and len(shape) == 2:  # codes come [N, K], as records hold them
+            rows_cols = tuple(reversed(shape)) if module.is_transposed else shape
+            parts = _expert_codes(sources[p], e, ckpt, model, target, rows_cols, p, fmt.name if fmt.table else None)
         if parts is None:
             t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
             if fmt is not None and t.dim() == 2:
@@ -482,28 +502,39 @@ def _first_key(source) -> str:
 
 
 def _gguf_expert_choice(gguf, sources: dict[str, _ExpertSource], module) -> str | None:
-    """An experts layer's default format from a GGUF: one format per layer, so the bits of its projections'
+    """An experts layer's default format from a GGUF: the table format its projections' blocks are all codes
+    of (MXFP4, IQ4_NL/IQ4_XS: kept exactly); else one format per layer, so the bits of its projections'
     blocks averaged over their weights (Q4_K_M's Q4_K gate and up with a Q6_K down: 4.67 -> int4)."""
     params = dict(expert_parameters(module))
+    # A fused parameter's tensor, or the tensors merged into it (gate and up: equal shares of its weights)
+    keys = {p: [s.fused_key] if s.fused_key is not None else _group_keys(s.per_expert[0]) for p, s in sources.items()}
+    matrices = [k for p, ks in keys.items() if params[p][0].dim() == 2 for k in ks]
+    tables = {gguf.table_of(k) for k in matrices}
+    if len(tables) == 1 and None not in tables:
+        return tables.pop()
     total = weights = 0
-    for p, src in sources.items():
-        # A fused parameter's tensor, or the tensors merged into it (gate and up: equal shares of its weights)
-        keys = [src.fused_key] if src.fused_key is not None else _group_keys(src.per_expert[0])
-        bits = sum(gguf.code_bits(k) or 16 for k in keys) / len(keys)
+    for p in sources:
+        bits = sum(gguf.code_bits(k) or 16 for k in keys[p]) / len(keys[p])
         total += bits * params[p][0].numel()
         weights += params[p][0].numel()
     return _gguf_bits_format(total / weights, _EXPERT_BITS)
 
 
 def _gguf_dense_formats(gguf, plan: ConversionPlan, linears, group_size: int) -> dict[str, QuantFormat]:
-    """Each resident linear layer's default format from a GGUF: the bits of its blocks (dense_formats then
-    widens where a kernel cannot take the shape, and keeps the LM head at int8 at least)."""
+    """Each resident linear layer's default format from a GGUF: the table format its MXFP4/IQ4 blocks are codes
+    of (kept exactly); else the bits of its blocks (dense_formats then widens where a kernel cannot take the
+    shape, and keeps the LM head at int8 at least)."""
     by_choice: dict[str, list] = {}
+    dense = {}
     for linear in linears:
-        source = plan.resident.get(f"{linear[0]}.weight")
+        name, n, k, head = linear
+        source = plan.resident.get(f"{name}.weight")
+        table = gguf.table_of(source) if isinstance(source, str) else None
+        if table is not None and not head and k % TABLE_GROUP == 0 and n % 16 == 0:  # MXFP4/IQ4 blocks: kept exactly
+            dense[name] = QuantFormat.make(table)
+            continue
         bits = gguf.code_bits(_first_key(source)) if source is not None else None
         by_choice.setdefault(_gguf_bits_format(bits or 16, _DENSE_BITS), []).append(linear)
-    dense = {}
     for choice, group in by_choice.items():
         dense.update(dense_formats(group, choice, group_size))
     return dense
@@ -513,7 +544,8 @@ def _gguf_embedding_format(gguf, model, plan: ConversionPlan, group_size: int) -
     """{name: format} for a GGUF's untied token embedding stored in blocks, so that the store does not hold
     a bf16 copy two to six times their size (core/dense.py's QuantizedEmbedding looks rows up in it): the
     narrowest dense format with at least their code bits, int4 in groups for Q2_K to Q4_K (4-bit blocks of
-    32 keep their codes: _keeps_codes), int8 by rows for Q5_x to Q8_0. Unlike a linear layer's (nearest
+    32 keep their codes: _keeps_codes), int8 by rows for Q5_x to Q8_0; MXFP4/IQ4 blocks keep theirs in their
+    table format. Unlike a linear layer's (nearest
     bits), a lookup reads one row per token, so its bits cost memory, not decode time: Q5_K re-rounded to
     int4 cost a third more KL on the fixture, int8 nothing measurable (docs/BENCHMARKS.md). Blocks other
     than 4-bit ones of 32 are decoded and quantized a slice of rows at a time. Empty for a float embedding,
@@ -527,7 +559,11 @@ def _gguf_embedding_format(gguf, model, plan: ConversionPlan, group_size: int) -
     bits = gguf.code_bits(source) if isinstance(source, str) else None
     if bits is None:
         return {}
-    fmt = QuantFormat.make("int8") if bits > 4 else QuantFormat.make("int4", group_size)
+    table = gguf.table_of(source)
+    if table is not None:  # MXFP4/IQ4 blocks: their codes kept in the table format
+        fmt = QuantFormat.make(table)
+    else:
+        fmt = QuantFormat.make("int8") if bits > 4 else QuantFormat.make("int4", group_size)
     if fmt.group_size and embedding.embedding_dim % fmt.group_size:
         return {}
     return {name: fmt}

@@ -12,6 +12,14 @@ each 32 bytes hold two sub-blocks, the first in the low nibbles. s and z are com
 for Q4_0 and Q4_K's s; one rounding for the zeros), and a store keeps them in bfloat16, its one loss
 against the file (docs/BENCHMARKS.md, "GGUF files as a convert source").
 
+MXFP4, IQ4_NL and IQ4_XS blocks hold 4-bit indices into a table of 16 values with a scale per 32 weights
+(w = T[q] * s), the same pairing of nibbles as Q4_0: `table_nibbles` reads them as a table format's codes
+and scales (quant.py's mxfp4 and iq4nl):
+- MXFP4 (17 bytes: an e8m0 exponent e, 16 bytes of codes): T = e2m1 values doubled, s = 2^(e - 128);
+- IQ4_NL (18 bytes: fp16 d, 16 bytes of codes): s = d;
+- IQ4_XS (136 bytes per 256 weights: fp16 d, the high 2 bits of eight 6-bit scales in a uint16, their low 4
+  bits in 4 bytes, 128 bytes of codes): sub-block j has s = d (ls_j - 32).
+
 Other block types have no int4 group-32 counterpart (5, 6 and 8-bit codes; Q2_K and Q3_K scale groups of 16)
 and are decoded to floats and quantized as any float weight is: by gguf-py's `dequantize`, except Q6_K
 (`q6_k_decoded`: the same values 2.5x faster), the LM head of nearly every K-quant file, whose decoding
@@ -105,6 +113,44 @@ def _q4_k_scales(blocks: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.
     mn = np.concatenate([high & 63, (mixed >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
     s = d * sc
     return s, 8 * s - dmin * mn
+
+
+# ggml type numbers of the table blocks -> (the table format holding them, bytes per block, weights per block)
+MXFP4, IQ4_NL, IQ4_XS = 39, 20, 23
+_TABLE_BLOCKS = {MXFP4: ("mxfp4", 17, 32), IQ4_NL: ("iq4nl", 18, 32), IQ4_XS: ("iq4nl", 136, 256)}
+
+
+def table_of(ggml_type: int) -> str | None:
+    """The table format (quant.TABLES) whose codes blocks of this type hold, or None."""
+    entry = _TABLE_BLOCKS.get(ggml_type)
+    return entry[0] if entry else None
+
+
+def table_nibbles(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nibbles [rows, cols/2] uint8 in the store's portable layout, s [rows, cols/32] float32) of `raw`,
+    `rows` rows of MXFP4, IQ4_NL or IQ4_XS blocks, such that each weight is T[code] * s with T the table of
+    `table_of(ggml_type)`; s is exact in float32 (a power of two, an fp16, an fp16 times a small integer)."""
+    _, per_block, weights = _TABLE_BLOCKS[ggml_type]
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // weights, per_block)
+    if ggml_type == IQ4_XS:
+        words = blocks.view("<u2")
+        low = blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)  # [rows, n, 4, 2]: sub-blocks 2i, 2i+1
+        high = words[..., 1, None] >> (2 * np.arange(8, dtype=np.uint16))
+        ls = (low.reshape(*blocks.shape[:-1], 8) & 15) | ((high & 3) << 4).astype(np.uint8)
+        s = _half(words[..., 0])[..., None] * (ls.astype(np.float32) - 32)
+        codes = blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16)
+    else:
+        if ggml_type == MXFP4:  # 2^(e - 128): e in the float32 exponent field, 2^-127 and 2^-128 as subnormals
+            e = blocks[..., 0].astype(np.int32)
+            s = np.ldexp(np.float32(1), e - 128).astype(np.float32)
+        else:
+            s = _half(blocks[..., :2].copy().view("<u2")[..., 0])
+        codes = blocks[..., per_block - 16 :]
+    nibbles = _repaired(np.ascontiguousarray(codes).view("<u2"))  # 16 bytes of codes: a block of 32, as Q4_0's
+    return torch.from_numpy(nibbles.reshape(rows, cols // 2)), torch.from_numpy(
+        np.ascontiguousarray(s, dtype=np.float32).reshape(rows, cols // GROUP)
+    )
 
 
 # Q6_K's 210-byte super-block of 256 weights: ql (128 bytes: the low 4 bits), qh (64: the high 2), 16 int8

@@ -258,6 +258,33 @@ class GGUFCheckpoint:
             parts = tuple(_unpermute(x, src.unpermute_heads) for x in parts)
         return parts
 
+    def read_table(
+        self, key: str, table: str, index: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Tensor `key` (or its slice `[index]`) as codes of the table format `table` (quant.TABLES) in the
+        store's portable bytes [N, K/2], a float32 scale per 32 weights [N, K/32] and zeros (w = T[q] * s, so
+        0), read from its MXFP4/IQ4 blocks; None if they hold another table's codes or none. [N, K] are the
+        file's rows and columns, the orientation of a quantized record: gpt-oss's gate and up rows are
+        interleaved here as `read` does, and its transposition (a float matrix's) does not apply."""
+        src = self.sources[key]
+        tensors = [src.tensor] + ([src.interleave] if src.interleave is not None else [])
+        if any(gguf_blocks.table_of(t.ggml_type) != table for t in tensors) or src.v_b is not None or src.shape is not None:
+            return None
+        expert = self._expert(key, index)
+        if len(src.tensor.shape) - (expert is not None) != 2:
+            return None
+        read = [self._read_table(t, expert) for t in tensors]
+        nibbles, scales = read[0] if len(read) == 1 else (torch.stack(parts, dim=1).flatten(0, 1) for parts in zip(*read))
+        if src.unpermute_heads is not None:
+            nibbles, scales = _unpermute(nibbles, src.unpermute_heads), _unpermute(scales, src.unpermute_heads)
+        return nibbles, scales, torch.zeros_like(scales)
+
+    def table_of(self, key: str) -> str | None:
+        """The table format that all of tensor `key`'s blocks are codes of, or None."""
+        src = self.sources[key]
+        tables = {gguf_blocks.table_of(t.ggml_type) for t in (src.tensor, src.interleave) if t is not None}
+        return tables.pop() if len(tables) == 1 and src.v_b is None and src.shape is None else None
+
     def has_int4_codes(self, key: str) -> bool:
         """Whether `read_int4` gives tensor `key`'s codes (whole rows of 4-bit blocks of 32)."""
         src = self.sources[key]
@@ -293,6 +320,12 @@ class GGUFCheckpoint:
         """`read_int4` of rows [start, stop) of matrix `key`; only where `rows(key)` is a number and
         `has_int4_codes(key)`."""
         return self._read_int4(_rows_of(self.sources[key].tensor, start, stop), None)
+
+    def read_table_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`read_table` of rows [start, stop) of matrix `key`; only where `rows(key)` is a number and
+        `table_of(key)` names a table."""
+        nibbles, scales = self._read_table(_rows_of(self.sources[key].tensor, start, stop), None)
+        return nibbles, scales, torch.zeros_like(scales)
 
     def source_types(self) -> dict:
         """What the store records of the file for `inspect`: the block type (ggml's name: Q4_K, Q6_K, F32, ...)
@@ -351,6 +384,11 @@ class GGUFCheckpoint:
         # Read once: keep the page cache for what the converter writes (the source can be 100s of GB).
         os.posix_fadvise(fd, start, nbytes, os.POSIX_FADV_DONTNEED)
         return np.frombuffer(buf, dtype=np.uint8), shape
+
+    def _read_table(self, t: _Tensor, expert: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A matrix of MXFP4/IQ4 blocks (or its expert's slice) as portable bytes of table codes and scales."""
+        raw, shape = self._read_bytes(t, expert)
+        return gguf_blocks.table_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
 
     def _read_int4(self, t: _Tensor, expert: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A matrix of 4-bit blocks of 32 (or its expert's slice) as portable int4 bytes, scales and zeros."""

@@ -11,6 +11,11 @@ tensors a kernel consumes directly (kernels.py), so a record goes from disk to t
   torch version or device (`PORTABLE_PACKING`). The running machine's kernels get their own layout from
   it (core/repack.py); stores of format version 3 held torch's CPU kernel layout for the converting CPU
   (`LEGACY_PACKINGS`), and `legacy_nibble_index` says where each code sits in those.
+- mxfp4, iq4nl (table formats): the int4 layout (`qweight` nibbles, `scales_zeros` bf16 [K/32, N, 2],
+  groups of 32), but code q stands for TABLES[name][q], an int8 value: W = T[q] * s + z. MXFP4's e2m1 values
+  doubled with s = 2^(e - 128) (llama.cpp's kvalues_mxfp4), IQ4_NL's 16 levels with its block scale: a GGUF's
+  MXFP4, IQ4_NL and IQ4_XS blocks are kept exactly (z = 0), up to IQ4's scales rounded to bf16. Their int8
+  values run through the same int8-activation kernels as int8 weights (a table lookup per 32 codes).
 - int3, int2: the int4 format restricted to codes 0..2^b-1 (so W = (q - 8) * s + z = q * s + m with
   z = m + 8 s), with the int4 bytes compressed densely: int2 keeps the 2 used bits of every nibble (two
   int4 bytes in one), int3 the 3 used bits (four int4 bytes in three). Expanding back is a handful of
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..choices import DEFAULT_GROUP_SIZE, DENSE_FORMATS, GROUP_SIZES, QUANT_FORMATS  # noqa: F401 (this module's names)
+from ..choices import DEFAULT_GROUP_SIZE, DENSE_FORMATS, GROUP_SIZES, QUANT_FORMATS, TABLE_FORMATS  # noqa: F401 (this module's names)
 from ..errors import UsageError
 
 #: The int4 `packing` of format version 4: plain nibbles in row order, the same on every machine.
@@ -37,6 +42,14 @@ PORTABLE_PACKING = "nibbles"
 #: The int4 packings of format version 3 stores: torch's CPU int4 kernel layout of the CPU that converted
 #: them (`moestream upgrade` rewrites them as PORTABLE_PACKING).
 LEGACY_PACKINGS = ("torch-cpu-default", "torch-cpu-avx2", "torch-cpu-avx512")
+
+
+#: Each table format's 16 values, by code (llama.cpp's kvalues_mxfp4 and kvalues_iq4nl).
+TABLES = {
+    "mxfp4": (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12),
+    "iq4nl": (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+}
+TABLE_GROUP = 32  # a table format's weights per scale: the blocks it holds
 
 
 def torch_int4_packing() -> str:
@@ -49,13 +62,18 @@ def torch_int4_packing() -> str:
 class QuantFormat:
     """How the expert matrices of one layer are stored; recorded per layer in the manifest."""
 
-    name: str  # one of QUANT_FORMATS
+    name: str  # one of QUANT_FORMATS or TABLE_FORMATS
     group_size: int | None = None  # inputs per scale (None: int8, per output channel)
     packing: str | None = None  # int4/int3/int2: PORTABLE_PACKING, or a version 3 store's LEGACY_PACKINGS
 
     @property
     def bits(self) -> int:
-        return int(self.name[3:])
+        return 4 if self.name in TABLES else int(self.name[3:])
+
+    @property
+    def table(self) -> tuple[int, ...] | None:
+        """A table format's 16 values (code q stands for table[q]), or None."""
+        return TABLES.get(self.name)
 
     @property
     def params(self) -> str:
@@ -70,10 +88,12 @@ class QuantFormat:
 
     @staticmethod
     def make(name: str, group_size: int = DEFAULT_GROUP_SIZE) -> "QuantFormat":
-        if name not in QUANT_FORMATS:
+        if name not in QUANT_FORMATS + TABLE_FORMATS:
             raise UsageError(f"unknown quantized format {name!r}; choose one of {', '.join(QUANT_FORMATS)}")
         if name == "int8":
             return QuantFormat("int8")
+        if name in TABLES:
+            return QuantFormat(name, TABLE_GROUP, PORTABLE_PACKING)
         if group_size not in GROUP_SIZES:
             raise UsageError(f"group size {group_size} is not supported; choose one of {GROUP_SIZES}")
         return QuantFormat(name, group_size, PORTABLE_PACKING)
@@ -115,6 +135,8 @@ def quantize(w: torch.Tensor, fmt: QuantFormat) -> Quantized:
     are not quantized again: their codes go into int4 group-32 records as they are, gguf_blocks.py.)"""
     w = w.to(torch.float32)
     n, k = w.shape
+    if fmt.table is not None:
+        return _nearest_in_table(w, fmt)
     if fmt.name == "int8":
         # |w|'s row maxima without |w| itself, and one temporary rounded in place: the same values, 1.7x faster
         # than abs, amax, round and clamp each making a copy (a 150k-token LM head is 37 slices of 32 MiB).
@@ -131,6 +153,18 @@ def quantize(w: torch.Tensor, fmt: QuantFormat) -> Quantized:
     return Quantized(codes.clamp_(0, levels).to(torch.uint8).view(n, k), scales, zeros)
 
 
+def _nearest_in_table(w: torch.Tensor, fmt: QuantFormat) -> Quantized:
+    """A float matrix in a table format (tests, and `kernels.measure_activations`; a converter takes a GGUF's
+    table codes as they are): per group, s = max |w| / max |T|, z = 0, each weight the nearest value."""
+    n, k = w.shape
+    table = torch.tensor(fmt.table, dtype=torch.float32)
+    g = w.view(n, k // fmt.group_size, fmt.group_size)
+    scales = (g.abs().amax(dim=2) / table.abs().max()).clamp_min(1e-30).to(torch.bfloat16)
+    values, order = table.sort()
+    nearest = torch.bucketize(g / scales.float()[..., None], (values[1:] + values[:-1]) / 2)
+    return Quantized(order[nearest].to(torch.uint8).view(n, k), scales, torch.zeros_like(scales))
+
+
 def reference_dequantize(q: Quantized, fmt: QuantFormat) -> torch.Tensor:
     """The format's definition, in float64: what every kernel must compute (up to its arithmetic)."""
     codes = q.codes.to(torch.float64)
@@ -138,6 +172,8 @@ def reference_dequantize(q: Quantized, fmt: QuantFormat) -> torch.Tensor:
         return codes * q.scales.to(torch.float64)[:, None]
     s = q.scales.to(torch.float64).repeat_interleave(fmt.group_size, dim=1)
     z = q.offsets.to(torch.float64).repeat_interleave(fmt.group_size, dim=1)
+    if fmt.table is not None:
+        return torch.tensor(fmt.table, dtype=torch.float64)[q.codes.long()] * s + z
     return (codes - 8) * s + z
 
 

@@ -16,7 +16,7 @@ import xxhash
 
 from ..errors import StoreError
 from ..version import __version__
-from .quant import GROUP_SIZES, LEGACY_PACKINGS, PORTABLE_PACKING, QUANT_FORMATS, QuantFormat
+from .quant import GROUP_SIZES, LEGACY_PACKINGS, PORTABLE_PACKING, QUANT_FORMATS, TABLE_FORMATS, TABLE_GROUP, QuantFormat
 
 FORMAT_NAME = "moestream-store"
 # 2 added per-layer `quantization`; 3 added `dense_quantization` (resident linears stored quantized);
@@ -287,10 +287,13 @@ def _parse_quantization(raw, where: str) -> QuantFormat | None:
     if raw is None:
         return None
     name = _get(raw, "format", str, where)
-    _require(name in QUANT_FORMATS, where, f"unknown format {name!r}")
+    _require(name in QUANT_FORMATS + TABLE_FORMATS, where, f"unknown format {name!r}")
     group = raw.get("group_size")
     packing = raw.get("packing")
-    if name == "int8":
+    if name in TABLE_FORMATS:
+        _require(type(group) is int and group == TABLE_GROUP, where, f"{name} has groups of {TABLE_GROUP}")
+        _require(packing == PORTABLE_PACKING, where, f"{name} codes are stored as {PORTABLE_PACKING!r}")
+    elif name == "int8":
         _require(group is None and packing is None, where, "int8 has no group size or packing")
     else:
         # type(): 32.0 == 32 and True == 1, but the int4 kernel takes only an int.

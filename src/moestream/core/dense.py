@@ -45,7 +45,7 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """The token embedding held as `qweight` plus `scales_zeros` (int4) or `scales` (int8), as the
+    """The token embedding held as `qweight` plus `scales_zeros` (int4, or a table format) or `scales` (int8), as the
     converter keeps a GGUF's quantized token embedding (not a bf16 copy two to six times its size). Each
     looked-up row is dequantized as the format defines it (quant.reference_dequantize), in float32, then
     given the model's compute dtype (`dtype`, set by `set_compute_dtype`)."""
@@ -62,10 +62,12 @@ class QuantizedEmbedding(nn.Module):
         if self.fmt.name == "int8":
             rows = self.qweight[ids].float() * self.scales[ids, None].float()
         else:
-            codes = stored_codes(self.qweight[ids], self.fmt).float().view(len(ids), -1, self.fmt.group_size)
+            codes = stored_codes(self.qweight[ids], self.fmt)
+            # a table format's codes stand for its values; the int4 family's for code - 8 (quant.py)
+            values = torch.tensor(self.fmt.table)[codes.long()] if self.fmt.table is not None else codes.float() - 8
             scales_zeros = self.scales_zeros[:, ids].float()  # [K/G, T, 2]
             s, z = scales_zeros[..., 0].t()[..., None], scales_zeros[..., 1].t()[..., None]
-            rows = ((codes - 8) * s + z).view(len(ids), self.embedding_dim)
+            rows = (values.float().view(len(ids), -1, self.fmt.group_size) * s + z).view(len(ids), self.embedding_dim)
         return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -113,7 +115,7 @@ def prepare_for_cpu(model: nn.Module, int8_activations: bool) -> None:
             continue
         if int8_activations and int8_activations_fit(module.fmt, module.out_features, module.in_features):
             module.int8_activations = True
-        elif module.fmt.bits == 4 and module.fmt.portable:
+        elif module.fmt.bits == 4 and module.fmt.portable and module.fmt.table is None:  # tables: read as stored
             module.qweight = kernel_layout(module.qweight)
 
 

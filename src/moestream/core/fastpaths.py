@@ -87,7 +87,7 @@ def _experts(model, engine, compute_dtype: torch.dtype, compiled: bool) -> FastP
             on += 1
         elif fmt is None:
             off.add("float records")
-        elif fmt.name in ("int3", "int2"):
+        elif fmt.name not in ("int4", "int8"):  # int3, int2 and the table formats
             off.add(f"{fmt.name} records")
         elif engine.supply.tier is not None:
             off.add("a device tier")
@@ -107,7 +107,8 @@ def _records(engine, on_gpu: bool) -> FastPath | None:
     layers = [engine.layers[i] for i in indices]
     if on_gpu:
         return FastPath("int4 records", len(layers), len(layers), "read by the GPU kernels as stored")
-    as_stored = sum(engine.int8_activations[i] for i in indices)
+    # int8-activation kernels, and the table formats' float path, read records as stored
+    as_stored = sum(engine.int8_activations[i] or engine.layers[i].quantization.table is not None for i in indices)
     if as_stored == len(layers):
         return FastPath("int4 records", len(layers), len(layers), "read as stored by the int8-activation kernels")
     portable = [layer for layer in layers if layer.quantization.portable]

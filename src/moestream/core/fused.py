@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from . import dense, fused_build
+from . import dense, fused_build, kernels
 
 
 def unavailable_reason() -> str | None:
@@ -324,13 +324,21 @@ _GATE_VERDICTS: dict[tuple, bool] = {}  # (class, activation class, width, dtype
 
 def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activations: bool = False) -> tuple | None:
     """The fused kernel for one token through a layer's experts (`experts_decode`) with the
-    record tensors' names it takes, its bits, group size and whether it takes int8 activations (the
-    layer's `int8_activations`, whose records are then as stored); or None where it does not apply: a device
-    tier, float or int3/int2 records, int8 in bf16 at widths torch's kernel gets wrong (kernels.py's `_int8`), or a
+    record tensors' names it takes, its bits, group size, whether it takes int8 activations (the
+    layer's `int8_activations`, whose records are then as stored) and a table format's values (else None);
+    or None where it does not apply: a device tier, float or int3/int2 records, a table format's in float
+    activations, int8 in bf16 at widths torch's kernel gets wrong (kernels.py's `_int8`), or a
     module whose gate differs from the kernel's. int4 with float32 activations casts them to bf16 and back,
     as kernels.py's `_int4` does, so both compute the same numbers."""
     fmt = layer.quantization
-    if tiered or x.device.type != "cpu" or fmt is None or fmt.name not in ("int4", "int8"):
+    if tiered or x.device.type != "cpu" or fmt is None:
+        return None
+    table = None
+    if fmt.table is not None:  # a table format: with int8 activations, its values handed to the kernel
+        if not int8_activations:
+            return None
+        table = kernels.table_values(fmt.name)
+    elif fmt.name not in ("int4", "int8"):
         return None
     first = "gate_up_proj" if module.has_gate else "up_proj"
     shapes = {t.name: t.shape for t in layer.layout.tensors}
@@ -341,7 +349,7 @@ def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activat
     if kernel is None:
         return None
     names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
-    return kernel, names, fmt.bits, fmt.group_size or 0, int8_activations
+    return kernel, names, fmt.bits, fmt.group_size or 0, int8_activations, table
 
 
 def experts_kernel(module: nn.Module, width: int, dtype: torch.dtype):

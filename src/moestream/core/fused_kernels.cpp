@@ -171,7 +171,8 @@ static torch::Tensor over_rows(const lowbit::Activations& a, int64_t n, int64_t 
 }
 
 // int4 codes in the store's portable nibbles, w [N, K/2] uint8, with scales and zeros [K/G, N, 2] bf16.
-static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& sz, int64_t bits, at::ScalarType dtype) {
+static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& sz, int64_t bits, at::ScalarType dtype,
+                               const int8_t* table = nullptr) {
   TORCH_CHECK(bits >= 2 && bits <= 4, "int4 x int8: 2, 3 or 4 bits");
   const int64_t n = w.size(0);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) * 2 == a.k && n % 8 == 0,
@@ -181,7 +182,8 @@ static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor
               "int4 x int8: scales and zeros must be contiguous bf16 [K/G, N, 2]");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
-  return over_rows(a, n, 8, a.k / 2, dtype, [&](int64_t b, int64_t e, float* y) { lowbit::int4_rows(a, wp, sp, static_cast<int>(bits), n, b, e, y); });
+  return over_rows(a, n, 8, a.k / 2, dtype,
+                   [&](int64_t b, int64_t e, float* y) { lowbit::int4_rows(a, wp, sp, static_cast<int>(bits), n, b, e, y, table); });
 }
 
 // int8 codes w [N, K] with per-channel scales [N] (float32 or bf16).
@@ -201,15 +203,25 @@ static void quantize_for(const torch::Tensor& x, int64_t bits, int64_t group, lo
   quantize_rows(x, bits == 8 ? 0 : group, a);
 }
 
+// `table`: a 4-bit table format's 16 int8 values (its matrices are the int4 family's bytes, groups of 32), or null.
 static torch::Tensor against(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& params, int64_t bits,
-                             at::ScalarType dtype) {
-  return bits == 8 ? int8_rows(a, w, params, dtype) : int4_rows(a, w, params, bits, dtype);
+                             at::ScalarType dtype, const int8_t* table = nullptr) {
+  return bits == 8 ? int8_rows(a, w, params, dtype) : int4_rows(a, w, params, bits, dtype, table);
 }
 
-static torch::Tensor integer_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group) {
+static torch::Tensor integer_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group,
+                                    const int8_t* table = nullptr) {
   thread_local lowbit::Activations a;
   quantize_for(x, bits, group, a);
-  return against(a, w, params, bits, x.scalar_type());
+  return against(a, w, params, bits, x.scalar_type(), table);
+}
+
+// The values of a table format as the kernels take them (quant.TABLES), checked.
+static const int8_t* table_values(const c10::optional<torch::Tensor>& table) {
+  if (!table.has_value()) return nullptr;
+  TORCH_CHECK(table->scalar_type() == at::kChar && table->numel() == 16 && table->is_contiguous() && table->device().is_cpu(),
+              "a table format's values must be 16 contiguous int8");
+  return table->data_ptr<int8_t>();
 }
 
 // x [M, K] @ W.T for an int4 (portable nibbles) or int8 matrix, in int8 activations -> [M, N] in x's dtype.
@@ -222,6 +234,11 @@ torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 
 torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales) { return integer_matmul(x, w, scales, 8, 0); }
 
+// As int4_matmul for a 4-bit table format (quant.py: W = T[c] s + z per group of 32), `table` its 16 int8 values.
+torch::Tensor table_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales_zeros, torch::Tensor table) {
+  return integer_matmul(x, w, scales_zeros, 4, lowbit::kBlock, table_values(table));
+}
+
 // The portable loops on any CPU (on) or the CPU's SIMD ones where it has them (off); returns the previous.
 bool lowbit_portable(bool on) {
   const bool previous = lowbit::portable_only();
@@ -233,8 +250,9 @@ bool lowbit_portable(bool on) {
 // portable bytes; else the int4 kernel in bf16 (other activations cast in and the result cast back) on
 // torch's layout, the int8 kernel in the activations' dtype.
 static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group,
-                               bool integer) {
-  if (integer) return integer_matmul(x, q, params, bits, group);
+                               bool integer, const int8_t* table = nullptr) {
+  if (integer) return integer_matmul(x, q, params, bits, group, table);
+  TORCH_CHECK(table == nullptr, "a table format runs with int8 activations only");
   if (bits == 4) {
     if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
     return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), q, group, params).to(x.scalar_type());
@@ -246,25 +264,29 @@ static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, c
 // and up stacked, [2I, H]) and second ([H, I]) in torch's CPU kernels' layouts (bits 4: the int4 kernel
 // with `group`; 8: the int8 kernel) -> [n, H], row j expert j's output. The same kernels the engine calls
 // one op at a time, without the dispatch between them.
+// With `table` (int8 activations): the matrices are a 4-bit table format's (quant.py), these its 16 values.
 // With `weights` [n, 1]: instead the weighted sum over the experts [1, H], as the engine computes it (its
 // rows multiplied in place, then summed), one call for a whole one-token experts call.
 torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, std::vector<torch::Tensor> first_params,
                              std::vector<torch::Tensor> second, std::vector<torch::Tensor> second_params, int64_t bits, int64_t group,
-                             bool integer, c10::optional<torch::Tensor> weights) {
+                             bool integer, c10::optional<torch::Tensor> weights, c10::optional<torch::Tensor> table) {
   const int64_t n = static_cast<int64_t>(first.size());
   TORCH_CHECK(n > 0 && first_params.size() == first.size() && second.size() == first.size() && second_params.size() == first.size(),
               "experts_decode: one first and one second matrix per expert");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "experts_decode: x must be one contiguous row [1, H]");
   TORCH_CHECK(bits == 4 || bits == 8, "experts_decode: 4 or 8 bits");
+  const int8_t* values = table_values(table);  // a 4-bit table format (int8 activations only), or null
+  TORCH_CHECK(values == nullptr || (integer && bits == 4 && group == lowbit::kBlock), "experts_decode: a table format takes int8 activations");
   thread_local lowbit::Activations shared;  // with `integer`: x quantized once for every expert's first matrix
   lowbit::Activations& xq = shared;           // (this thread's: the lambda below may run on others)
   if (integer) quantize_for(x, bits, group, xq);
   std::vector<torch::Tensor> ys(n);
   auto expert = [&](int64_t j) {
-    auto h = integer ? against(xq, first[j], first_params[j], bits, x.scalar_type()) : quantized(x, first[j], first_params[j], bits, group, false);
+    auto h = integer ? against(xq, first[j], first_params[j], bits, x.scalar_type(), values)
+                     : quantized(x, first[j], first_params[j], bits, group, false);
     auto a = torch::empty({1, h.size(1) / 2}, h.options());
     silu_gate_into(h, a);
-    ys[j] = quantized(a, second[j], second_params[j], bits, group, integer);
+    ys[j] = quantized(a, second[j], second_params[j], bits, group, integer, values);
   };
   // With int8 activations and at least two experts per thread, each thread takes whole experts: one fork
   // and join per call instead of two per expert (inside, the matmuls and torch's ops run on that thread).
@@ -482,6 +504,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_decode_out", &attention_decode_out);
   m.def("int4_matmul", &int4_matmul);
   m.def("int8_matmul", &int8_matmul);
+  m.def("table_matmul", &table_matmul);
   m.def("lowbit_portable", &lowbit_portable);
   m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
 }

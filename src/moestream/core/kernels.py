@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .. import choices
 from ..choices import ACTIVATIONS
-from ..conversion.quant import QuantFormat, expand_int4_bytes, pack, quantize, torch_int4_packing, unpack_nibbles
+from ..conversion.quant import TABLES, QuantFormat, expand_int4_bytes, pack, quantize, torch_int4_packing, unpack_nibbles
 from ..errors import StoreError, UsageError
 from . import fused_build
 from .repack import RecordPreparer
@@ -57,6 +57,37 @@ def _int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fm
     if x.dtype == torch.bfloat16:
         return torch._weight_int4pack_mm_for_cpu(x, qweight, fmt.group_size, scales_zeros)
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qweight, fmt.group_size, scales_zeros).to(x.dtype)
+
+
+def _table(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """A table format (quant.py) in float activations, on any device: the matrix dequantized to the
+    activations' dtype for this call (W = T[q] * s + z per group), then one matmul. torch has no kernel of
+    its own for these codes; on the CPU the int8-activation kernel is the fast path (`choose_activations`)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    values = _byte_values(fmt.name, x.dtype, x.device).index_select(0, qweight.reshape(-1).long())
+    values = values.view(n, k // fmt.group_size, fmt.group_size)
+    scales = scales_zeros[..., 0].t().to(x.dtype)[:, :, None]  # [N, K/G, 1]
+    zeros = scales_zeros[..., 1].t().to(x.dtype)[:, :, None]
+    return F.linear(x, (values * scales + zeros).view(n, k))
+
+
+def _int8_activations_table(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    return _compiled().table_matmul(x, qweight, scales_zeros, table_values(fmt.name))
+
+
+@functools.lru_cache(maxsize=None)
+def table_values(name: str) -> torch.Tensor:
+    """A table format's 16 values as the compiled kernels take them (int8)."""
+    return torch.tensor(TABLES[name], dtype=torch.int8)
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_values(name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 2]: the two values a byte of a table format's portable nibbles stands for (low nibble first),
+    so that a matrix is looked up one byte, not one code, at a time."""
+    table = torch.tensor(TABLES[name], dtype=dtype)
+    byte = torch.arange(256)
+    return torch.stack([table[byte & 15], table[byte >> 4]], dim=1).to(device)
 
 
 def _int8_activations_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -104,7 +135,7 @@ def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_act
     with the record's tensors), or None where they take them as stored: float and int8 records, a GPU,
     int8-activation kernels, and a version 3 store's records (already in this machine's kernel layout,
     `check_packing`)."""
-    if fmt is None or fmt.name == "int8" or not cpu_kernels or int8_activations or not fmt.portable:
+    if fmt is None or fmt.name == "int8" or fmt.table is not None or not cpu_kernels or int8_activations or not fmt.portable:
         return None
     return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
 
@@ -113,7 +144,7 @@ def cpu_record(record: dict[str, torch.Tensor], fmt: QuantFormat | None) -> dict
     """A portable record's tensors as torch's CPU kernels take them (a copy; what the engine does in place
     where a record lands), for callers that compute with records outside the engine."""
     record = {name: t.clone() for name, t in record.items()}
-    if fmt is not None and fmt.name != "int8":
+    if fmt is not None and fmt.name != "int8" and fmt.table is None:
         RecordPreparer(fmt, [name for name in record if name.endswith(".qweight")])(record)
     return record
 
@@ -132,9 +163,9 @@ def check_packing(fmt: QuantFormat | None, where: str, on_gpu: bool) -> None:
         )
 
 
-_KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4}
+_KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4, "mxfp4": _table, "iq4nl": _table}
 _INT8_ACTIVATION_KERNELS = {"int8": _int8_activations_int8, "int4": _int8_activations_int4, "int3": _int8_activations_int4,
-                            "int2": _int8_activations_int4}  # fmt: skip
+                            "int2": _int8_activations_int4, "mxfp4": _int8_activations_table, "iq4nl": _int8_activations_table}  # fmt: skip
 
 
 def quantized_matmul(
@@ -226,6 +257,9 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
         return False, "float activations: no compiled kernels"
     if choice == "int8":
         return True, "int8 activations, as chosen"
+    tables = sorted({fmt.name for fmt, _, _ in fitting if fmt.table is not None})
+    if tables:  # their float path dequantizes every matrix it multiplies: several times slower than either
+        return True, f"int8 activations: the only fast kernel for {', '.join(tables)} weights"
     fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
     # At most 4096 x 8192 (32 MiB of float32 to quantize from): an LM head of 129k rows would take
     # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
@@ -250,8 +284,11 @@ def int8_activations_reference(x: torch.Tensor, qweight: torch.Tensor, params: t
     if fmt.name == "int8":
         codes = qweight.double().view(qweight.shape[0], k // 32, 32)
         return (torch.einsum("mbi,nbi->mnb", q, codes) * d[:, None, :]).sum(-1) * params.double()[None, :]
-    middle = 2 ** (fmt.bits - 1)  # W = (c - C) s + (z - (8 - C) s): codes centred on C
-    codes = unpack_nibbles(qweight if fmt.bits == 4 else expand_int4_bytes(qweight, fmt.bits)).double() - middle
+    if fmt.table is not None:  # W = T[c] s + z
+        middle, codes = 8, torch.tensor(fmt.table, dtype=torch.float64)[unpack_nibbles(qweight).long()]
+    else:
+        middle = 2 ** (fmt.bits - 1)  # W = (c - C) s + (z - (8 - C) s): codes centred on C
+        codes = unpack_nibbles(qweight if fmt.bits == 4 else expand_int4_bytes(qweight, fmt.bits)).double() - middle
     n, g = codes.shape[0], fmt.group_size
     per_block = torch.einsum("mbi,nbi->mnb", q, codes.view(n, k // 32, 32)) * d[:, None, :]
     per_group = per_block.view(m, n, k // g, g // 32).sum(-1)

@@ -13,6 +13,8 @@
 //   (the second term takes the float activations: it costs nothing and drops that term's rounding; centred
 //   codes keep the first term's small, so int2 and int3 lose no more to the activations' rounding than int4)
 //   int8, W = c s per output channel: y = s sum_b d_b sum_{i in b} c_i q_i
+//   a 4-bit table format (quant.py: MXFP4's e2m1 values, IQ4_NL's levels), W = T[c] s_g + z_g with T 16 int8
+//   values: y = sum_g [ s_g sum_{b in g} d_b sum_{i in b} T[c_i] q_i  +  z_g sum_{i in g} x_i ]
 // Sums over a block are exact integers; the sums over blocks and groups are float32, as is the result.
 //
 // Pure C++ on raw pointers: fused_kernels.cpp wraps these in torch tensors and splits the output rows
@@ -122,9 +124,9 @@ void quantize_blocks(const T* x, int64_t rows, int64_t k, int64_t group, Activat
 // ---- the portable loops (any CPU) ----------------------------------------------------------------------
 
 // int4-family codes of `bits` bits (int3/int2 expanded to int4 bytes), portable nibbles w [N, K/2]; scales and
-// zeros bf16 [K/G, N, 2]; rows n0..n1 of y [rows, N].
+// zeros bf16 [K/G, N, 2]; rows n0..n1 of y [rows, N]. With a `table` (16 int8 values), code c stands for T[c].
 inline void int4_rows_portable(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
-                               float* y) {
+                               float* y, const int8_t* table = nullptr) {
   const float middle = static_cast<float>(1 << (bits - 1));
   const int64_t k = a.k, groups = k / a.group, supers = k / kSuper;
   for (int64_t r = 0; r < a.rows; ++r)
@@ -140,11 +142,15 @@ inline void int4_rows_portable(const Activations& a, const uint8_t* w, const uin
           int32_t dot = 0;
           for (int64_t t = half * 16; t < half * 16 + 16; ++t) {  // 16 bytes: 32 inputs of this block
             const uint8_t byte = row[j * 32 + t];
-            dot += static_cast<int32_t>(byte & 0x0F) * q[t] + static_cast<int32_t>(byte >> 4) * q[kBlock + t];
+            const int32_t even = table ? table[byte & 0x0F] : byte & 0x0F, odd = table ? table[byte >> 4] : byte >> 4;
+            dot += even * q[t] + odd * q[kBlock + t];
           }
           in_group += a.scale[(r * supers + j) * 8 + half * 4] * static_cast<float>(dot);
         }
-        total += s * in_group + ((z - (8.f - middle) * s) * a.sums[r * groups + g] - middle * s * a.centre[r * groups + g]);
+        if (table)
+          total += s * in_group + z * a.sums[r * groups + g];
+        else
+          total += s * in_group + ((z - (8.f - middle) * s) * a.sums[r * groups + g] - middle * s * a.centre[r * groups + g]);
       }
       y[r * n + o] = total;
     }
@@ -206,18 +212,42 @@ __attribute__((target("avx2,fma"), always_inline)) inline void int4_chunk(const 
   }
 }
 
+// As int4_chunk for a table format: the 64 codes looked up in the table (one shuffle per 32), then signed
+// codes against signed activations as int8_tile_avx2 does. Each maddubs pair is at most 2 * 127 * 127, so
+// the two halves are widened to int32 before they are added (16 bits would overflow).
+template <int64_t kTile>
+__attribute__((target("avx2,fma"), always_inline)) inline void table_chunk(const uint8_t* row, const int8_t* q0, const float* d0, int64_t k,
+                                                                          int64_t supers, int64_t j, __m256 sv, __m256i table, __m256* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 32));
+  const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, low));
+  const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low));
+  const __m256i lo_magnitude = _mm256_sign_epi8(lo, lo), hi_magnitude = _mm256_sign_epi8(hi, hi);
+  for (int64_t t = 0; t < kTile; ++t) {
+    const int8_t* q = q0 + t * k + j * kSuper;
+    const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBlock));
+    const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo_magnitude, _mm256_sign_epi8(even, lo)), ones),
+                                          _mm256_madd_epi16(_mm256_maddubs_epi16(hi_magnitude, _mm256_sign_epi8(odd, hi)), ones));
+    const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps(d0 + (t * supers + j) * 8), sv);
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), ds, acc[t]);
+  }
+}
+
 // Weight rows n0..n1 (multiples of 8) against activation rows r0..r0+kTile. Per 8 weight rows, their scales
 // and zeros are one 32-byte load per group ([K/G, N, 2] keeps them side by side), so the zero's and the
 // centre's terms are done for the 8 rows at once, and the scales are kept as floats for the main loop.
 template <int64_t kTile>  // activation rows per pass, a constant so that the accumulators stay in registers
 LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int bits, int64_t n,
-                                       int64_t n0, int64_t n1, float* scales, float* y) {
+                                       int64_t n0, int64_t n1, float* scales, float* y, const int8_t* table) {
   const int64_t k = a.k, group = a.group, groups = k / group, supers = k / kSuper;
   const int8_t* q0 = a.q.data() + r0 * k;
   const float* d0 = a.scale.data() + r0 * supers * 8;
   const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m256 middle = _mm256_set1_ps(static_cast<float>(1 << (bits - 1)));
   const __m256 shift = _mm256_set1_ps(static_cast<float>(1 << (bits - 1)) - 8.f);
+  const __m256i lookup = table ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))) : _mm256_setzero_si256();
   alignas(32) float rest[kTile][8];
   for (int64_t o8 = n0; o8 < n1; o8 += 8) {
     __m256 terms[kTile];
@@ -228,6 +258,10 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
       const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
       const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
       _mm256_storeu_ps(scales + g * 8, s);
+      if (table) {  // W = T[c] s + z: the zero's term alone
+        for (int64_t t = 0; t < kTile; ++t) terms[t] = _mm256_fmadd_ps(z, _mm256_broadcast_ss(a.sums.data() + (r0 + t) * groups + g), terms[t]);
+        continue;
+      }
       const __m256 offset = _mm256_fmadd_ps(s, shift, z);  // z - (8 - C) s
       const __m256 centred = _mm256_mul_ps(s, middle);     // C s
       for (int64_t t = 0; t < kTile; ++t) {
@@ -243,7 +277,10 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
       const uint8_t* row = w + (o8 + i) * (k / 2);
       const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * (k / 2));
       for (int64_t at = 0; at < k / 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
-      if (group == kBlock) {  // two groups per 64 inputs
+      if (table) {  // table formats come in groups of 32 (quant.py)
+        for (int64_t j = 0; j < supers; ++j)
+          table_chunk<kTile>(row, q0, d0, k, supers, j, _mm256_set_m128(_mm_set1_ps(s[8 * (2 * j + 1)]), _mm_set1_ps(s[8 * 2 * j])), lookup, acc);
+      } else if (group == kBlock) {  // two groups per 64 inputs
         for (int64_t j = 0; j < supers; ++j)
           int4_chunk<kTile>(row, q0, d0, k, supers, j, _mm256_set_m128(_mm_set1_ps(s[8 * (2 * j + 1)]), _mm_set1_ps(s[8 * 2 * j])), acc);
       } else {
@@ -260,16 +297,16 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
 
 // Weight rows n0..n1, multiples of 8 (kWeightRows at a time, for every activation row).
 LOWBIT_AVX2 inline void int4_rows_avx2(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
-                                       float* y) {
+                                       float* y, const int8_t* table) {
   std::vector<float> s(a.k / a.group * 8);  // 8 rows' scales per group, as float
   for (int64_t b = n0; b < n1; b += kWeightRows) {  // these weight rows stay in cache for every activation row
     const int64_t e = std::min(b + kWeightRows, n1);
     int64_t r0 = 0;
-    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int4_tile_avx2<kRowTile>(a, r0, w, sz, bits, n, b, e, s.data(), y);
+    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int4_tile_avx2<kRowTile>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
     switch (a.rows - r0) {
-      case 3: int4_tile_avx2<3>(a, r0, w, sz, bits, n, b, e, s.data(), y); break;
-      case 2: int4_tile_avx2<2>(a, r0, w, sz, bits, n, b, e, s.data(), y); break;
-      case 1: int4_tile_avx2<1>(a, r0, w, sz, bits, n, b, e, s.data(), y); break;
+      case 3: int4_tile_avx2<3>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
+      case 2: int4_tile_avx2<2>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
+      case 1: int4_tile_avx2<1>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
     }
   }
 }
@@ -382,11 +419,12 @@ inline bool& portable_only() {
 }
 
 // The dispatch: AVX2 where this CPU has it (AVX-512 CPUs included), else the portable loops.
-inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1, float* y) {
+inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1, float* y,
+                      const int8_t* table = nullptr) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx2() && !portable_only()) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y);
+  if (has_avx2() && !portable_only()) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y, table);
 #endif
-  int4_rows_portable(a, w, sz, bits, n, n0, n1, y);
+  int4_rows_portable(a, w, sz, bits, n, n0, n1, y, table);
 }
 
 // x [rows, K] (float, or bf16 bits as uint16_t) -> a, in nibble order for the int4 family (`group` its
