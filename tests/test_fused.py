@@ -388,6 +388,32 @@ def test_one_token_attention_takes_the_fused_step_with_the_modules_own_bits(ext,
     assert all(torch.equal(a, b) for a, b in zip(fast, own))
 
 
+def test_table_format_projections_take_the_fused_steps_with_the_modules_own_bits(ext, tmp_path):
+    """A GGUF's IQ4_NL attention projections and experts (stored iq4nl, with int8 activations) take the fused
+    one-token attention and experts steps, and decoding gives the bits of the modules' own forwards."""
+    from gguf import GGMLQuantizationType as Q
+    from test_gguf_convert import TYPES, WIDE, write_gguf
+
+    from moestream.conversion.store import Store
+
+    leaves = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    write_gguf(make_model("qwen3_moe", seed=23, **WIDE), tmp_path / "m.gguf", types={**TYPES, **dict.fromkeys(leaves, Q.IQ4_NL)})
+    store = moestream.convert(tmp_path / "m.gguf", tmp_path / "store", progress=False)
+    manifest = Store(store).manifest
+    assert manifest.experts_dtype == "iq4nl-g32"
+    assert {f.name for name, f in manifest.dense.items() if ".self_attn." in name} == {"iq4nl"}
+    model, _ = moestream.load(store, "64MiB", prefetch="off", compute_dtype="bf16", activations="int8")
+    attention = _attention_modules(model)
+    assert attention and all(getattr(m.forward, "func", None) is fused._fused_attention for m in attention)
+    experts = [p for p in model._moestream_engine.fast_paths if p.name == "experts (one token)"]
+    assert experts and experts[0].on == experts[0].of > 0
+    fast = _decode_logits(model)
+    for m in attention:
+        m.forward = m.forward.args[-1]  # the module's own forward
+    own = _decode_logits(model)
+    assert all(torch.equal(a, b) for a, b in zip(fast, own))
+
+
 def test_the_fused_attention_leaves_prompts_masks_and_batches_to_the_modules_own(ext, tmp_path):
     model, _ = moestream.load(_store_of("qwen3_moe", tmp_path, "int8"), "64MiB", prefetch="off", compute_dtype="bf16")
     calls = []

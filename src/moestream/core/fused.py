@@ -367,14 +367,22 @@ def experts_kernel(module: nn.Module, width: int, dtype: torch.dtype):
 # -- one token's attention ------------------------------------------------------------------------------------
 
 
+_NO_TABLE = torch.empty(0, dtype=torch.int8)  # what the attention kernels take for "not a table format"
+
+
 def _projection(linear: nn.Module) -> tuple | None:
-    """(weight, params, bits, group, int8 activations) of a bias-free resident linear as the kernel takes
-    it, or None."""
-    if isinstance(linear, dense.QuantizedLinear) and linear.bias is None and linear.fmt.name in ("int8", "int4"):
+    """(weight, params, bits, group, int8 activations, a table format's values or _NO_TABLE) of a bias-free
+    resident linear as the kernel takes it, or None (a table format's only with int8 activations)."""
+    if isinstance(linear, dense.QuantizedLinear) and linear.bias is None:
         fmt = linear.fmt
-        return linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, linear.int8_activations
+        params = linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, linear.int8_activations
+        if fmt.name in ("int8", "int4"):
+            return *params, _NO_TABLE
+        if fmt.table is not None and linear.int8_activations:
+            return *params, kernels.table_values(fmt.name)
+        return None
     if type(linear) is nn.Linear and linear.bias is None:
-        return linear.weight, linear.weight, 0, 0, False
+        return linear.weight, linear.weight, 0, 0, False, _NO_TABLE
     return None
 
 

@@ -216,9 +216,10 @@ static torch::Tensor integer_matmul(const torch::Tensor& x, const torch::Tensor&
   return against(a, w, params, bits, x.scalar_type(), table);
 }
 
-// The values of a table format as the kernels take them (quant.TABLES), checked.
+// The values of a table format as the kernels take them (quant.TABLES), checked; null for none (or an
+// empty tensor, which stands for none in lists).
 static const int8_t* table_values(const c10::optional<torch::Tensor>& table) {
-  if (!table.has_value()) return nullptr;
+  if (!table.has_value() || table->numel() == 0) return nullptr;
   TORCH_CHECK(table->scalar_type() == at::kChar && table->numel() == 16 && table->is_contiguous() && table->device().is_cpu(),
               "a table format's values must be 16 contiguous int8");
   return table->data_ptr<int8_t>();
@@ -307,9 +308,11 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
 // weight (at::linear); with `integer` the int8-activation kernels (portable int4 bytes, or int8); else 8
 // torch's int8 kernel (in float32 for bf16 activations whose width is not a multiple of 16, where its bf16
 // path is wrong), 4 the int4 kernel (in bf16, cast back).
-static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group, bool integer) {
+static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group, bool integer,
+                             const int8_t* table = nullptr) {
   if (bits == 0) return at::linear(x, w);
-  if (integer) return integer_matmul(x, w, params, bits, group);
+  if (integer) return integer_matmul(x, w, params, bits, group, table);
+  TORCH_CHECK(table == nullptr, "a table format runs with int8 activations only");
   if (bits == 8) {
     if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16)
       return at::_weight_int8pack_mm(x.to(at::kFloat), w, params.to(at::kFloat)).to(x.scalar_type());
@@ -321,25 +324,30 @@ static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, con
 }
 
 // One token's attention inputs as transformers' Llama-family attention computes them, x [1, H] ->
-// q [1, heads, 1, D], k and v [1, kv heads, 1, D]: the three projections (weights, params, bits, groups:
-// q, k, v), the optional RMSNorms of q and k (over each head, or over the whole projection before it is
-// split into heads), then the rotary embedding of q and k.
+// q [1, heads, 1, D], k and v [1, kv heads, 1, D]: the three projections (weights, params, bits, groups,
+// int8 activations, table formats' values or empty: q, k, v), the optional RMSNorms of q and k (over each
+// head, or over the whole projection before it is split into heads), then the rotary embedding of q and k.
 std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> params,
                                                 std::vector<int64_t> bits, std::vector<int64_t> groups, std::vector<bool> integer,
-                                                c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                                                std::vector<torch::Tensor> tables, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
                                                 double q_eps, double k_eps, bool norm_per_head, int64_t head_dim,
                                                 torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(weights.size() == 3 && params.size() == 3 && bits.size() == 3 && groups.size() == 3 && integer.size() == 3,
+  TORCH_CHECK(weights.size() == 3 && params.size() == 3 && bits.size() == 3 && groups.size() == 3 && integer.size() == 3 && tables.size() == 3,
               "attention_decode_qkv: q, k, v");
+  const int8_t* values[3] = {table_values(tables[0]), table_values(tables[1]), table_values(tables[2])};
+  const auto same_table = [&](int i) {
+    return (values[i] == nullptr) == (values[0] == nullptr) && (values[0] == nullptr || std::memcmp(values[i], values[0], 16) == 0);
+  };
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "attention_decode_qkv: x must be one contiguous row [1, H]");
   torch::Tensor states[3];
   // With int8 activations and one format for all three, x is quantized once for them (as each would).
   const bool shared = integer[0] && integer[1] && integer[2] && bits[0] == bits[1] && bits[1] == bits[2] && groups[0] == groups[1] &&
-                      groups[1] == groups[2] && (bits[0] == 4 || bits[0] == 8);
+                      groups[1] == groups[2] && (bits[0] == 4 || bits[0] == 8) && same_table(1) && same_table(2);
   thread_local lowbit::Activations xq;
   if (shared) quantize_for(x, bits[0], groups[0], xq);
   for (int i = 0; i < 3; ++i) {
-    auto y = shared ? against(xq, weights[i], params[i], bits[i], x.scalar_type()) : project(x, weights[i], params[i], bits[i], groups[i], integer[i]);
+    auto y = shared ? against(xq, weights[i], params[i], bits[i], x.scalar_type(), values[i])
+                    : project(x, weights[i], params[i], bits[i], groups[i], integer[i], values[i]);
     const c10::optional<torch::Tensor>& norm = i == 0 ? q_norm : k_norm;
     const double eps = i == 0 ? q_eps : k_eps;
     if (i < 2 && norm.has_value() && !norm_per_head) y = rms_norm(y, *norm, eps);
@@ -354,10 +362,10 @@ std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weigh
 // The rest of one token's attention: sdpa over the cached keys and values as transformers calls it for
 // one query without a mask (no causal flag; grouped heads in sdpa itself), heads joined, then the output
 // projection -> [1, 1, H].
-torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, bool integer, double scale,
-                                   bool grouped, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, bool integer, torch::Tensor table,
+                                   double scale, bool grouped, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
   auto o = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
-  return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group, integer).view({1, 1, -1});
+  return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group, integer, table_values(table)).view({1, 1, -1});
 }
 
 // ---- int4 codes from the store's portable layout to torch's CPU kernel layout ----------------------------
