@@ -111,10 +111,17 @@ def test_the_choice_of_activations(ext, monkeypatch):
     assert used == (floating / integer >= kernels.INT8_ACTIVATIONS_MARGIN) and f"{floating / integer:.1f}x"[:3] in why
     with pytest.raises(UsageError, match="activations must be one of"):
         kernels.choose_activations("int4", shapes, False)
+    table = [(QuantFormat.make("mxfp4"), 128, 256)]  # a table format's float path dequantizes per call
+    assert kernels.choose_activations("auto", shapes + table, False) == (
+        True,
+        "int8 activations: the only fast kernel for mxfp4 weights",
+    )
     monkeypatch.setattr(fused_build, "extension", lambda: None)
     with pytest.raises(UsageError, match="needs the compiled kernels"):
         kernels.choose_activations("int8", shapes, False)
     assert kernels.choose_activations("auto", shapes, False) == (False, "float activations: no compiled kernels")
+    used, why = kernels.choose_activations("auto", shapes + table, False)
+    assert not used and "mxfp4 weights are dequantized at every matmul" in why and "--experts-dtype int4" in why
 
 
 @pytest.fixture(scope="module")

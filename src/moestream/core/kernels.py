@@ -250,14 +250,19 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
         return False, "float activations: the model runs on a GPU"
     if not fitting:
         return False, "float activations: no quantized matrix here that the int8-activation kernels take"
+    tables = sorted({fmt.name for fmt, _, _ in fitting if fmt.table is not None})
     if _compiled() is None:
         if choice == "int8":
             why = fused_build.unavailable_reason() or "turned off in this process"
             raise UsageError(f"--activations int8 needs the compiled kernels, which are off: {why}")
+        if tables:  # a cliff worth naming: each of their matrices is dequantized per call
+            return False, (
+                f"float activations: no compiled kernels, so the {', '.join(tables)} weights are dequantized at every "
+                "matmul (about 100x slower); install a C++ compiler, or convert with --experts-dtype int4"
+            )
         return False, "float activations: no compiled kernels"
     if choice == "int8":
         return True, "int8 activations, as chosen"
-    tables = sorted({fmt.name for fmt, _, _ in fitting if fmt.table is not None})
     if tables:  # their float path dequantizes every matrix it multiplies: several times slower than either
         return True, f"int8 activations: the only fast kernel for {', '.join(tables)} weights"
     fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
