@@ -640,6 +640,38 @@ def test_table_blocks_are_codes_with_a_scale_per_32_weights(qtype):
     assert theirs.abs().max() > 0 and torch.equal(mine, theirs)
 
 
+def test_compiled_nibble_repairing_gives_numpys_bytes(tmp_path, monkeypatch):
+    """The convert command hands gguf_blocks the compiled re-pairing where the kernels are built already:
+    the same portable bytes as numpy's for every 4-bit block type; where they are not built, nothing is
+    built for it (`load_if_built`)."""
+    from moestream.conversion import gguf_blocks
+    from moestream.conversion.gguf_blocks import four_bit_nibbles, table_nibbles
+
+    ext = fused_build.extension()
+    if ext is None:
+        pytest.skip("no compiled kernels")
+    g = np.random.default_rng(5)
+    for qtype, per, weights in [
+        (Q.Q4_0, 18, 32),
+        (Q.Q4_1, 20, 32),
+        (Q.Q4_K, 144, 256),
+        (Q.MXFP4, 17, 32),
+        (Q.IQ4_NL, 18, 32),
+        (Q.IQ4_XS, 136, 256),
+    ]:
+        raw = g.integers(0, 256, (24, 512 // weights * per), dtype=np.uint8)  # random bytes: some scales NaN
+        read = four_bit_nibbles if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else table_nibbles
+        with np.errstate(invalid="ignore", over="ignore"):  # the codes' bytes do not depend on the scales
+            monkeypatch.setattr(gguf_blocks, "_compiled_repair", None)
+            numpy_bytes = read(raw, int(qtype), 512)[0]
+            monkeypatch.setattr(gguf_blocks, "_compiled_repair", ext.repair_nibbles)
+            assert torch.equal(read(raw, int(qtype), 512)[0], numpy_bytes), qtype.name
+    assert fused_build.load_if_built() is ext
+    monkeypatch.setattr(fused_build, "_loaded", {})
+    monkeypatch.setattr(fused_build, "cache_directory", lambda: tmp_path / "empty")
+    assert fused_build.load_if_built() is None and not (tmp_path / "empty").exists()
+
+
 def test_iq4_experts_keep_their_codes(tmp_path):
     """Experts of IQ4_XS gate and up and IQ4_NL down blocks (as llama.cpp's IQ4_XS preset writes them where
     rows are shorter than 256) are stored with no options as iq4nl: the file's codes, each block's scale

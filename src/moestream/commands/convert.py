@@ -74,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{args.dst} is a file; pass the path of a store directory to create (--overwrite replaces only a directory)"
         )
+    if Path(args.src).is_file():  # a GGUF: its 4-bit codes re-paired by the compiled kernels where they are built
+        from ..conversion import gguf_blocks
+        from ..core import fused_build
+
+        ext = fused_build.load_if_built()
+        if ext is not None:
+            gguf_blocks.use_compiled_repair(ext.repair_nibbles)
     dst = convert(
         args.src,
         args.dst,

@@ -52,15 +52,15 @@ def four_bit_nibbles(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.
     per_block = _BLOCK_BYTES[ggml_type]
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // _BLOCK_WEIGHTS[ggml_type], per_block)
-    words = blocks.view("<u2")  # every block type here has an even size and its codes at an even offset
+    words = blocks.view("<u2")  # every block type here has an even size
     if ggml_type == Q4_K:
         s, z = _q4_k_scales(blocks, words)
-        nibbles = _repaired(words[..., 8:].reshape(*blocks.shape[:-1], 4, 16))  # each 32 bytes: two sub-blocks
+        nibbles = _runs(blocks, 16, 4, 32)  # each 32 bytes: two sub-blocks
     else:
         d = _half(words[..., 0])
         s = d
         z = np.zeros_like(d) if ggml_type == Q4_0 else _half(words[..., 1]) + 8 * d
-        nibbles = _repaired(words[..., 1 if ggml_type == Q4_0 else 2 :])
+        nibbles = _runs(blocks, 2 if ggml_type == Q4_0 else 4, 1, 16)
     return (
         torch.from_numpy(nibbles.reshape(rows, cols // 2)),
         torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32).reshape(rows, cols // GROUP)),
@@ -79,6 +79,28 @@ def _pair_table() -> np.ndarray:
 
 
 _PAIRS = _pair_table()  # 128 KiB: one lookup per byte pair, which numpy's strided byte arithmetic is 1.8x slower than
+_compiled_repair = None  # core's compiled `repair_nibbles`, where the convert command found it built
+
+
+def use_compiled_repair(repair) -> None:
+    """Have `_runs` call `repair` (fused_kernels.cpp's `repair_nibbles`, which the convert command hands
+    over where the compiled kernels are built already; this layer cannot import them) instead of numpy's
+    table lookup: the same bytes, a fifth of a Q4_0 import's time less (docs/BENCHMARKS.md)."""
+    global _compiled_repair
+    _compiled_repair = repair
+
+
+def _runs(blocks: np.ndarray, offset: int, units: int, unit_bytes: int) -> np.ndarray:
+    """Blocks [..., B] with `units` runs of `unit_bytes` bytes of codes from byte `offset` (as `_repaired`
+    takes them) -> those runs re-paired into the portable order, [..., units * unit_bytes]."""
+    if _compiled_repair is not None:
+        flat = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1, blocks.shape[-1]))
+        return _compiled_repair(flat, offset, units, unit_bytes).numpy().reshape(*blocks.shape[:-1], units * unit_bytes)
+    codes = blocks[..., offset : offset + units * unit_bytes]
+    if offset % 2:  # MXFP4's codes start at an odd byte: copied, so that they can be read as words
+        codes = np.ascontiguousarray(codes)
+    words = codes.view("<u2").reshape(*blocks.shape[:-1], units, unit_bytes // 2)
+    return _repaired(words).reshape(*blocks.shape[:-1], units * unit_bytes)
 
 
 def _repaired(words: np.ndarray) -> np.ndarray:
@@ -139,15 +161,14 @@ def table_nibbles(raw: np.ndarray, ggml_type: int, cols: int) -> tuple[torch.Ten
         high = words[..., 1, None] >> (2 * np.arange(8, dtype=np.uint16))
         ls = (low.reshape(*blocks.shape[:-1], 8) & 15) | ((high & 3) << 4).astype(np.uint8)
         s = _half(words[..., 0])[..., None] * (ls.astype(np.float32) - 32)
-        codes = blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16)
+        nibbles = _runs(blocks, 8, 8, 16)  # eight sub-blocks of 32, each as Q4_0's 16 bytes
     else:
         if ggml_type == MXFP4:  # 2^(e - 128): e in the float32 exponent field, 2^-127 and 2^-128 as subnormals
             e = blocks[..., 0].astype(np.int32)
             s = np.ldexp(np.float32(1), e - 128).astype(np.float32)
         else:
             s = _half(blocks[..., :2].copy().view("<u2")[..., 0])
-        codes = blocks[..., per_block - 16 :]
-    nibbles = _repaired(np.ascontiguousarray(codes).view("<u2"))  # 16 bytes of codes: a block of 32, as Q4_0's
+        nibbles = _runs(blocks, per_block - 16, 1, 16)  # 16 bytes of codes: a block of 32, as Q4_0's
     return torch.from_numpy(nibbles.reshape(rows, cols // 2)), torch.from_numpy(
         np.ascontiguousarray(s, dtype=np.float32).reshape(rows, cols // GROUP)
     )

@@ -301,6 +301,29 @@ def extension():
     return load()
 
 
+def load_if_built():
+    """The compiled kernels if a module for this source and torch build is loaded or cached already, else
+    None: never builds, never waits for a build under way, says nothing (for work that has a slower way
+    of its own, such as the converter's nibble re-pairing)."""
+    if os.environ.get("MOESTREAM_FUSED", "1") == "0" or sys.platform == "win32" or not _lock.acquire(blocking=False):
+        return None
+    try:
+        key = cache_key(read_source(), FLAGS + tuple(_abi_defines()), *torch_build(), python_abi())
+        if key in _loaded:
+            return _loaded[key]
+        name = f"moestream_fused_{key}"
+        target = cache_directory() / f"{name}.so"
+        if key in _failed or not target.exists():
+            return None
+        try:
+            _loaded[key] = _import(name, target)
+        except ImportError:  # damaged: `load` builds it again when the engine needs it
+            return None
+        return _loaded[key]
+    finally:
+        _lock.release()
+
+
 def unavailable_reason() -> str | None:
     """None when the kernels load, else why not (a line for a user). Runs `load`, which is instant once it
     has loaded or failed for this source and torch build in this process."""
