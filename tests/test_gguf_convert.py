@@ -666,10 +666,42 @@ def test_compiled_nibble_repairing_gives_numpys_bytes(tmp_path, monkeypatch):
             numpy_bytes = read(raw, int(qtype), 512)[0]
             monkeypatch.setattr(gguf_blocks, "_compiled_repair", ext.repair_nibbles)
             assert torch.equal(read(raw, int(qtype), 512)[0], numpy_bytes), qtype.name
+            monkeypatch.setattr(gguf_blocks, "_compiled_repair", lambda *args: None)  # not built yet: numpy's
+            assert torch.equal(read(raw, int(qtype), 512)[0], numpy_bytes), qtype.name
     assert fused_build.load_if_built() is ext
     monkeypatch.setattr(fused_build, "_loaded", {})
     monkeypatch.setattr(fused_build, "cache_directory", lambda: tmp_path / "empty")
     assert fused_build.load_if_built() is None and not (tmp_path / "empty").exists()
+
+
+def test_the_convert_command_hands_over_the_compiled_repair(tmp_path, monkeypatch):
+    """Built kernels: the re-pairing is theirs from the first record. Not built: a small file keeps numpy's
+    and builds nothing; a large one starts the build in the background and takes the kernels once built."""
+    from moestream.commands import convert as command
+    from moestream.conversion import gguf_blocks
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setattr(gguf_blocks, "_compiled_repair", None)  # restored after the test
+    started = []
+    monkeypatch.setattr(fused_build, "start", lambda: started.append(True))
+    ext = fused_build.extension()
+    if ext is not None:
+        command._use_compiled_repair(path)
+        blocks = torch.randint(0, 256, (4, 18), dtype=torch.uint8)
+        assert torch.equal(gguf_blocks._compiled_repair(blocks, 2, 1, 16), ext.repair_nibbles(blocks, 2, 1, 16)) and not started
+    built = []
+    monkeypatch.setattr(fused_build, "load_if_built", lambda: built[0] if built else None)
+    monkeypatch.setattr(gguf_blocks, "_compiled_repair", None)
+    command._use_compiled_repair(path)  # small, not built
+    assert gguf_blocks._compiled_repair is None and not started
+    monkeypatch.setattr(command, "BACKGROUND_BUILD_BYTES", 0)
+    command._use_compiled_repair(path)  # large, not built: a build in the background, numpy's until it ends
+    assert started and gguf_blocks._compiled_repair(torch.zeros(1, 18, dtype=torch.uint8), 2, 1, 16) is None
+    if ext is not None:
+        built.append(ext)
+        monkeypatch.setattr(gguf_blocks._compiled_repair, "looked", float("-inf"))  # a second later
+        assert gguf_blocks._compiled_repair(torch.zeros(1, 18, dtype=torch.uint8), 2, 1, 16) is not None
 
 
 def test_iq4_experts_keep_their_codes(tmp_path):

@@ -84,8 +84,9 @@ _compiled_repair = None  # core's compiled `repair_nibbles`, where the convert c
 
 def use_compiled_repair(repair) -> None:
     """Have `_runs` call `repair` (fused_kernels.cpp's `repair_nibbles`, which the convert command hands
-    over where the compiled kernels are built already; this layer cannot import them) instead of numpy's
-    table lookup: the same bytes, a fifth of a Q4_0 import's time less (docs/BENCHMARKS.md)."""
+    over; this layer cannot import the compiled kernels) instead of numpy's table lookup wherever it
+    returns the bytes rather than None: the same bytes, a fifth of a Q4_0 import's time less
+    (docs/BENCHMARKS.md)."""
     global _compiled_repair
     _compiled_repair = repair
 
@@ -95,7 +96,9 @@ def _runs(blocks: np.ndarray, offset: int, units: int, unit_bytes: int) -> np.nd
     takes them) -> those runs re-paired into the portable order, [..., units * unit_bytes]."""
     if _compiled_repair is not None:
         flat = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1, blocks.shape[-1]))
-        return _compiled_repair(flat, offset, units, unit_bytes).numpy().reshape(*blocks.shape[:-1], units * unit_bytes)
+        repaired = _compiled_repair(flat, offset, units, unit_bytes)
+        if repaired is not None:
+            return repaired.numpy().reshape(*blocks.shape[:-1], units * unit_bytes)
     codes = blocks[..., offset : offset + units * unit_bytes]
     if offset % 2:  # MXFP4's codes start at an odd byte: copied, so that they can be read as words
         codes = np.ascontiguousarray(codes)
