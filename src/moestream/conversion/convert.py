@@ -306,8 +306,10 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
     rows = ckpt.rows(source) if isinstance(source, str) and hasattr(ckpt, "rows") and want.dim() == 2 else None
     sliced = rows is not None and rows == want.shape[0]
     table = fmt.name if isinstance(fmt, QuantFormat) and fmt.table is not None else None
-    has_codes = (lambda key: ckpt.table_of(key) == table) if table else (lambda key: ckpt.has_int4_codes(key))
-    codes_kept = _keeps_codes(fmt, ckpt) and (has_codes(source) if sliced else True)
+    # a matrix read a slice of rows at a time keeps codes only where all its blocks hold them (`sliced`: a plain key)
+    codes_kept = _keeps_codes(fmt, ckpt) and (
+        not sliced or (ckpt.table_of(source) == table if table else ckpt.has_int4_codes(source))
+    )
     if codes_kept and not sliced:
         kept = _source_codes(source, ckpt, model, target, want.shape, module, table=table)
         if kept is not None:
@@ -545,11 +547,10 @@ def _gguf_embedding_format(gguf, model, plan: ConversionPlan, group_size: int) -
     a bf16 copy two to six times their size (core/dense.py's QuantizedEmbedding looks rows up in it): the
     narrowest dense format with at least their code bits, int4 in groups for Q2_K to Q4_K (4-bit blocks of
     32 keep their codes: _keeps_codes), int8 by rows for Q5_x to Q8_0; MXFP4/IQ4 blocks keep theirs in their
-    table format. Unlike a linear layer's (nearest
-    bits), a lookup reads one row per token, so its bits cost memory, not decode time: Q5_K re-rounded to
-    int4 cost a third more KL on the fixture, int8 nothing measurable (docs/BENCHMARKS.md). Blocks other
-    than 4-bit ones of 32 are decoded and quantized a slice of rows at a time. Empty for a float embedding,
-    one the LM head shares, or a width no format takes."""
+    table format. Unlike a linear layer's (nearest bits), a lookup reads one row per token, so its bits cost
+    memory, not decode time: Q5_K re-rounded to int4 cost a third more KL on the fixture, int8 nothing
+    measurable (docs/BENCHMARKS.md). Other blocks are decoded and quantized a slice of rows at a time. Empty
+    for a float embedding, one the LM head shares, or a width no format takes."""
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
     if type(embedding) is not torch.nn.Embedding or (output is not None and output.weight is embedding.weight):

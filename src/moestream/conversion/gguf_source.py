@@ -266,10 +266,10 @@ class GGUFCheckpoint:
         0), read from its MXFP4/IQ4 blocks; None if they hold another table's codes or none. [N, K] are the
         file's rows and columns, the orientation of a quantized record: gpt-oss's gate and up rows are
         interleaved here as `read` does, and its transposition (a float matrix's) does not apply."""
+        if self.table_of(key) != table:
+            return None
         src = self.sources[key]
         tensors = [src.tensor] + ([src.interleave] if src.interleave is not None else [])
-        if any(gguf_blocks.table_of(t.ggml_type) != table for t in tensors) or src.v_b is not None or src.shape is not None:
-            return None
         expert = self._expert(key, index)
         if len(src.tensor.shape) - (expert is not None) != 2:
             return None

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..conversion.quant import QuantFormat, stored_codes
 from ..errors import StoreError
-from .kernels import int8_activations_fit, quantized_matmul
+from .kernels import int8_activations_fit, quantized_matmul, table_values
 from .repack import kernel_layout
 
 
@@ -64,7 +64,7 @@ class QuantizedEmbedding(nn.Module):
         else:
             codes = stored_codes(self.qweight[ids], self.fmt)
             # a table format's codes stand for its values; the int4 family's for code - 8 (quant.py)
-            values = torch.tensor(self.fmt.table)[codes.long()] if self.fmt.table is not None else codes.float() - 8
+            values = table_values(self.fmt.name)[codes.long()] if self.fmt.table is not None else codes.float() - 8
             scales_zeros = self.scales_zeros[:, ids].float()  # [K/G, T, 2]
             s, z = scales_zeros[..., 0].t()[..., None], scales_zeros[..., 1].t()[..., None]
             rows = (values.float().view(len(ids), -1, self.fmt.group_size) * s + z).view(len(ids), self.embedding_dim)

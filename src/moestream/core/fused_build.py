@@ -224,7 +224,7 @@ def _load():
     if sys.platform == "win32":
         raise Unavailable("built on Linux and macOS only")
     source = read_source()
-    key = cache_key(source, FLAGS + tuple(_abi_defines()), *torch_build(), python_abi())
+    key = _key(source)
     if key in _loaded:
         return _loaded[key]
     if key in _failed:
@@ -238,10 +238,20 @@ def _load():
     return module
 
 
-def _build_and_import(key: str, source: str):
+def _key(source: str) -> str:
+    """The cache key of this source as this process would build it (flags, torch build, Python ABI)."""
+    return cache_key(source, FLAGS + tuple(_abi_defines()), *torch_build(), python_abi())
+
+
+def _module_path(key: str) -> tuple[str, Path]:
+    """(module name, the cached file's path) of a build with this key."""
     name = f"moestream_fused_{key}"
-    directory = cache_directory()
-    target = directory / f"{name}.so"
+    return name, cache_directory() / f"{name}.so"
+
+
+def _build_and_import(key: str, source: str):
+    name, target = _module_path(key)
+    directory = target.parent
     built = False
     if not target.exists():
         _build_or_explain(directory, name, source, target)
@@ -308,11 +318,10 @@ def load_if_built():
     if os.environ.get("MOESTREAM_FUSED", "1") == "0" or sys.platform == "win32" or not _lock.acquire(blocking=False):
         return None
     try:
-        key = cache_key(read_source(), FLAGS + tuple(_abi_defines()), *torch_build(), python_abi())
+        key = _key(read_source())
         if key in _loaded:
             return _loaded[key]
-        name = f"moestream_fused_{key}"
-        target = cache_directory() / f"{name}.so"
+        name, target = _module_path(key)
         if key in _failed or not target.exists():
             return None
         try:
