@@ -624,6 +624,62 @@ def test_q6_k_blocks_decode_as_gguf_py_decodes_them():
     assert theirs.abs().max() > 0 and torch.equal(mine, theirs)
 
 
+def test_compiled_q6_k_rows_become_the_int8_torch_makes_of_them(monkeypatch):
+    """Q6_K rows made int8 by the compiled kernels in one pass (gguf_blocks.q6_k_int8: the LM head of K-quant
+    files) are the codes and scales of quant.quantize on q6_k_decoded's weights, exactly, an all-zero row
+    included; without the kernels, or before they are built, there is no answer (torch's path is taken)."""
+    from moestream.conversion import gguf_blocks
+
+    ext = fused_build.extension()
+    if ext is None:
+        pytest.skip("no compiled kernels")
+    g = np.random.default_rng(8)
+    raw = g.integers(0, 256, (40, 3 * 210), dtype=np.uint8)  # 40 rows of 768 weights
+    d = (g.standard_normal((40, 3)) * 10.0 ** g.integers(-6, 3, (40, 3))).astype(np.float16)
+    raw.reshape(40, 3, 210)[..., 208:] = d.view(np.uint8).reshape(40, 3, 2)
+    raw[7] = 0
+    expected = quant.quantize(gguf_blocks.q6_k_decoded(raw).view(40, 768), quant.QuantFormat.make("int8"))
+    monkeypatch.setattr(gguf_blocks, "_compiled", ext)
+    codes, scales = gguf_blocks.q6_k_int8(raw, 768)
+    assert codes.dtype == torch.int8 and codes.abs().max() == 127 and codes[7].abs().max() == 0
+    assert torch.equal(codes, expected.codes) and torch.equal(scales, expected.scales)
+    monkeypatch.setattr(gguf_blocks, "_compiled", _NotBuilt())
+    assert gguf_blocks.q6_k_int8(raw, 768) is None
+    monkeypatch.setattr(gguf_blocks, "_compiled", None)
+    assert gguf_blocks.q6_k_int8(raw, 768) is None
+
+
+def test_a_q6_k_lm_head_is_the_same_store_with_compiled_kernels(tmp_path, monkeypatch):
+    """A file whose LM head is Q6_K (as nearly every K-quant preset writes it) converts to the same bytes with
+    the compiled kernels handed over (its rows made int8 in one pass, its 4-bit codes re-paired in C++) as
+    with torch and numpy alone: identical manifests, checksums of every file and record included."""
+    from moestream.conversion import gguf_blocks
+
+    ext = fused_build.extension()
+    if ext is None:
+        pytest.skip("no compiled kernels")
+    model = make_model("qwen3_moe", seed=19, **WIDE)
+    write_gguf(model, tmp_path / "m.gguf", types={**TYPES, "output": Q.Q6_K, "ffn_gate_exps": Q.Q4_K})
+    calls = []
+
+    class Counting:
+        def repair_nibbles(self, *args):
+            calls.append("repair")
+            return ext.repair_nibbles(*args)
+
+        def q6_k_int8(self, *args):
+            calls.append("q6_k")
+            return ext.q6_k_int8(*args)
+
+    manifests = []
+    for kernels in (None, Counting()):
+        monkeypatch.setattr(gguf_blocks, "_compiled", kernels)
+        store = moestream.convert(tmp_path / "m.gguf", tmp_path / f"store-{len(manifests)}", progress=False)
+        assert Store(store).manifest.dense["lm_head"].name == "int8"
+        manifests.append((store / "manifest.json").read_text().replace("store-1", "store-0"))
+    assert manifests[0] == manifests[1] and {"repair", "q6_k"} <= set(calls)
+
+
 @pytest.mark.parametrize("qtype", [Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS])
 def test_table_blocks_are_codes_with_a_scale_per_32_weights(qtype):
     """What gguf_blocks reads from MXFP4/IQ4 blocks (codes into the table format's values, a float32 scale per
@@ -638,6 +694,16 @@ def test_table_blocks_are_codes_with_a_scale_per_32_weights(qtype):
     mine = values[unpack_nibbles(nibbles).long()].view(24, 16, 32) * s.double()[..., None]
     theirs = torch.from_numpy(dequantize(raw, qtype)).double().view(24, 16, 32)
     assert theirs.abs().max() > 0 and torch.equal(mine, theirs)
+
+
+class _NotBuilt:
+    """Compiled kernels handed over but not built yet: each reader answers None."""
+
+    def repair_nibbles(self, *args):
+        return None
+
+    def q6_k_int8(self, *args):
+        return None
 
 
 def test_compiled_nibble_repairing_gives_numpys_bytes(tmp_path, monkeypatch):
@@ -662,11 +728,11 @@ def test_compiled_nibble_repairing_gives_numpys_bytes(tmp_path, monkeypatch):
         raw = g.integers(0, 256, (24, 512 // weights * per), dtype=np.uint8)  # random bytes: some scales NaN
         read = four_bit_nibbles if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else table_nibbles
         with np.errstate(invalid="ignore", over="ignore"):  # the codes' bytes do not depend on the scales
-            monkeypatch.setattr(gguf_blocks, "_compiled_repair", None)
+            monkeypatch.setattr(gguf_blocks, "_compiled", None)
             numpy_bytes = read(raw, int(qtype), 512)[0]
-            monkeypatch.setattr(gguf_blocks, "_compiled_repair", ext.repair_nibbles)
+            monkeypatch.setattr(gguf_blocks, "_compiled", ext)
             assert torch.equal(read(raw, int(qtype), 512)[0], numpy_bytes), qtype.name
-            monkeypatch.setattr(gguf_blocks, "_compiled_repair", lambda *args: None)  # not built yet: numpy's
+            monkeypatch.setattr(gguf_blocks, "_compiled", _NotBuilt())  # not built yet: numpy's
             assert torch.equal(read(raw, int(qtype), 512)[0], numpy_bytes), qtype.name
     assert fused_build.load_if_built() is ext
     monkeypatch.setattr(fused_build, "_loaded", {})
@@ -674,7 +740,7 @@ def test_compiled_nibble_repairing_gives_numpys_bytes(tmp_path, monkeypatch):
     assert fused_build.load_if_built() is None and not (tmp_path / "empty").exists()
 
 
-def test_the_convert_command_hands_over_the_compiled_repair(tmp_path, monkeypatch):
+def test_the_convert_command_hands_over_the_compiled_kernels(tmp_path, monkeypatch):
     """Built kernels: the re-pairing is theirs from the first record. Not built: a small file keeps numpy's
     and builds nothing; a large one starts the build in the background and takes the kernels once built."""
     from moestream.commands import convert as command
@@ -682,26 +748,29 @@ def test_the_convert_command_hands_over_the_compiled_repair(tmp_path, monkeypatc
 
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF" + bytes(60))
-    monkeypatch.setattr(gguf_blocks, "_compiled_repair", None)  # restored after the test
+    monkeypatch.setattr(gguf_blocks, "_compiled", None)  # restored after the test
     started = []
     monkeypatch.setattr(fused_build, "start", lambda: started.append(True))
     ext = fused_build.extension()
     if ext is not None:
-        command._use_compiled_repair(path)
+        command._use_compiled_kernels(path)
         blocks = torch.randint(0, 256, (4, 18), dtype=torch.uint8)
-        assert torch.equal(gguf_blocks._compiled_repair(blocks, 2, 1, 16), ext.repair_nibbles(blocks, 2, 1, 16)) and not started
+        assert (
+            torch.equal(gguf_blocks._compiled.repair_nibbles(blocks, 2, 1, 16), ext.repair_nibbles(blocks, 2, 1, 16))
+            and not started
+        )
     built = []
     monkeypatch.setattr(fused_build, "load_if_built", lambda: built[0] if built else None)
-    monkeypatch.setattr(gguf_blocks, "_compiled_repair", None)
-    command._use_compiled_repair(path)  # small, not built
-    assert gguf_blocks._compiled_repair is None and not started
+    monkeypatch.setattr(gguf_blocks, "_compiled", None)
+    command._use_compiled_kernels(path)  # small, not built
+    assert gguf_blocks._compiled is None and not started
     monkeypatch.setattr(command, "BACKGROUND_BUILD_BYTES", 0)
-    command._use_compiled_repair(path)  # large, not built: a build in the background, numpy's until it ends
-    assert started and gguf_blocks._compiled_repair(torch.zeros(1, 18, dtype=torch.uint8), 2, 1, 16) is None
+    command._use_compiled_kernels(path)  # large, not built: a build in the background, numpy's until it ends
+    assert started and gguf_blocks._compiled.repair_nibbles(torch.zeros(1, 18, dtype=torch.uint8), 2, 1, 16) is None
     if ext is not None:
         built.append(ext)
-        monkeypatch.setattr(gguf_blocks._compiled_repair, "looked", float("-inf"))  # a second later
-        assert gguf_blocks._compiled_repair(torch.zeros(1, 18, dtype=torch.uint8), 2, 1, 16) is not None
+        monkeypatch.setattr(gguf_blocks._compiled, "looked", float("-inf"))  # a second later
+        assert gguf_blocks._compiled.repair_nibbles(torch.zeros(1, 18, dtype=torch.uint8), 2, 1, 16) is not None
 
 
 def test_iq4_experts_keep_their_codes(tmp_path):

@@ -116,3 +116,49 @@ def test_overwrite_replaces_the_store_and_leaves_nothing_beside_it(pristine, tmp
     moestream.convert(ckpt, dst, overwrite=True, progress=False)
     assert not (dst / "stale-file").exists() and Store(dst).manifest.layers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "store"]
+
+
+def test_experts_files_are_the_same_bytes_written_direct_or_buffered(pristine, tmp_path, monkeypatch):
+    """Expert files are written with O_DIRECT where the filesystem takes it and buffered where it refuses it,
+    at the open (no O_DIRECT: tmpfs, macOS) or at the first write: the same files either way, byte for byte."""
+    import errno
+    import fcntl
+    import os
+
+    from moestream.conversion import convert as conversion
+
+    src = tmp_path / "hf"
+    _, ckpt = tiny_checkpoint("mixtral", src, seed=5)
+    opened = []
+    real_open = conversion._RecordsFile._open
+
+    def recording_open(self, direct):
+        fd, direct = real_open(self, direct)
+        opened.append(direct)
+        return fd, direct
+
+    monkeypatch.setattr(conversion._RecordsFile, "_open", recording_open)
+    stores = {"direct": moestream.convert(ckpt, tmp_path / "direct", progress=False)}
+    direct_taken = any(opened)
+    if hasattr(os, "O_DIRECT"):
+        refused, real_write = [], os.write
+
+        def refusing_write(fd, data):  # an O_DIRECT file's writes refused, as some filesystems do
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                refused.append(fd)
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", refusing_write)
+        stores["refused at the first write"] = moestream.convert(ckpt, tmp_path / "refused", progress=False)
+        monkeypatch.setattr(os, "write", real_write)
+        assert refused or not direct_taken
+        monkeypatch.delattr(os, "O_DIRECT")
+    opened.clear()
+    stores["no O_DIRECT"] = moestream.convert(ckpt, tmp_path / "buffered", progress=False)
+    assert not any(opened)
+    reference = Store(pristine).manifest
+    for how, store in stores.items():
+        assert Store(store).manifest.layers == reference.layers, how
+        for layer in reference.layers:
+            assert (store / layer.file).read_bytes() == (pristine / layer.file).read_bytes(), how

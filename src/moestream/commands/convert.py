@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.dst} is a file; pass the path of a store directory to create (--overwrite replaces only a directory)"
         )
     if Path(args.src).is_file():
-        _use_compiled_repair(Path(args.src))
+        _use_compiled_kernels(Path(args.src))
     dst = convert(
         args.src,
         args.dst,
@@ -94,10 +94,11 @@ def run(args: argparse.Namespace) -> int:
 BACKGROUND_BUILD_BYTES = 16 * 2**30
 
 
-def _use_compiled_repair(path: Path) -> None:
-    """Have a GGUF's 4-bit codes re-paired by the compiled kernels (a fifth of a Q4_0 import's time less;
-    conversion/ cannot import core/, so they are handed over from here): where they are built already, from
-    the first record; for a large file whose kernels are not built yet, from when a background build ends."""
+def _use_compiled_kernels(path: Path) -> None:
+    """Have a GGUF's blocks read by the compiled kernels (4-bit codes re-paired, Q6_K rows made int8: a
+    fifth of a Q4_0 import's CPU time, and 5 s of a 150k-token LM head's; conversion/ cannot import core/,
+    so they are handed over from here): where they are built already, from the first record; for a large
+    file whose kernels are not built yet, from when a background build ends."""
     from ..conversion import gguf_blocks
     from ..conversion.gguf_source import _split_files
     from ..core import fused_build
@@ -110,18 +111,26 @@ def _use_compiled_repair(path: Path) -> None:
         if size < BACKGROUND_BUILD_BYTES:
             return
         fused_build.start()
-    gguf_blocks.use_compiled_repair(_CompiledRepair(fused_build))
+    gguf_blocks.use_compiled_kernels(_CompiledKernels(fused_build))
 
 
-class _CompiledRepair:
-    """fused_kernels.cpp's `repair_nibbles` once the kernels are built (looked for at most once a second
-    until then), or None: the converter's own numpy re-pairing."""
+class _CompiledKernels:
+    """fused_kernels.cpp's block readers once the kernels are built (looked for at most once a second until
+    then); each gives None before: the converter's own numpy and torch."""
 
     def __init__(self, fused_build):
         self.fused_build, self.ext, self.looked = fused_build, None, float("-inf")
 
-    def __call__(self, *args):
+    def _built(self):
         if self.ext is None and time.monotonic() - self.looked >= 1.0:
             self.looked = time.monotonic()
             self.ext = self.fused_build.load_if_built()
-        return None if self.ext is None else self.ext.repair_nibbles(*args)
+        return self.ext
+
+    def repair_nibbles(self, *args):
+        ext = self._built()
+        return None if ext is None else ext.repair_nibbles(*args)
+
+    def q6_k_int8(self, *args):
+        ext = self._built()
+        return None if ext is None else ext.q6_k_int8(*args)

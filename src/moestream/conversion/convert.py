@@ -12,7 +12,9 @@ place at the end: an interrupted conversion never leaves a directory that loads.
 
 from __future__ import annotations
 
+import errno
 import functools
+import gc
 import os
 import re
 import shutil
@@ -37,6 +39,7 @@ from .quant import (
     DENSE_FORMATS,
     TABLE_GROUP,
     QuantFormat,
+    Quantized,
     dense_formats,
     expert_record_specs,
     int4_parts,
@@ -48,7 +51,7 @@ from .quant import (
 from .resident_writer import ResidentFileWriter, resident_order, spec_bytes
 from .skeleton import build_skeleton, dense_linears, expert_parameters, experts_modules, load_source_config, model_dtype
 from .source import DecodedCheckpoint
-from .store import DTYPES, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum
+from .store import DTYPES, RECORD_ALIGNMENT, ExpertLayer, FileEntry, Manifest, RecordLayout, checksum
 
 EXPERT_DTYPES = dict(zip(FLOAT_FORMATS, (torch.bfloat16, torch.float16, torch.float32)))
 # Files copied verbatim so that the store can build the tokenizer and generation defaults by itself.
@@ -201,13 +204,11 @@ def _group_keys(group: _Group) -> list[str]:
     return [k for keys in group.keys.values() for k in keys]
 
 
-def _expert_codes(
-    src: _ExpertSource, e: int, ckpt, model, target: str, shape, name: str, table: str | None
-) -> dict[str, torch.Tensor] | None:
-    """`_source_codes` of expert `e`'s weight (None where its source has no codes)."""
+def _expert_codes(src: _ExpertSource, e: int, ckpt, model, target: str, shape, table: str | None) -> list | None:
+    """`_code_pieces` of expert `e`'s weight (None where its source has no codes)."""
     if src.fused_key is not None:
-        return _source_codes(src.fused_key, ckpt, model, target, shape, name, index=e, table=table)
-    return _source_codes(src.per_expert[e], ckpt, model, target, shape, name, table=table)
+        return _code_pieces(src.fused_key, ckpt, model, target, shape, index=e, table=table)
+    return _code_pieces(src.per_expert[e], ckpt, model, target, shape, table=table)
 
 
 def _expert_tensor(src: _ExpertSource, e: int, ckpt, model, target: str, shape) -> torch.Tensor:
@@ -237,34 +238,76 @@ def _keeps_codes(fmt, ckpt, transposed: bool = False) -> bool:
     )
 
 
-def _source_codes(
-    source, ckpt, model, target: str, shape, name: str, index: int | None = None, table: str | None = None
-) -> dict[str, torch.Tensor] | None:
-    """The int4 group-32 record tensors (`quant.int4_parts` named `name`) of a weight of `shape` [N, K]
-    whose source blocks hold its codes (`ckpt.read_int4`: portable bytes, scales and zeros; or with
-    `table`, a table format's: `ckpt.read_table`), through the
-    same conversion operations as its floats would go (they stack, concatenate and rename along the rows,
-    which the bytes, scales and zeros all share); None where a source tensor has no codes, or the
-    conversion's result is not its [N, K/2] bytes. `source`: a checkpoint key (slice `index` of it), or a
-    converter group."""
+def _code_pieces(source, ckpt, model, target: str, shape, index: int | None = None, table: str | None = None) -> list | None:
+    """A weight of `shape` [N, K] whose source blocks hold its codes, as the pieces that make it: (codes,
+    source row, target row, rows), codes being one source tensor's (portable int4 bytes [n, K/2], float32
+    scales and zeros [n, K/32]: `ckpt.read_int4`, or with `table` a table format's: `ckpt.read_table`), so
+    that the weight's rows [target row, + rows) are the codes' rows [source row, + rows). None where a
+    source tensor has no codes or another shape, or the conversion is not a move of whole rows.
+    `source`: a checkpoint key (slice `index` of it), or a converter group."""
 
     def read_codes(key: str, i: int | None = None):
         return ckpt.read_table(key, table, i) if table else ckpt.read_int4(key, i)
 
     if isinstance(source, str):
-        parts = read_codes(source, index)
+        codes = read_codes(source, index)
+        pieces = None if codes is None else [(codes, 0, 0, codes[0].shape[0])]
     else:
         read = {k: read_codes(k) for k in _group_keys(source)}
-        if any(v is None for v in read.values()):
+        runs = None if any(v is None for v in read.values()) else _row_runs(source, read, ckpt, model, target)
+        pieces = None if runs is None else [(read[key], first, at, count) for key, first, at, count in runs]
+    if pieces is None or sum(count for *_, count in pieces) != shape[0]:
+        return None
+    for (nibbles, scales, zeros), first, _, count in pieces:
+        groups = (nibbles.shape[0], shape[1] // BLOCK_GROUP)
+        if nibbles.shape[1:] != (shape[1] // 2,) or tuple(scales.shape) != groups or tuple(zeros.shape) != groups:
             return None
-        parts = [_run_converter(source, ckpt, model, target, read=lambda k, i=i: read[k][i]) for i in range(3)]
-    if parts is None:
+        if first + count > nibbles.shape[0]:
+            return None
+    return pieces
+
+
+def _row_runs(group: _Group, read: dict, ckpt, model, target: str) -> list[tuple[str, int, int, int]] | None:
+    """Where the rows of `target` come from when `group`'s conversion operations run on the tensors `read`
+    gives (codes: their first element's rows): runs (key, first source row, first target row, rows), in
+    target order. Found by running the operations on each key's row numbers, an [n, 1] tensor, instead of
+    its codes (they stack, concatenate and rename along the rows, which a block's codes, scales and zeros
+    share): the rows are then copied once, straight to where they go. None where the operations give
+    anything but one column of rows (they did more than move rows)."""
+    keys = _group_keys(group)
+    ids = {k: torch.arange(read[k][0].shape[0], dtype=torch.int64).add_(i << 32)[:, None] for i, k in enumerate(keys)}
+    moved = _run_converter(group, ckpt, model, target, read=ids.__getitem__)
+    moved = moved[0] if moved.dim() == 3 and moved.shape[0] == 1 else moved
+    if moved.dim() != 2 or moved.shape[1] != 1:
         return None
-    nibbles, scales, zeros = (x[0] if x.dim() == len(shape) + 1 and x.shape[0] == 1 else x for x in parts)
-    groups = (shape[0], shape[1] // BLOCK_GROUP)
-    if tuple(nibbles.shape) != (shape[0], shape[1] // 2) or tuple(scales.shape) != groups or tuple(zeros.shape) != groups:
+    moved = moved[:, 0]
+    key, row = moved >> 32, moved & 0xFFFFFFFF
+    # a run starts at row 0 and wherever the key changes or the source row does not follow the previous one
+    starts = torch.ones_like(moved, dtype=torch.bool)
+    starts[1:] = (key[1:] != key[:-1]) | (row[1:] != row[:-1] + 1)
+    at = starts.nonzero()[:, 0].tolist()
+    ends = at[1:] + [len(moved)]
+    return [(keys[key[a]], int(row[a]), a, b - a) for a, b in zip(at, ends)]
+
+
+def _place_codes(pieces: list, qweight: torch.Tensor, scales_zeros: torch.Tensor) -> None:
+    """Copy `_code_pieces` into a matrix's int4-family record tensors: its bytes [N, K/2] and its scales and
+    zeros side by side per group [K/G, N, 2] (bf16; quant.int4_parts)."""
+    for (nibbles, scales, zeros), first, at, count in pieces:
+        qweight[at : at + count] = nibbles[first : first + count]
+        scales_zeros[:, at : at + count, 0] = scales[first : first + count].t()
+        scales_zeros[:, at : at + count, 1] = zeros[first : first + count].t()
+
+
+def _source_codes(source, ckpt, model, target: str, shape, name: str, table: str | None = None) -> dict | None:
+    """The int4 group-32 record tensors (`quant.int4_parts` named `name`) of `_code_pieces`, or None."""
+    pieces = _code_pieces(source, ckpt, model, target, shape, table=table)
+    if pieces is None:
         return None
-    return int4_parts(name, nibbles.contiguous(), scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
+    qweight = torch.empty(shape[0], shape[1] // 2, dtype=torch.uint8)
+    scales_zeros = torch.empty(shape[1] // BLOCK_GROUP, shape[0], 2, dtype=torch.bfloat16)
+    _place_codes(pieces, qweight, scales_zeros)
+    return {f"{name}.qweight": qweight, f"{name}.scales_zeros": scales_zeros}
 
 
 RECORD_WORKERS = 2  # records built at once (reads, unpacking and packing release the GIL for most of their time)
@@ -311,7 +354,7 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
         not sliced or (ckpt.table_of(source) == table if table else ckpt.has_int4_codes(source))
     )
     if codes_kept and not sliced:
-        kept = _source_codes(source, ckpt, model, target, want.shape, module, table=table)
+        kept = _source_codes(source, ckpt, model, target, want.shape, module, table)
         if kept is not None:
             yield from kept.items()
             return
@@ -324,6 +367,7 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
 
     if sliced:
         step = max(1, RESIDENT_SLICE_BYTES // (4 * want.shape[1]))
+        int8_rows = isinstance(fmt, QuantFormat) and fmt.name == "int8" and hasattr(ckpt, "read_int8_rows")
 
         def piece(r: int) -> dict[str, torch.Tensor]:
             stop = min(rows, r + step)
@@ -335,6 +379,10 @@ def _resident_pieces(target: str, source, fmt: QuantFormat | None, want: torch.T
                         f"{target} has {nibbles.shape[1] * 2} columns in the checkpoint, the model expects {want.shape[1]}"
                     )
                 return int4_parts(module, nibbles, scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
+            if int8_rows:  # int8 straight from the blocks (a GGUF's Q6_K LM head), or None: decoded, then quantized
+                got = ckpt.read_int8_rows(source, r, stop)
+                if got is not None and tuple(got[0].shape) == (stop - r, *want.shape[1:]):
+                    return pack(Quantized(got[0], got[1], None), fmt, module)
             return parts(ckpt.read_rows(source, r, stop), (stop - r, *want.shape[1:]))
 
         pieces = _in_order(piece, range(0, rows, step), ahead=RECORD_WORKERS)
@@ -356,20 +404,25 @@ def _expert_record(ckpt, model, name: str, module, sources: dict[str, _ExpertSou
     params = dict(expert_parameters(module))
     entries = {t.name: t for t in layout.tensors}
     codes_kept = _keeps_codes(fmt, ckpt, module.is_transposed)
-    record = np.zeros(layout.stride, dtype=np.uint8)
+    record = _aligned_zeros(layout.stride)
+
+    def view(entry) -> torch.Tensor:
+        return torch.from_numpy(record[entry.offset : entry.offset + entry.nbytes]).view(DTYPES[entry.dtype]).view(entry.shape)
+
     for p in sources:
         target, shape = f"{name}.{p}", params[p].shape[1:]
-        parts = None
-        if codes_kept and len(shape) == 2:  # codes come [N, K], as records hold them
+        if codes_kept and len(shape) == 2:  # codes come [N, K], as records hold them: copied straight in
             rows_cols = tuple(reversed(shape)) if module.is_transposed else shape
-            parts = _expert_codes(sources[p], e, ckpt, model, target, rows_cols, p, fmt.name if fmt.table else None)
-        if parts is None:
-            t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
-            if fmt is not None and t.dim() == 2:
-                # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
-                parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
-            else:
-                parts = {p: t}
+            pieces = _expert_codes(sources[p], e, ckpt, model, target, rows_cols, fmt.name if fmt.table else None)
+            if pieces is not None:
+                _place_codes(pieces, view(entries[f"{p}.qweight"]), view(entries[f"{p}.scales_zeros"]))
+                continue
+        t = _expert_tensor(sources[p], e, ckpt, model, target, shape)
+        if fmt is not None and t.dim() == 2:
+            # Kernels take [N, K]; a module that keeps [K, N] (gpt-oss) is transposed first.
+            parts = pack(quantize(t.t() if module.is_transposed else t, fmt), fmt, p)
+        else:
+            parts = {p: t}
         for part, value in parts.items():
             entry = entries[part]
             record[entry.offset : entry.offset + entry.nbytes] = _tensor_bytes(value.to(DTYPES[entry.dtype]))
@@ -473,6 +526,11 @@ def convert(
         # torch's own threads per op on top of them only contend (on two cores: 6% slower, more memory).
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, threads // (2 * RECORD_WORKERS)))
+        # The records make no reference cycles, but their many short-lived tensors would set off Python's
+        # collector, each pass walking every object the model skeleton and the tokenizer made (6% of an
+        # import's CPU time in a profile).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             manifest = _write_store(tmp, src, model, ckpt, plan, formats, dense, progress)
             manifest.write(tmp)
@@ -482,6 +540,8 @@ def convert(
             raise
         finally:
             torch.set_num_threads(threads)
+            if collecting:
+                gc.enable()
     finally:
         ckpt.close()
     return dst
@@ -686,20 +746,75 @@ def _write_expert_layers(tmp: Path, model, ckpt, plan: ConversionPlan, layouts, 
         (tmp / "experts").mkdir(exist_ok=True)
         offsets, sums = [], []
         record_of = functools.partial(_expert_record, ckpt, model, name, module, sources, layout, fmt)
-        with open(tmp / rel, "wb") as f:
+        out = _RecordsFile(tmp / rel)
+        try:
             for record, record_sum in _in_order(record_of, range(module.num_experts)):
                 if stop.is_set():  # the resident side failed: its error is the one to report
                     return layers
-                offsets.append(f.tell())
+                offsets.append(len(offsets) * layout.stride)
                 sums.append(record_sum)
-                f.write(record.data)
+                out.write(record)
                 bar.update(layout.stride)
-            f.flush()
-            os.fsync(f.fileno())
-            # Written once, read by O_DIRECT later: do not leave hundreds of GB of it in the page cache.
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            out.finish()
+        finally:
+            out.close()
         layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
     return layers
+
+
+class _RecordsFile:
+    """A new experts file written one record at a time (4 KiB-aligned buffers of a multiple of 4 KiB,
+    `_aligned_zeros`), with O_DIRECT where the filesystem takes it: records go from memory to the disk
+    without a copy into the page cache and the kernel's writeback of it later, CPU time that an import on
+    two cores is short of (docs/BENCHMARKS.md, "GGUF files as a convert source"), and hundreds of GB
+    written once leave the page cache alone. Buffered writes where O_DIRECT is refused (tmpfs), at the
+    open or at the first write."""
+
+    def __init__(self, path: Path):
+        self.path, self.written = path, 0
+        self.fd, self.direct = self._open(hasattr(os, "O_DIRECT"))
+
+    def _open(self, direct: bool) -> tuple[int, bool]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if direct:
+            try:
+                return os.open(self.path, flags | os.O_DIRECT, 0o644), True
+            except OSError:
+                pass
+        return os.open(self.path, flags, 0o644), False
+
+    def write(self, record: np.ndarray) -> None:
+        try:
+            _write_all(self.fd, record)
+        except OSError as e:
+            if not (self.direct and self.written == 0 and e.errno == errno.EINVAL):
+                raise
+            os.close(self.fd)  # opened with O_DIRECT, but its writes refused: buffered from the start
+            self.fd, self.direct = self._open(False)
+            _write_all(self.fd, record)
+        self.written += len(record)
+
+    def finish(self) -> None:
+        """Make the file durable (and, written buffered, drop it from the page cache: it is read by O_DIRECT)."""
+        os.fsync(self.fd)
+        if not self.direct:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _write_all(fd: int, record: np.ndarray) -> None:
+    view = memoryview(record)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _aligned_zeros(nbytes: int) -> np.ndarray:
+    """nbytes zeros starting on a 4 KiB boundary (O_DIRECT writes them as they are, `_RecordsFile`)."""
+    raw = np.zeros(nbytes + RECORD_ALIGNMENT, dtype=np.uint8)
+    start = -raw.ctypes.data % RECORD_ALIGNMENT
+    return raw[start : start + nbytes]
 
 
 def _write_resident(tmp: Path, model, ckpt, resident: list, bar, stop: threading.Event) -> list[FileEntry]:

@@ -79,24 +79,29 @@ def _pair_table() -> np.ndarray:
 
 
 _PAIRS = _pair_table()  # 128 KiB: one lookup per byte pair, which numpy's strided byte arithmetic is 1.8x slower than
-_compiled_repair = None  # core's compiled `repair_nibbles`, where the convert command found it built
+_compiled = None  # core's compiled kernels (`repair_nibbles`, `q6_k_int8`), where the convert command found them
 
 
-def use_compiled_repair(repair) -> None:
-    """Have `_runs` call `repair` (fused_kernels.cpp's `repair_nibbles`, which the convert command hands
-    over; this layer cannot import the compiled kernels) instead of numpy's table lookup wherever it
-    returns the bytes rather than None: the same bytes, a fifth of a Q4_0 import's time less
-    (docs/BENCHMARKS.md)."""
-    global _compiled_repair
-    _compiled_repair = repair
+def use_compiled_kernels(kernels) -> None:
+    """Have this module call `kernels`' `repair_nibbles` and `q6_k_int8` (fused_kernels.cpp's, which the
+    convert command hands over; this layer cannot import the compiled kernels) wherever they return their
+    result rather than None: the same bytes, a fifth of a Q4_0 import's CPU time less for the first and
+    about 5 s for a 150k-token LM head for the second (docs/BENCHMARKS.md)."""
+    global _compiled
+    _compiled = kernels
+
+
+def has_compiled_kernels() -> bool:
+    """Whether compiled kernels were handed over (they may still answer None, while being built)."""
+    return _compiled is not None
 
 
 def _runs(blocks: np.ndarray, offset: int, units: int, unit_bytes: int) -> np.ndarray:
     """Blocks [..., B] with `units` runs of `unit_bytes` bytes of codes from byte `offset` (as `_repaired`
     takes them) -> those runs re-paired into the portable order, [..., units * unit_bytes]."""
-    if _compiled_repair is not None:
+    if _compiled is not None:
         flat = torch.from_numpy(np.ascontiguousarray(blocks).reshape(-1, blocks.shape[-1]))
-        repaired = _compiled_repair(flat, offset, units, unit_bytes)
+        repaired = _compiled.repair_nibbles(flat, offset, units, unit_bytes)
         if repaired is not None:
             return repaired.numpy().reshape(*blocks.shape[:-1], units * unit_bytes)
     codes = blocks[..., offset : offset + units * unit_bytes]
@@ -197,3 +202,13 @@ def q6_k_decoded(raw: np.ndarray) -> torch.Tensor:
     d = blocks[:, 208:210].contiguous().view(torch.float16).float()  # [n, 1]
     scales = (d * blocks[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
     return codes.float().sub_(32).mul_(scales).reshape(n, 256)
+
+
+def q6_k_int8(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows of Q6_K blocks [rows, cols / 256 * 210] uint8 -> (int8 codes [rows, cols], float32 scales
+    [rows]): exactly quant.quantize's int8 of `q6_k_decoded`'s weights, in one compiled pass; None where
+    the compiled kernels are not at hand (the caller decodes and quantizes in torch)."""
+    if _compiled is None:
+        return None
+    got = _compiled.q6_k_int8(torch.from_numpy(np.ascontiguousarray(raw)), cols)
+    return None if got is None else (got[0], got[1])

@@ -321,6 +321,16 @@ class GGUFCheckpoint:
         `has_int4_codes(key)`."""
         return self._read_int4(_rows_of(self.sources[key].tensor, start, stop), None)
 
+    def read_int8_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows [start, stop) of matrix `key` as quant.py's int8 by rows (codes, scales) of the weights `read_rows`
+        gives, made from Q6_K blocks by the compiled kernels in one pass (`gguf_blocks.q6_k_int8`); None for
+        other blocks or without the kernels. Only where `rows(key)` is a number."""
+        t = _rows_of(self.sources[key].tensor, start, stop)
+        if t.ggml_type != gguf_blocks.Q6_K or not gguf_blocks.has_compiled_kernels():
+            return None
+        raw, shape = self._read_bytes(t, None)
+        return gguf_blocks.q6_k_int8(raw.reshape(shape[0], -1), shape[-1])
+
     def read_table_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`read_table` of rows [start, stop) of matrix `key`; only where `rows(key)` is a number and
         `table_of(key)` names a table."""
