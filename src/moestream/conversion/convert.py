@@ -739,26 +739,42 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
 
 
 def _write_expert_layers(tmp: Path, model, ckpt, plan: ConversionPlan, layouts, bar, stop: threading.Event) -> list[ExpertLayer]:
-    """Each MoE layer's experts file, its records built by RECORD_WORKERS threads (`_in_order`)."""
-    layers = []
-    for index, ((name, module, sources), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
-        rel = f"experts/layer-{index:03d}.bin"
-        (tmp / "experts").mkdir(exist_ok=True)
-        offsets, sums = [], []
-        record_of = functools.partial(_expert_record, ckpt, model, name, module, sources, layout, fmt)
-        out = _RecordsFile(tmp / rel)
-        try:
-            for record, record_sum in _in_order(record_of, range(module.num_experts)):
-                if stop.is_set():  # the resident side failed: its error is the one to report
-                    return layers
-                offsets.append(len(offsets) * layout.stride)
-                sums.append(record_sum)
-                out.write(record)
-                bar.update(layout.stride)
-            out.finish()
-        finally:
-            out.close()
-        layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
+    """Each MoE layer's experts file, its records built by RECORD_WORKERS threads (`_in_order`) in one stream
+    across the layers: the next layer's first records are built while this one's file is flushed."""
+    makers = [
+        functools.partial(_expert_record, ckpt, model, name, module, sources, layout, fmt)
+        for (name, module, sources), (layout, fmt) in zip(plan.experts, layouts)
+    ]
+    items = [(index, e) for index, (_, module, _) in enumerate(plan.experts) for e in range(module.num_experts)]
+    records = _in_order(lambda item: makers[item[0]](item[1]), items)
+    (tmp / "experts").mkdir(exist_ok=True)
+    layers, direct = [], []
+    try:
+        for index, ((name, module, _), (layout, fmt)) in enumerate(zip(plan.experts, layouts)):
+            rel = f"experts/layer-{index:03d}.bin"
+            offsets, sums = [], []
+            out = _RecordsFile(tmp / rel)
+            try:
+                for _ in range(module.num_experts):
+                    record, record_sum = next(records)
+                    if stop.is_set():  # the resident side failed: its error is the one to report
+                        return layers
+                    offsets.append(len(offsets) * layout.stride)
+                    sums.append(record_sum)
+                    out.write(record)
+                    bar.update(layout.stride)
+            finally:
+                out.close()
+            # Written buffered, made durable and dropped from the page cache now (hundreds of GB of it would
+            # otherwise sit there); written direct, all at the end: an fsync is a flush of the disk's cache,
+            # 0.4 s each on a virtual disk, which per layer had cost a fifth of a 24-layer import
+            # (docs/BENCHMARKS.md).
+            (direct.append if out.direct else _make_durable)(tmp / rel)
+            layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
+    finally:
+        records.close()  # (an early return or an error: the records still being built are waited for)
+    for path in direct:
+        _make_durable(path)
     return layers
 
 
@@ -794,14 +810,19 @@ class _RecordsFile:
             _write_all(self.fd, record)
         self.written += len(record)
 
-    def finish(self) -> None:
-        """Make the file durable (and, written buffered, drop it from the page cache: it is read by O_DIRECT)."""
-        os.fsync(self.fd)
-        if not self.direct:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _make_durable(path: Path) -> None:
+    """fsync a written experts file; then, where it was written buffered, drop it from the page cache: it
+    is read by O_DIRECT, and hundreds of GB written once should not push out what the machine caches."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, record: np.ndarray) -> None:
