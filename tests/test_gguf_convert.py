@@ -544,6 +544,28 @@ def test_bad_gguf_files_are_one_line_errors(qwen3_gguf, tmp_path, capsys):
     assert "qwen3moe" in line and "qwen2moe" in line and "Mixtral" in line, line
 
 
+def test_a_tokenizer_that_cannot_be_built_stops_the_import_at_once(qwen3_gguf, tmp_path, capsys, monkeypatch):
+    """The tokenizer is built on a thread of its own while the tensors are written; where transformers cannot
+    build it from the file's metadata, the import stops at its next read with that one-line error (not after
+    all the file's tensors) and leaves nothing behind."""
+    from moestream.conversion import gguf_source
+
+    _, path, _ = qwen3_gguf
+
+    def cannot(path, arch):
+        raise SourceError(f"{path}: transformers cannot build a tokenizer from this GGUF's metadata (KeyError: 'merges')")
+
+    reads = []
+    real_read = gguf_source.GGUFCheckpoint._read_bytes
+    monkeypatch.setattr(gguf_source, "_build_tokenizer", cannot)
+    monkeypatch.setattr(gguf_source.GGUFCheckpoint, "_read_bytes", lambda self, t, e: reads.append(t) or real_read(self, t, e))
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err  # (after the progress bar, which had started)
+    assert "moestream: error:" in err and "cannot build a tokenizer" in err and "Traceback" not in err, err
+    assert len(reads) < len(gguf_source.GGUFCheckpoint(path).tensors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_eval_takes_a_gguf_as_its_reference(qwen3_gguf, tmp_path):
     """`eval --reference FILE.gguf` compares a store with the float model the file stands for: its blocks
     dequantized. A store converted from the file in float32 is that model exactly; an int4 one is not."""
@@ -640,9 +662,14 @@ def test_compiled_q6_k_rows_become_the_int8_torch_makes_of_them(monkeypatch):
     raw[7] = 0
     expected = quant.quantize(gguf_blocks.q6_k_decoded(raw).view(40, 768), quant.QuantFormat.make("int8"))
     monkeypatch.setattr(gguf_blocks, "_compiled", ext)
-    codes, scales = gguf_blocks.q6_k_int8(raw, 768)
-    assert codes.dtype == torch.int8 and codes.abs().max() == 127 and codes[7].abs().max() == 0
-    assert torch.equal(codes, expected.codes) and torch.equal(scales, expected.scales)
+    for portable in (False, True):  # the CPU's SIMD loop where it has one, and the portable loop
+        previous = ext.lowbit_portable(portable)
+        try:
+            codes, scales = gguf_blocks.q6_k_int8(raw, 768)
+        finally:
+            ext.lowbit_portable(previous)
+        assert codes.dtype == torch.int8 and codes.abs().max() == 127 and codes[7].abs().max() == 0
+        assert torch.equal(codes, expected.codes) and torch.equal(scales, expected.scales), portable
     monkeypatch.setattr(gguf_blocks, "_compiled", _NotBuilt())
     assert gguf_blocks.q6_k_int8(raw, 768) is None
     monkeypatch.setattr(gguf_blocks, "_compiled", None)

@@ -767,8 +767,8 @@ def _write_expert_layers(tmp: Path, model, ckpt, plan: ConversionPlan, layouts, 
                 out.close()
             # Written buffered, made durable and dropped from the page cache now (hundreds of GB of it would
             # otherwise sit there); written direct, all at the end: an fsync is a flush of the disk's cache,
-            # 0.4 s each on a virtual disk, which per layer had cost a fifth of a 24-layer import
-            # (docs/BENCHMARKS.md).
+            # 0.4 s each here, which per layer had cost a fifth of a 24-layer import (docs/BENCHMARKS.md; on a
+            # thread of its own, the flushes slowed the next layer's writes as much).
             (direct.append if out.direct else _make_durable)(tmp / rel)
             layers.append(ExpertLayer(index, name, rel, layout, tuple(offsets), tuple(sums), fmt))
     finally:

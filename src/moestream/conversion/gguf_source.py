@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,7 +205,11 @@ class GGUFCheckpoint:
         self.tensors = tensors
         self.config = _build_config(self.architecture, self.metadata, tensors, self.path)
         self.sources = self._map_names()
-        self._tokenizer = _build_tokenizer(files[0], self.architecture)
+        # The tokenizer (1.4 s of Python for a 150k-token vocabulary) is built on a thread of its own while the
+        # model's skeleton is built and the store written, which waits on the disk: a tenth of a 3 GB import.
+        # A failure stops the import at its next read (`_read_bytes`), not after hours of tensors.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="moestream-tokenizer")
+        self._tokenizer = self._tokenizer_thread.submit(_build_tokenizer, files[0], self.architecture)
         self._files = OpenFiles()
 
     # ---- the DecodedCheckpoint interface
@@ -360,11 +365,12 @@ class GGUFCheckpoint:
 
     def close(self) -> None:
         self._files.close()
+        self._tokenizer_thread.shutdown(wait=False)
 
     def write_extra_files(self, directory: Path) -> list[str]:
         """Save the tokenizer rebuilt from the GGUF metadata into `directory`; return the file names."""
         with tempfile.TemporaryDirectory() as tmp:
-            self._tokenizer.save_pretrained(tmp)
+            self._tokenizer.result().save_pretrained(tmp)
             names = sorted(p.name for p in Path(tmp).iterdir() if p.is_file())
             for name in names:
                 shutil.copyfile(Path(tmp) / name, Path(directory) / name)
@@ -389,6 +395,8 @@ class GGUFCheckpoint:
                 raise SourceError(f"{t.name} has {shape[0]} experts, not {expert + 1}")
             per = nbytes // shape[0]
             shape, start, nbytes = shape[1:], start + expert * per, per
+        if self._tokenizer.done() and self._tokenizer.exception() is not None:
+            raise self._tokenizer.exception()
         fd = self._files.fd(t.file)
         buf = _pread_exact(fd, nbytes, start) if nbytes else bytearray()
         # Read once: keep the page cache for what the converter writes (the source can be 100s of GB).
