@@ -676,17 +676,49 @@ def test_compiled_q6_k_rows_become_the_int8_torch_makes_of_them(monkeypatch):
     assert gguf_blocks.q6_k_int8(raw, 768) is None
 
 
-def test_a_q6_k_lm_head_is_the_same_store_with_compiled_kernels(tmp_path, monkeypatch):
-    """A file whose LM head is Q6_K (as nearly every K-quant preset writes it) converts to the same bytes with
-    the compiled kernels handed over (its rows made int8 in one pass, its 4-bit codes re-paired in C++) as
-    with torch and numpy alone: identical manifests, checksums of every file and record included."""
+def test_compiled_q6_k_rows_become_the_int4_torch_makes_of_them(monkeypatch):
+    """Q6_K rows made int4 in groups of 32 by the compiled kernels (gguf_blocks.q6_k_int4: Q4_K_M's Q6_K down
+    projections in an int4 layer) are the codes, scales and zeros of quant.quantize on q6_k_decoded's weights,
+    exactly, on the SIMD and the portable loop, an all-zero row included."""
+    from moestream.conversion import gguf_blocks
+
+    ext = fused_build.extension()
+    if ext is None:
+        pytest.skip("no compiled kernels")
+    g = np.random.default_rng(9)
+    raw = g.integers(0, 256, (40, 3 * 210), dtype=np.uint8)
+    d = (g.standard_normal((40, 3)) * 10.0 ** g.integers(-6, 3, (40, 3))).astype(np.float16)
+    raw.reshape(40, 3, 210)[..., 208:] = d.view(np.uint8).reshape(40, 3, 2)
+    raw[5] = 0
+    fmt = quant.QuantFormat.make("int4", 32)
+    expected = quant.pack(quant.quantize(gguf_blocks.q6_k_decoded(raw).view(40, 768), fmt), fmt, "w")
+    monkeypatch.setattr(gguf_blocks, "_compiled", ext)
+    for portable in (False, True):
+        previous = ext.lowbit_portable(portable)
+        try:
+            nibbles, s, z = gguf_blocks.q6_k_int4(raw, 768)
+        finally:
+            ext.lowbit_portable(previous)
+        got = quant.int4_parts("w", nibbles, s.to(torch.bfloat16), z.to(torch.bfloat16))
+        assert torch.equal(got["w.qweight"], expected["w.qweight"]), portable
+        assert torch.equal(got["w.scales_zeros"], expected["w.scales_zeros"]), portable
+    monkeypatch.setattr(gguf_blocks, "_compiled", None)
+    assert gguf_blocks.q6_k_int4(raw, 768) is None
+
+
+def test_a_q4_k_m_file_is_the_same_store_with_compiled_kernels(tmp_path, monkeypatch):
+    """A file of Q4_K_M's types (a Q6_K LM head, Q4_K gate and up, Q6_K down: an int4 layer) converts to the
+    same bytes with the compiled kernels handed over (the head's rows made int8 and the downs int4 in one
+    pass each, the 4-bit codes re-paired in C++) as with torch and numpy alone: identical manifests,
+    checksums of every file and record included."""
     from moestream.conversion import gguf_blocks
 
     ext = fused_build.extension()
     if ext is None:
         pytest.skip("no compiled kernels")
     model = make_model("qwen3_moe", seed=19, **WIDE)
-    write_gguf(model, tmp_path / "m.gguf", types={**TYPES, "output": Q.Q6_K, "ffn_gate_exps": Q.Q4_K})
+    types = {**TYPES, "output": Q.Q6_K, "ffn_gate_exps": Q.Q4_K, "ffn_up_exps": Q.Q4_K, "ffn_down_exps": Q.Q6_K}
+    write_gguf(model, tmp_path / "m.gguf", types=types)  # Q4_K_M's experts: an int4 layer, its down requantized
     calls = []
 
     class Counting:
@@ -698,13 +730,18 @@ def test_a_q6_k_lm_head_is_the_same_store_with_compiled_kernels(tmp_path, monkey
             calls.append("q6_k")
             return ext.q6_k_int8(*args)
 
+        def q6_k_int4(self, *args):
+            calls.append("q6_k int4")
+            return ext.q6_k_int4(*args)
+
     manifests = []
     for kernels in (None, Counting()):
         monkeypatch.setattr(gguf_blocks, "_compiled", kernels)
         store = moestream.convert(tmp_path / "m.gguf", tmp_path / f"store-{len(manifests)}", progress=False)
         assert Store(store).manifest.dense["lm_head"].name == "int8"
+        assert all(layer.quantization.name == "int4" for layer in Store(store).manifest.layers)
         manifests.append((store / "manifest.json").read_text().replace("store-1", "store-0"))
-    assert manifests[0] == manifests[1] and {"repair", "q6_k"} <= set(calls)
+    assert manifests[0] == manifests[1] and {"repair", "q6_k", "q6_k int4"} <= set(calls)
 
 
 @pytest.mark.parametrize("qtype", [Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS])
@@ -730,6 +767,9 @@ class _NotBuilt:
         return None
 
     def q6_k_int8(self, *args):
+        return None
+
+    def q6_k_int4(self, *args):
         return None
 
 

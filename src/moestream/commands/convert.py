@@ -134,3 +134,7 @@ class _CompiledKernels:
     def q6_k_int8(self, *args):
         ext = self._built()
         return None if ext is None else ext.q6_k_int8(*args)
+
+    def q6_k_int4(self, *args):
+        ext = self._built()
+        return None if ext is None else ext.q6_k_int4(*args)

@@ -83,7 +83,7 @@ _compiled = None  # core's compiled kernels (`repair_nibbles`, `q6_k_int8`), whe
 
 
 def use_compiled_kernels(kernels) -> None:
-    """Have this module call `kernels`' `repair_nibbles` and `q6_k_int8` (fused_kernels.cpp's, which the
+    """Have this module call `kernels`' `repair_nibbles`, `q6_k_int8` and `q6_k_int4` (fused_kernels.cpp's, which the
     convert command hands over; this layer cannot import the compiled kernels) wherever they return their
     result rather than None: the same bytes, a fifth of a Q4_0 import's CPU time less for the first and
     about 5 s for a 150k-token LM head for the second (docs/BENCHMARKS.md)."""
@@ -212,3 +212,14 @@ def q6_k_int8(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor] |
         return None
     got = _compiled.q6_k_int8(torch.from_numpy(np.ascontiguousarray(raw)), cols)
     return None if got is None else (got[0], got[1])
+
+
+def q6_k_int4(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Rows of Q6_K blocks [rows, cols / 256 * 210] uint8 -> what `four_bit_nibbles` gives of 4-bit blocks
+    (portable int4 bytes [rows, cols/2], s and z [rows, cols/32] float32: bf16 values), exactly quant.quantize's
+    int4 group-32 of `q6_k_decoded`'s weights, in one compiled pass (Q4_K_M's Q6_K down projections in an int4
+    layer); None where the compiled kernels are not at hand (the caller decodes and quantizes in torch)."""
+    if _compiled is None:
+        return None
+    got = _compiled.q6_k_int4(torch.from_numpy(np.ascontiguousarray(raw)), cols)
+    return None if got is None else (got[0], got[1].float(), got[2].float())

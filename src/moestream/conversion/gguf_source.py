@@ -249,16 +249,22 @@ class GGUFCheckpoint:
     def read_int4(self, key: str, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Tensor `key` (or its slice `[index]`) as int4 codes in the store's portable bytes [N, K/2], with a
         float32 scale and zero per 32 weights along its last dimension [N, K/32] (gguf_blocks.py: each
-        weight is (code - 8) * s + z), read from its blocks without decoding them; None if its blocks are of
-        another type, or the tensor is not a matrix of whole rows (MLA's split kv_b, a reshaped tensor)."""
+        weight is (code - 8) * s + z), read from its blocks without decoding them; Q6_K blocks, where the
+        compiled kernels are at hand, quantized to int4 by them as quant.quantize would (the same bytes); None
+        if its blocks are of another type, or the tensor is not a matrix of whole rows (MLA's split kv_b, a
+        reshaped tensor)."""
         src = self.sources[key]
         t = src.tensor
-        if not gguf_blocks.has_codes(t.ggml_type) or not src.whole:
+        # (Q6_K blocks, too, where the compiled kernels quantize them to int4 in one pass as torch would)
+        requantized = t.ggml_type == gguf_blocks.Q6_K and gguf_blocks.has_compiled_kernels()
+        if not (gguf_blocks.has_codes(t.ggml_type) or requantized) or not src.whole:
             return None
         expert = self._expert(key, index)
         if len(t.shape) - (expert is not None) != 2:
             return None
         parts = self._read_int4(t, expert)
+        if parts is None:
+            return None
         if src.unpermute_heads is not None:  # a permutation of rows: of each row's codes, scales and zeros alike
             parts = tuple(_unpermute(x, src.unpermute_heads) for x in parts)
         return parts
@@ -408,9 +414,12 @@ class GGUFCheckpoint:
         raw, shape = self._read_bytes(t, expert)
         return gguf_blocks.table_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
 
-    def _read_int4(self, t: _Tensor, expert: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A matrix of 4-bit blocks of 32 (or its expert's slice) as portable int4 bytes, scales and zeros."""
+    def _read_int4(self, t: _Tensor, expert: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A matrix of 4-bit blocks of 32 (or its expert's slice) as portable int4 bytes, scales and zeros; of
+        Q6_K blocks, those of its int4 quantization by the compiled kernels (None before they are built)."""
         raw, shape = self._read_bytes(t, expert)
+        if t.ggml_type == gguf_blocks.Q6_K:
+            return gguf_blocks.q6_k_int4(raw.reshape(shape[0], -1), shape[-1])
         return gguf_blocks.four_bit_nibbles(raw.reshape(shape[0], -1), t.ggml_type, shape[-1])
 
     def _read_tensor(self, t: _Tensor, expert: int | None) -> torch.Tensor:

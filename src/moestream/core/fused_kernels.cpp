@@ -387,6 +387,18 @@ __attribute__((target("avx2"))) static float int8_row_simd(const float* w, int64
   for (; j < n; ++j) c[j] = static_cast<int8_t>(std::clamp(std::nearbyint(w[j] / s), -127.0f, 127.0f));
   return s;
 }
+
+// A group's 32 int4 codes (int4_groups), 8 at a time: IEEE subtraction, division and rounding to nearest even.
+__attribute__((target("avx2"))) static void int4_codes_simd(const float* x, float z, float s, uint8_t* codes) {
+  const __m256 vz = _mm256_set1_ps(z), vs = _mm256_set1_ps(s), eight = _mm256_set1_ps(8.0f);
+  const __m256 lo = _mm256_setzero_ps(), hi = _mm256_set1_ps(15.0f);
+  for (int j = 0; j < 32; j += 8) {
+    const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vz), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    alignas(32) int32_t ints[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ints), _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, eight), lo), hi)));
+    for (int k = 0; k < 8; ++k) codes[j + k] = static_cast<uint8_t>(ints[k]);
+  }
+}
 #endif
 
 std::vector<torch::Tensor> q6_k_int8(torch::Tensor blocks, int64_t cols) {
@@ -414,6 +426,64 @@ std::vector<torch::Tensor> q6_k_int8(torch::Tensor blocks, int64_t cols) {
     }
   });
   return {codes, scales};
+}
+
+// Rows of Q6_K blocks to the int4 group-32 record tensors, what the converter stores them as in an int4
+// layer (Q4_K_M's Q6_K down projections; conversion/gguf_blocks.py's `q6_k_int4`): decoded as q6_k_int8
+// decodes them, then quantized in quant.py's rounding, group by group: s = bf16(max(hi - lo) / 15, 1e-8),
+// z = bf16(lo + 8 s), c = clamp(round_half_even((w - z) / s) + 8, 0, 15), bytes of two codes (the first
+// in the low nibble). The same bits as torch's decode and quantize.
+static void int4_groups(const float* w, int64_t n, uint8_t* nibbles, c10::BFloat16* s_out, c10::BFloat16* z_out, bool simd) {
+  for (int64_t g = 0; g < n / 32; ++g) {
+    const float* x = w + 32 * g;
+    float lo = x[0], hi = x[0];
+    for (int j = 1; j < 32; ++j) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
+    const c10::BFloat16 s(std::max((hi - lo) / 15.0f, 1e-8f));
+    const float sf = static_cast<float>(s);
+    const c10::BFloat16 z(lo + 8.0f * sf);
+    const float zf = static_cast<float>(z);
+    uint8_t codes[32];
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (simd) {
+      int4_codes_simd(x, zf, sf, codes);
+    } else
+#endif
+      for (int j = 0; j < 32; ++j) codes[j] = static_cast<uint8_t>(std::clamp(std::nearbyint((x[j] - zf) / sf) + 8.0f, 0.0f, 15.0f));
+    for (int j = 0; j < 16; ++j) nibbles[16 * g + j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
+    s_out[g] = s;
+    z_out[g] = z;
+  }
+}
+
+std::vector<torch::Tensor> q6_k_int4(torch::Tensor blocks, int64_t cols) {
+  constexpr int64_t kWeights = 256, kBytes = 210;
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "q6_k_int4: contiguous uint8 [rows, B]");
+  TORCH_CHECK(cols > 0 && cols % kWeights == 0 && blocks.size(1) == cols / kWeights * kBytes, "q6_k_int4: rows of cols / 256 blocks of 210 bytes");
+  const int64_t rows = blocks.size(0), per_row = blocks.size(1);
+  auto nibbles = torch::empty({rows, cols / 2}, blocks.options());
+  auto scales = torch::empty({rows, cols / 32}, blocks.options().dtype(at::kBFloat16));
+  auto zeros = torch::empty({rows, cols / 32}, blocks.options().dtype(at::kBFloat16));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* out = nibbles.data_ptr<uint8_t>();
+  c10::BFloat16* s = scales.data_ptr<c10::BFloat16>();
+  c10::BFloat16* z = zeros.data_ptr<c10::BFloat16>();
+  bool simd = false;
+#if defined(__x86_64__) && defined(__GNUC__)
+  simd = lowbit::has_avx2() && !lowbit::portable_only();
+#endif
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(cols);
+    for (int64_t r = begin; r < end; ++r) {
+#if defined(__x86_64__) && defined(__GNUC__)
+      if (simd)
+        q6_k_decode_row_simd(src + r * per_row, cols / kWeights, w.data());
+      else
+#endif
+        q6_k_decode_row(src + r * per_row, cols / kWeights, w.data());
+      int4_groups(w.data(), cols, out + r * cols / 2, s + r * cols / 32, z + r * cols / 32, simd);
+    }
+  });
+  return {nibbles, scales, zeros};
 }
 
 // The portable loops on any CPU (on) or the CPU's SIMD ones where it has them (off); returns the previous.
@@ -693,4 +763,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
   m.def("repair_nibbles", &repair_nibbles, py::call_guard<py::gil_scoped_release>());
   m.def("q6_k_int8", &q6_k_int8, py::call_guard<py::gil_scoped_release>());
+  m.def("q6_k_int4", &q6_k_int4, py::call_guard<py::gil_scoped_release>());
 }
