@@ -753,7 +753,7 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
 
 def _write_expert_layers(tmp: Path, model, ckpt, plan: ConversionPlan, layouts, bar, stop: threading.Event) -> list[ExpertLayer]:
     """Each MoE layer's experts file, its records built by RECORD_WORKERS threads (`_in_order`) in one stream
-    across the layers: the next layer's first records are built while this one's file is flushed."""
+    across the layers: the next layer's first records are built while this one's last are written."""
     makers = [
         functools.partial(_expert_record, ckpt, model, name, module, sources, layout, fmt)
         for (name, module, sources), (layout, fmt) in zip(plan.experts, layouts)
@@ -828,7 +828,7 @@ class _RecordsFile:
 
 
 def _make_durable(path: Path) -> None:
-    """fsync a written experts file; then, where it was written buffered, drop it from the page cache: it
+    """fsync a written experts file, then drop what the page cache holds of it (a buffered file's pages): it
     is read by O_DIRECT, and hundreds of GB written once should not push out what the machine caches."""
     fd = os.open(path, os.O_RDONLY)
     try:
