@@ -95,8 +95,8 @@ BACKGROUND_BUILD_BYTES = 16 * 2**30
 
 
 def _use_compiled_kernels(path: Path) -> None:
-    """Have a GGUF's blocks read by the compiled kernels (4-bit codes re-paired, Q6_K rows made int8: a
-    fifth of a Q4_0 import's CPU time, and 5 s of a 150k-token LM head's; conversion/ cannot import core/,
+    """Have a GGUF's blocks read by the compiled kernels (4-bit codes re-paired, Q6_K rows made int8 or int4:
+    a fifth of a Q4_0 import's CPU time, and 5 s of a 150k-token LM head's; conversion/ cannot import core/,
     so they are handed over from here): where they are built already, from the first record; for a large
     file whose kernels are not built yet, from when a background build ends."""
     from ..conversion import gguf_blocks

@@ -79,14 +79,14 @@ def _pair_table() -> np.ndarray:
 
 
 _PAIRS = _pair_table()  # 128 KiB: one lookup per byte pair, which numpy's strided byte arithmetic is 1.8x slower than
-_compiled = None  # core's compiled kernels (`repair_nibbles`, `q6_k_int8`), where the convert command found them
+_compiled = None  # core's compiled kernels (`repair_nibbles`, `q6_k_int8`, `q6_k_int4`), where the convert command found them
 
 
 def use_compiled_kernels(kernels) -> None:
-    """Have this module call `kernels`' `repair_nibbles`, `q6_k_int8` and `q6_k_int4` (fused_kernels.cpp's, which the
-    convert command hands over; this layer cannot import the compiled kernels) wherever they return their
-    result rather than None: the same bytes, a fifth of a Q4_0 import's CPU time less for the first and
-    about 5 s for a 150k-token LM head for the second (docs/BENCHMARKS.md)."""
+    """Have this module call `kernels`' `repair_nibbles`, `q6_k_int8` and `q6_k_int4` (fused_kernels.cpp's,
+    which the convert command hands over; this layer cannot import the compiled kernels) wherever they
+    return their result rather than None: the same bytes, less CPU time (a fifth of a Q4_0 import's for the
+    first, 5 s of a 150k-token LM head's for the second; docs/BENCHMARKS.md)."""
     global _compiled
     _compiled = kernels
 

@@ -206,8 +206,8 @@ class GGUFCheckpoint:
         self.config = _build_config(self.architecture, self.metadata, tensors, self.path)
         self.sources = self._map_names()
         # The tokenizer (1.4 s of Python for a 150k-token vocabulary) is built on a thread of its own while the
-        # model's skeleton is built and the store written, which waits on the disk: a tenth of a 3 GB import.
-        # A failure stops the import at its next read (`_read_bytes`), not after hours of tensors.
+        # model's skeleton is built and the store written, which waits on the disk. A failure stops the import
+        # at its next read (`_read_bytes`), not after hours of tensors.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="moestream-tokenizer")
         self._tokenizer = self._tokenizer_thread.submit(_build_tokenizer, files[0], self.architecture)
         self._files = OpenFiles()
