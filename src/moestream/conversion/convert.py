@@ -715,15 +715,17 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
     # on its reads, fsyncs and single-threaded steps where the other computes (docs/BENCHMARKS.md, "GGUF
     # files as a convert source"). An error on either side stops the other before the store is removed.
     stop = threading.Event()
-    with ThreadPoolExecutor(1, thread_name_prefix="moestream-resident") as side:
-        resident_files = side.submit(_write_resident, tmp, model, ckpt, resident, bar, stop)
-        try:
-            layers = _write_expert_layers(tmp, model, ckpt, plan, layouts, bar, stop)
-        except BaseException:
-            stop.set()
-            raise
-        files = resident_files.result()
-    bar.close()
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="moestream-resident") as side:
+            resident_files = side.submit(_write_resident, tmp, model, ckpt, resident, bar, stop)
+            try:
+                layers = _write_expert_layers(tmp, model, ckpt, plan, layouts, bar, stop)
+            except BaseException:
+                stop.set()
+                raise
+            files = resident_files.result()
+    finally:
+        bar.close()  # (on an error too: its message then starts a line of its own, not the bar's)
 
     # A GGUF source writes the tokenizer it rebuilt from its metadata; a checkpoint directory has the files.
     extra = ckpt.write_extra_files(tmp) if hasattr(ckpt, "write_extra_files") else []
