@@ -305,14 +305,22 @@ torch::Tensor repair_nibbles(torch::Tensor blocks, int64_t offset, int64_t units
 // Within each half of a 210-byte block (128 weights), weight 32 k + l has its low 4 bits in byte l (k even)
 // or 32 + l (k odd) of the half's 64 ql bytes, low nibble for k < 2, and its high two at bit 2 k of qh byte
 // l; its scale is sc[2 k + l / 16] of the half's 8.
+struct Q6KBlock {
+  const uint8_t* ql;  // 128 bytes: the low 4 bits
+  const uint8_t* qh;  // 64 bytes: the high 2
+  const int8_t* sc;   // 16 scales, one per 16 weights
+  float d;            // the block's fp16 scale
+};
+
+static Q6KBlock q6_k_block(const uint8_t* x) {
+  uint16_t d_bits;
+  std::memcpy(&d_bits, x + 208, 2);
+  return {x, x + 128, reinterpret_cast<const int8_t*>(x + 192), static_cast<float>(c10::Half(d_bits, c10::Half::from_bits()))};
+}
+
 static void q6_k_decode_row(const uint8_t* row, int64_t blocks, float* w) {
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* x = row + b * 210;
-    const uint8_t *ql = x, *qh = x + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(x + 192);
-    uint16_t d_bits;
-    std::memcpy(&d_bits, x + 208, 2);
-    const float d = static_cast<float>(c10::Half(d_bits, c10::Half::from_bits()));
+    auto [ql, qh, sc, d] = q6_k_block(row + b * 210);
     float* y = w + b * 256;
     for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128)
       for (int k = 0; k < 4; ++k) {
@@ -338,12 +346,7 @@ static float int8_row(const float* w, int64_t n, int8_t* c) {
 __attribute__((target("avx2"))) static void q6_k_decode_row_simd(const uint8_t* row, int64_t blocks, float* w) {
   const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* x = row + b * 210;
-    const uint8_t *ql = x, *qh = x + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(x + 192);
-    uint16_t d_bits;
-    std::memcpy(&d_bits, x + 208, 2);
-    const float d = static_cast<float>(c10::Half(d_bits, c10::Half::from_bits()));
+    auto [ql, qh, sc, d] = q6_k_block(row + b * 210);
     float* y = w + b * 256;
     for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128) {
       const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
@@ -401,29 +404,52 @@ __attribute__((target("avx2"))) static void int4_codes_simd(const float* x, floa
 }
 #endif
 
-std::vector<torch::Tensor> q6_k_int8(torch::Tensor blocks, int64_t cols) {
-  constexpr int64_t kWeights = 256, kBytes = 210;
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "q6_k_int8: contiguous uint8 [rows, B]");
-  TORCH_CHECK(cols > 0 && cols % kWeights == 0 && blocks.size(1) == cols / kWeights * kBytes, "q6_k_int8: rows of cols / 256 blocks of 210 bytes");
-  const int64_t rows = blocks.size(0), per_row = blocks.size(1);
-  auto codes = torch::empty({rows, cols}, blocks.options().dtype(at::kChar));
-  auto scales = torch::empty({rows}, blocks.options().dtype(at::kFloat));
+// The rows of `blocks` after checking they are rows of cols / 256 Q6_K blocks (naming the pass `what`).
+static int64_t q6_k_checked_rows(const torch::Tensor& blocks, int64_t cols, const char* what) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(), what, ": contiguous uint8 [rows, B]");
+  TORCH_CHECK(cols > 0 && cols % 256 == 0 && blocks.size(1) == cols / 256 * 210, what, ": rows of cols / 256 blocks of 210 bytes");
+  return blocks.size(0);
+}
+
+// Each row of Q6_K blocks (q6_k_checked_rows) decoded into a float32 row buffer and handed to
+// quantize_row(r, w, simd), on at::parallel_for's threads; `simd`: the CPU's AVX2 loops are taken.
+template <typename QuantizeRow>
+static void q6_k_rows(const torch::Tensor& blocks, int64_t cols, QuantizeRow quantize_row) {
+  constexpr int64_t kWeights = 256;
+  const int64_t per_row = blocks.size(1);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  int8_t* out = codes.data_ptr<int8_t>();
-  float* row_scales = scales.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  bool simd = false;
+#if defined(__x86_64__) && defined(__GNUC__)
+  simd = lowbit::has_avx2() && !lowbit::portable_only();
+#endif
+  at::parallel_for(0, blocks.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(cols);
     for (int64_t r = begin; r < end; ++r) {
 #if defined(__x86_64__) && defined(__GNUC__)
-      if (lowbit::has_avx2() && !lowbit::portable_only()) {
+      if (simd)
         q6_k_decode_row_simd(src + r * per_row, cols / kWeights, w.data());
-        row_scales[r] = int8_row_simd(w.data(), cols, out + r * cols);
-        continue;
-      }
+      else
 #endif
-      q6_k_decode_row(src + r * per_row, cols / kWeights, w.data());
-      row_scales[r] = int8_row(w.data(), cols, out + r * cols);
+        q6_k_decode_row(src + r * per_row, cols / kWeights, w.data());
+      quantize_row(r, w.data(), simd);
     }
+  });
+}
+
+std::vector<torch::Tensor> q6_k_int8(torch::Tensor blocks, int64_t cols) {
+  const int64_t rows = q6_k_checked_rows(blocks, cols, "q6_k_int8");
+  auto codes = torch::empty({rows, cols}, blocks.options().dtype(at::kChar));
+  auto scales = torch::empty({rows}, blocks.options().dtype(at::kFloat));
+  int8_t* out = codes.data_ptr<int8_t>();
+  float* row_scales = scales.data_ptr<float>();
+  q6_k_rows(blocks, cols, [&](int64_t r, const float* w, bool simd) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (simd) {
+      row_scales[r] = int8_row_simd(w, cols, out + r * cols);
+      return;
+    }
+#endif
+    row_scales[r] = int8_row(w, cols, out + r * cols);
   });
   return {codes, scales};
 }
@@ -456,32 +482,15 @@ static void int4_groups(const float* w, int64_t n, uint8_t* nibbles, c10::BFloat
 }
 
 std::vector<torch::Tensor> q6_k_int4(torch::Tensor blocks, int64_t cols) {
-  constexpr int64_t kWeights = 256, kBytes = 210;
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "q6_k_int4: contiguous uint8 [rows, B]");
-  TORCH_CHECK(cols > 0 && cols % kWeights == 0 && blocks.size(1) == cols / kWeights * kBytes, "q6_k_int4: rows of cols / 256 blocks of 210 bytes");
-  const int64_t rows = blocks.size(0), per_row = blocks.size(1);
+  const int64_t rows = q6_k_checked_rows(blocks, cols, "q6_k_int4");
   auto nibbles = torch::empty({rows, cols / 2}, blocks.options());
   auto scales = torch::empty({rows, cols / 32}, blocks.options().dtype(at::kBFloat16));
   auto zeros = torch::empty({rows, cols / 32}, blocks.options().dtype(at::kBFloat16));
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* out = nibbles.data_ptr<uint8_t>();
   c10::BFloat16* s = scales.data_ptr<c10::BFloat16>();
   c10::BFloat16* z = zeros.data_ptr<c10::BFloat16>();
-  bool simd = false;
-#if defined(__x86_64__) && defined(__GNUC__)
-  simd = lowbit::has_avx2() && !lowbit::portable_only();
-#endif
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(cols);
-    for (int64_t r = begin; r < end; ++r) {
-#if defined(__x86_64__) && defined(__GNUC__)
-      if (simd)
-        q6_k_decode_row_simd(src + r * per_row, cols / kWeights, w.data());
-      else
-#endif
-        q6_k_decode_row(src + r * per_row, cols / kWeights, w.data());
-      int4_groups(w.data(), cols, out + r * cols / 2, s + r * cols / 32, z + r * cols / 32, simd);
-    }
+  q6_k_rows(blocks, cols, [&](int64_t r, const float* w, bool simd) {
+    int4_groups(w, cols, out + r * cols / 2, s + r * cols / 32, z + r * cols / 32, simd);
   });
   return {nibbles, scales, zeros};
 }
