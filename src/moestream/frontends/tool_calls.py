@@ -36,7 +36,7 @@ from .constraints import JSON_OPTIONS
 
 # End-of-turn tokens an answer may end with when decoded with its special tokens (the stop token is not
 # always cut off): none of them is content.
-_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<｜end▁of▁sentence｜>")
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<｜end▁of▁sentence｜>")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,27 @@ class ParsedOutput:
     content: str | None
     calls: list[ToolCall]
     reasoning: str | None = None
+
+
+@dataclass(frozen=True)
+class CallDraft:
+    """A call still being written: its name once the model has written all of it (None before), and its
+    arguments so far, a prefix of the whole call's `arguments` (empty where the format cannot tell them
+    before the call is complete)."""
+
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a partial answer already says for sure: the content a stream may have sent (`streamable`),
+    the reasoning so far (formats that keep it apart), and the calls so far: complete ones (ToolCall),
+    then at most one still being written (CallDraft). As the answer grows, each part only grows."""
+
+    content: str
+    calls: list[ToolCall | CallDraft]
+    reasoning: str = ""
 
 
 class ToolFormat:
@@ -80,7 +101,7 @@ class ToolFormat:
     def parse(self, text: str) -> ParsedOutput:
         """The calls in a whole answer and the text around them (stripped) as the content."""
         pieces, calls = [], []
-        for segment in self._segments(_without_end_of_turn(text)):
+        for segment in self._segments(without_end_of_turn(text)):
             if isinstance(segment, ToolCall):
                 calls.append(segment)
             else:
@@ -88,9 +109,16 @@ class ToolFormat:
         content = "".join(pieces).strip()
         return ParsedOutput(content if content or not calls else None, calls)
 
-    def _segments(self, text: str) -> Iterator[str | ToolCall]:
-        """The answer in order: text (a malformed call's own text included) and the calls."""
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        """The answer in order: text (a malformed call's own text included) and the calls. With `partial`
+        (an answer still being written) a call that runs to the end of the text is its CallDraft."""
         raise NotImplementedError
+
+    def draft(self, text: str) -> Draft:
+        """What a partial answer says so far (Draft): how a server streams calls as they are written.
+        Each call's arguments in the draft are a prefix of those `parse` finds once the answer is whole."""
+        calls = [s for s in self._segments(without_end_of_turn(text), partial=True) if not isinstance(s, str)]
+        return Draft(self.streamable(text), calls)
 
     # -- streaming ------------------------------------------------------------------------------------
 
@@ -101,13 +129,13 @@ class ToolFormat:
     def held_back(self, text: str) -> int:
         """How many trailing characters of a partial answer may be the beginning of a call's marker (or
         of an end-of-turn token), so they must not be streamed as content yet."""
-        return _partial_marker(text, (*self._starts, *_END_OF_TURN))
+        return partial_marker_length(text, (*self._starts, *END_OF_TURN))
 
     def streamable(self, text: str) -> str:
         """The content a streaming server may have sent for this partial answer: the text before the first
         call's marker, without a trailing piece that may begin one. As the answer grows it only grows,
         and it is always a prefix of `parse(whole answer).content` (the rest follows once it is parsed)."""
-        text = _without_end_of_turn(text)
+        text = without_end_of_turn(text)
         first = min((i for i in (text.find(m) for m in self._starts) if i >= 0), default=-1)
         if first >= 0:
             return text[:first].strip()
@@ -178,22 +206,24 @@ class HermesFormat(ToolFormat):
     _end = "</tool_call>"
     _token_markers = frozenset({"<tool_call>", "</tool_call>"})
 
-    def _segments(self, text: str) -> Iterator[str | ToolCall]:
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
         position = 0
         while (begin := text.find(self.start_marker, position)) >= 0:
             yield text[position:begin]
             after = begin + len(self.start_marker)
             # The JSON object, then the closing marker (or the end of an answer cut short).
-            value, end = _json_at(text, after)
-            rest = text[end:].lstrip() if value is not None else ""
-            call = _call_from_object(value) if rest.startswith(self._end) or not rest else None
-            if call is not None:
+            call, end = _object_call(text, after)
+            rest = text[end:].lstrip() if call is not None else ""
+            if call is not None and (rest.startswith(self._end) or not rest):
                 position = len(text) - len(rest) + (len(self._end) if rest else 0)
                 yield call
-            else:
-                close = text.find(self._end, after)
-                position = len(text) if close < 0 else close + len(self._end)
-                yield text[begin:position]
+                continue
+            close = text.find(self._end, after)
+            if partial and close < 0:  # the call being written
+                yield _object_draft(text, after)
+                return
+            position = len(text) if close < 0 else close + len(self._end)
+            yield text[begin:position]
         yield text[position:]
 
     def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
@@ -228,11 +258,11 @@ class MistralFormat(ToolFormat):
     def __repr__(self) -> str:
         return f"MistralFormat(args_style={self.args_style})"
 
-    def _segments(self, text: str) -> Iterator[str | ToolCall]:
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
         first, *blocks = text.split(self.start_marker)
         yield first
-        for block in blocks:
-            calls, rest = self._read_block(block)
+        for k, block in enumerate(blocks):
+            calls, rest = self._read_block(block, partial and k == len(blocks) - 1)
             if calls is None:
                 yield self.start_marker + block
             else:
@@ -240,23 +270,42 @@ class MistralFormat(ToolFormat):
                 yield rest
 
     @staticmethod
-    def _read_block(block: str) -> tuple[list[ToolCall] | None, str]:
-        """The calls after one `[TOOL_CALLS]` and the text after them; (None, "") when malformed."""
+    def _read_block(block: str, partial: bool) -> tuple[list[ToolCall | CallDraft] | None, str]:
+        """The calls after one `[TOOL_CALLS]` and the text after them; (None, "") when malformed. With
+        `partial` (the answer's last block, still being written) the call being written is a CallDraft."""
         stripped = block.lstrip()
         if stripped.startswith(("[", "{")):
             # The JSON list (or a lone object) of {"name", "arguments"}.
-            value, end = _json_at(stripped, 0)
-            items = value if isinstance(value, list) else [value]
-            calls = [_call_from_object(item) for item in items] if value is not None else [None]
-            return (calls, stripped[end:]) if calls and None not in calls else (None, "")
+            listed = stripped.startswith("[")
+            calls: list[ToolCall | CallDraft] = []
+            position = 1 if listed else 0
+            while True:
+                call, end = _object_call(stripped, position)
+                if call is None:
+                    return ([*calls, _object_draft(stripped, position)], "") if partial else (None, "")
+                calls.append(call)
+                after = stripped[end:].lstrip()
+                if not listed:
+                    return calls, stripped[end:]
+                if after.startswith("]"):
+                    return calls, after[1:]
+                if after.startswith(","):
+                    position = len(stripped) - len(after) + 1
+                elif partial and not after:
+                    return calls, ""
+                else:
+                    return None, ""
         # name[ARGS]{...}, maybe name[CALL_ID]id[ARGS]{...}
         head, sep, tail = block.partition("[ARGS]")
         name = head.split("[CALL_ID]")[0].strip()
+        if partial and not sep:
+            return [CallDraft(None, "")], ""
         if not sep or not _is_name(name):
             return None, ""
-        value, end = _json_at(tail, 0)
-        arguments = _arguments_json(value)
-        return ([ToolCall(name, arguments)], tail[end:]) if arguments is not None else (None, "")
+        arguments, end = _arguments_at(tail, 0)
+        if arguments is None:
+            return ([CallDraft(name, _arguments_prefix(tail, 0) or "")], "") if partial else (None, "")
+        return [ToolCall(name, arguments)], tail[end:]
 
     def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
         if self.args_style:
@@ -296,6 +345,7 @@ class DeepSeekFormat(ToolFormat):
     arguments_as_dict = False
     # V3's call body after the separator: the name, then the arguments fenced as ```json.
     _fenced_body = re.compile(r"\s*([^\n`]+?)\s*\n\s*```(?:json)?\s*\n?(.*?)\s*```\s*", re.DOTALL)
+    _fenced_head = re.compile(r"\s*([^\n`]+?)\s*\n\s*```(?:json)?\s*\n?")
 
     def __init__(self, fenced: bool = True):
         self.fenced = fenced
@@ -303,11 +353,14 @@ class DeepSeekFormat(ToolFormat):
     def __repr__(self) -> str:
         return f"DeepSeekFormat(fenced={self.fenced})"
 
-    def _segments(self, text: str) -> Iterator[str | ToolCall]:
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
         position = 0
         while (begin := text.find(self._call_begin, position)) >= 0:
             yield self._outside(text[position:begin])
             close = text.find(self._call_end, begin)
+            if partial and close < 0:  # the call being written
+                yield self._draft_call(text[begin + len(self._call_begin) :])
+                return
             end = len(text) if close < 0 else close + len(self._call_end)
             call = self._read_call(text[begin + len(self._call_begin) : len(text) if close < 0 else close])
             yield call if call is not None else text[begin:end]
@@ -324,9 +377,22 @@ class DeepSeekFormat(ToolFormat):
             return None
         fenced = self._fenced_body.fullmatch(tail)
         name, arguments = (fenced.group(1), fenced.group(2)) if fenced else (head.strip(), tail.strip())
-        value, end = _json_at(arguments, 0)
-        arguments = _arguments_json(value) if end == len(arguments) else None
-        return ToolCall(name, arguments) if arguments is not None and _is_name(name) else None
+        arguments, end = _arguments_at(arguments, 0)
+        complete = end == len(fenced.group(2) if fenced else tail.strip())
+        return ToolCall(name, arguments) if arguments is not None and complete and _is_name(name) else None
+
+    def _draft_call(self, body: str) -> CallDraft:
+        head, sep, tail = body.partition(self._sep)
+        if not sep:
+            return CallDraft(None, "")
+        if tail.lstrip().startswith("{"):  # V3.1: the name before the separator
+            name, start = head.strip(), 0
+        else:  # V3: the name after it, then the fence
+            fence = self._fenced_head.match(tail)
+            if fence is None:
+                return CallDraft(None, "")
+            name, start = fence.group(1), fence.end()
+        return CallDraft(name, _arguments_prefix(tail, start) or "") if _is_name(name) else CallDraft(None, "")
 
     def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
         between = lark.text("\n") + " " if self.fenced else ""  # V3 puts a newline between calls
@@ -378,13 +444,19 @@ class HarmonyFormat(ToolFormat):
             # that is not harmony at all.
             if "<|" in text or text.lstrip().startswith("to="):
                 return ""
-            return text[: len(text) - _partial_marker(text, ("<|", "to="))].strip()
+            return text[: len(text) - partial_marker_length(text, ("<|", "to="))].strip()
         return "\n".join(self._read(text, partial=True)[0])
 
-    def _read(self, text: str, partial: bool) -> tuple[list[str], list[str], list[ToolCall]]:
+    def draft(self, text: str) -> Draft:
+        if "<|message|>" not in text:
+            return Draft(self.streamable(text), [])
+        content, reasoning, calls = self._read(text, partial=True)
+        return Draft("\n".join(content), calls, "\n".join(reasoning))
+
+    def _read(self, text: str, partial: bool) -> tuple[list[str], list[str], list[ToolCall | CallDraft]]:
         content: list[str] = []
         reasoning: list[str] = []
-        calls: list[ToolCall] = []
+        calls: list[ToolCall | CallDraft] = []
         # Each piece is one message, `<|start|>` included (all but the first).
         for raw in re.split(r"(?=<\|start\|>)", text):
             header, sep, rest = raw.removeprefix("<|start|>").partition("<|message|>")
@@ -393,10 +465,10 @@ class HarmonyFormat(ToolFormat):
             ending = self._terminators.search(rest)
             body = rest[: ending.start()] if ending else rest
             if partial and not ending:  # the terminator may have begun
-                body = body[: len(body) - _partial_marker(body, ("<|end|>", "<|call|>", "<|return|>", "<|start|>"))]
+                body = body[: len(body) - partial_marker_length(body, ("<|end|>", "<|call|>", "<|return|>", "<|start|>"))]
             after = rest[ending.end() :] if ending else ""
             if partial:  # text after a terminator may be the next message's `<|start|>` beginning
-                after = after[: len(after) - _partial_marker(after, ("<|start|>",))]
+                after = after[: len(after) - partial_marker_length(after, ("<|start|>",))]
             after = after.strip()
             channel = re.search(r"<\|channel\|>\s*(\w+)", header)
             recipient = re.search(r"\bto=([^\s<]+)", header)
@@ -405,11 +477,14 @@ class HarmonyFormat(ToolFormat):
                     reasoning.append(body.strip())
                 else:  # final, or a commentary preamble
                     content.append(body.strip())
-            elif partial and not ending:  # a call still being written: nothing more goes out
+            elif partial and not ending:  # a call still being written: its draft, and nothing after it
+                name = recipient.group(1).removeprefix("functions.")
+                if recipient.group(1).startswith("functions.") and _is_name(name):
+                    calls.append(CallDraft(name, _arguments_prefix(body, 0) or ""))
                 break
             else:
-                value, end = _json_at(body, 0)
-                arguments = _arguments_json(value) if end == len(body.rstrip()) else None
+                arguments, end = _arguments_at(body, 0)
+                arguments = arguments if end == len(body.rstrip()) else None
                 name = recipient.group(1).removeprefix("functions.")
                 if recipient.group(1).startswith("functions.") and arguments is not None and _is_name(name):
                     calls.append(ToolCall(name, arguments))
@@ -522,6 +597,73 @@ def _json_at(text: str, start: int) -> tuple[Any, int]:
         return None, start
 
 
+# A call's arguments are the object the model wrote less the whitespace between its tokens (strings kept as
+# written), so that what a stream sent of them while they were written is a prefix of the whole. A string
+# (closed, or still open at the end of the text) or a run of whitespace: the whitespace goes.
+_STRING_OR_SPACE = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|\s+')
+# A call object that names its function first, as the templates write them: the name, then the arguments.
+_NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _minified(text: str) -> str:
+    return _STRING_OR_SPACE.sub(lambda m: m.group() if m.group().startswith('"') else "", text)
+
+
+def _arguments_at(text: str, start: int) -> tuple[str | None, int]:
+    """A call's arguments at `start` (after whitespace) as compact JSON text, and where they end; (None,
+    start) if there are none. An object is kept as written, minified; JSON text encoding an object (some
+    models quote their arguments) becomes that object's compact JSON."""
+    value, end = _json_at(text, start)
+    if isinstance(value, dict):
+        begin = start + len(text[start:]) - len(text[start:].lstrip())
+        return _minified(text[begin:end]), end
+    arguments = _arguments_json(value) if isinstance(value, str) else None
+    return (arguments, end) if arguments is not None else (None, start)
+
+
+def _arguments_prefix(text: str, start: int) -> str | None:
+    """The arguments object that begins at `start` (after whitespace) as written so far, minified as
+    `_arguments_at` will give it whole (up to its closing brace); None where no object has begun."""
+    begin = start + len(text[start:]) - len(text[start:].lstrip())
+    if not text.startswith("{", begin):
+        return None
+    depth = 0
+    for match in re.finditer(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[{}\[\]]', text[begin:]):
+        token = match.group()
+        if token in "{[":
+            depth += 1
+        elif token in "}]":
+            depth -= 1
+            if depth == 0:
+                return _minified(text[begin : begin + match.end()])
+    return _minified(text[begin:])
+
+
+def _object_call(text: str, start: int) -> tuple[ToolCall | None, int]:
+    """The call object ({"name": ..., "arguments": {...}}) at `start` and where it ends; (None, start)
+    if there is none."""
+    value, end = _json_at(text, start)
+    if not isinstance(value, dict):
+        return None, start
+    head = _NAME_FIRST.match(text, start + len(text[start:]) - len(text[start:].lstrip()))
+    if head is not None:
+        arguments, arguments_end = _arguments_at(text, head.end())
+        name = json.loads(head.group(1))
+        if arguments is not None and _is_name(name) and text[arguments_end:end].strip() == "}":
+            return ToolCall(name, arguments), end
+    call = _call_from_object(value)
+    return (call, end) if call is not None else (None, start)
+
+
+def _object_draft(text: str, start: int) -> CallDraft:
+    """The call object being written at `start`: its name and arguments so far where the name comes first."""
+    head = _NAME_FIRST.match(text, start + len(text[start:]) - len(text[start:].lstrip()))
+    name = json.loads(head.group(1)) if head is not None else None
+    if not _is_name(name):
+        return CallDraft(None, "")
+    return CallDraft(name, _arguments_prefix(text, head.end()) or "")
+
+
 def _arguments_json(value: Any) -> str | None:
     """Arguments as compact JSON text, from an object or from JSON text encoding one; None otherwise."""
     if isinstance(value, str):
@@ -549,7 +691,7 @@ def _is_name(name: Any) -> bool:
     return isinstance(name, str) and re.fullmatch(r"[^\s<>\[\]{}\"'`]+", name) is not None
 
 
-def _partial_marker(text: str, markers: Iterable[str]) -> int:
+def partial_marker_length(text: str, markers: Iterable[str]) -> int:
     """The length of the longest end of `text` that is the beginning of one of `markers`."""
     longest = 0
     for marker in markers:
@@ -560,10 +702,10 @@ def _partial_marker(text: str, markers: Iterable[str]) -> int:
     return longest
 
 
-def _without_end_of_turn(text: str) -> str:
+def without_end_of_turn(text: str) -> str:
     while True:
         stripped = text.rstrip()
-        for token in _END_OF_TURN:
+        for token in END_OF_TURN:
             if stripped.endswith(token):
                 text = stripped[: -len(token)]
                 break
