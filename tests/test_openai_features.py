@@ -143,14 +143,35 @@ def test_a_required_tool_call_comes_back_as_tool_calls_with_arguments_that_parse
     calls = named.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_time"]
     jsonschema.validate(json.loads(calls[0].function.arguments), CLOCK["function"]["parameters"])
-    # streamed: the call arrives as a tool_calls delta
+    # streamed: the call's id and name first, then its arguments as they are written, in several deltas
     deltas, finish = [], None
-    for chunk in _chat(server, "Weather?", max_tokens=150, seed=5, stream=True, tools=[WEATHER], tool_choice="required"):
+    # (one call: with several, a random model writes calls until max_tokens cuts the last one short, after its start went out)
+    stream = _chat(
+        server,
+        "Weather?",
+        max_tokens=150,
+        seed=5,
+        stream=True,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    for chunk in stream:
         for c in chunk.choices:
             deltas += c.delta.tool_calls or []
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and deltas[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(deltas[0].function.arguments), WEATHER["function"]["parameters"])
+    assert finish == "tool_calls"
+    calls = {}
+    for d in deltas:
+        if d.index not in calls:  # a call's first delta: its id and name, and calls in order
+            assert d.index == len(calls) and d.id.startswith("call_") and d.function.name == "get_weather"
+            calls[d.index] = [d.id, ""]
+        else:
+            assert d.id is None and d.function.name is None
+        calls[d.index][1] += d.function.arguments
+    assert len(calls) == 1 and len(deltas) > 2
+    for _, arguments in calls.values():
+        jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
 def test_tool_results_go_back_through_the_template(server, checkpoint):

@@ -82,14 +82,15 @@ class IncrementalText:
     never anything from a stop sequence on. The pieces it returns concatenate to the whole answer, so a
     streamed answer and a collected one are the same string by construction."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.special_tokens = special_tokens  # keep special tokens in the text (tool-call markers often are)
         self.text = ""  # what has been handed out so far
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=not self.special_tokens)
 
     def update(self, ids: list[int]) -> str:
         """The new final text after the new token ids grew to `ids`; sets `stopped` on a stop sequence."""
@@ -372,6 +373,7 @@ class Decoding:
         constraint: Constraint | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        special_tokens: bool = False,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
@@ -382,7 +384,7 @@ class Decoding:
         self.eos = eos_ids(model, tokenizer)
         self.ignore_eos = ignore_eos
         self.suppress = sorted(self.eos) if ignore_eos else []
-        self.text = IncrementalText(tokenizer, stop) if tokenizer is not None else None
+        self.text = IncrementalText(tokenizer, stop, special_tokens) if tokenizer is not None else None
         self.on_text, self.on_first_token = on_text, on_first_token
         self.cancel, self.deadline = cancel, deadline
         self.bias = _bias_tensors(logit_bias)
@@ -438,7 +440,7 @@ class Decoding:
             if self.on_first_token is not None:
                 self.on_first_token()
         if self.text is not None:
-            _emit(self.on_text, self.text.update(self.new))
+            _emit(self.on_text, self.text.update(self._text_ids()))
         if self.text is not None and self.text.stopped:
             self.finish_reason = "stop"
         elif self.interrupted():
@@ -454,6 +456,12 @@ class Decoding:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
+    def _text_ids(self) -> list[int]:
+        """The new tokens that make the text: with special tokens kept, an ending end-of-sequence token is
+        not part of the answer (it would otherwise appear in it as its spelling)."""
+        ends = self.new and self.new[-1] in self.eos and not self.ignore_eos
+        return self.new[:-1] if ends and self.text.special_tokens else self.new
+
     def interrupted(self) -> bool:
         """Whether the cancel flag or the deadline has ended the sequence (`finish_reason` says which);
         checked after every token, and between the parts of a long prefill."""
@@ -466,7 +474,7 @@ class Decoding:
     def result(self) -> GenerationResult:
         """The ended sequence's result (any text held back is handed out first)."""
         if self.text is not None:
-            _emit(self.on_text, self.text.finish(self.new))
+            _emit(self.on_text, self.text.finish(self._text_ids()))
         timing = Timing(self.start, self.first, self.last, len(self.new))
         text = self.text.text if self.text is not None else ""
         result = GenerationResult.of(text, len(self.prompt_ids), self.new, timing, self.finish_reason)

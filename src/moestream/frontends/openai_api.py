@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import tool_calls
+from .answer_stream import AnswerStream, CallStarted, ContentDelta, Delta, ReasoningDelta, Thinking
 from .batching import KVBudgetExceeded
 from .constraints import Grammar, GrammarError, Vocabulary
 from .generate import GenerationResult, TokenLogprob, chat_prompt, encode
@@ -334,16 +335,10 @@ class Endpoint(ABC):
 
     def parse(self, data: dict) -> ParsedRequest:
         """Validate a request body; raises APIError (4xx) saying what to change."""
-        try:
-            req = self.request_model.model_validate(data)
-        except ValidationError as e:
-            raise _error_from_validation(e) from None
-        if req.model is not None and req.model != self.model_name:
-            raise model_not_found(req.model, self.model_name)
-        req.refused()
+        req = self.validate(data)
         reply = self.reply(req)
         prompts = self.prompts(req, reply)
-        base = self._generation(req, prompts, self.grammar(req, reply))
+        base = replace(self._generation(req, prompts, self.grammar(req, reply)), special_tokens=reply.special_tokens)
         n = req.n or 1
         choices = []
         for prompt in prompts:
@@ -354,6 +349,17 @@ class Endpoint(ABC):
         reply.start(prompts, n)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return ParsedRequest(choices, req.stream, include_usage, reply)
+
+    def validate(self, data: dict) -> _Common:
+        """The request body as this endpoint's request model, with what it may not ask for refused."""
+        try:
+            req = self.request_model.model_validate(data)
+        except ValidationError as e:
+            raise _error_from_validation(e) from None
+        if req.model is not None and req.model != self.model_name:
+            raise model_not_found(req.model, self.model_name)
+        req.refused()
+        return req
 
     @abstractmethod
     def prompts(self, req, reply: Reply) -> list[list[int]]:
@@ -478,13 +484,25 @@ class ChatCompletions(Endpoint):
         try:
             prompt = chat_prompt(self.tokenizer, messages, **options)
         except Exception as e:  # a template that rejects these messages (roles out of order, ...)
-            raise APIError(400, f"the chat template cannot format these messages: {e}", param="messages") from None
+            raise APIError(400, f"the chat template cannot format these messages: {e}", param=self.prompt_param) from None
+        reply.thinking = Thinking.of(self._template(), prompt)
         return [self._tokenize(prompt, templated=True)]
 
     def _template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)
 
     def reply(self, req: ChatCompletionRequest) -> ChatReply:
+        return ChatReply(
+            self.model_name,
+            self.fingerprint,
+            self.tokenizer,
+            self.vocabulary,
+            tool_format=self.tool_format(req),
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+        )
+
+    def tool_format(self, req: ChatCompletionRequest) -> tool_calls.ToolFormat | None:
+        """The format the answer's tool calls are parsed in; None when no call is allowed."""
         tool_format = None
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
         if isinstance(choice, NamedToolChoice) and not any(t.function.name == choice.function.name for t in req.tools or []):
@@ -501,14 +519,7 @@ class ChatCompletions(Endpoint):
                     "DeepSeek, gpt-oss) can",
                     param="tools",
                 )
-        return ChatReply(
-            self.model_name,
-            self.fingerprint,
-            self.tokenizer,
-            self.vocabulary,
-            tool_format=tool_format,
-            parallel_tool_calls=req.parallel_tool_calls is not False,
-        )
+        return tool_format
 
     def grammar(self, req: ChatCompletionRequest, reply: ChatReply) -> Grammar | None:
         forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
@@ -621,6 +632,11 @@ class Reply(ABC):
         self.tokenizer = tokenizer
         self.prompt_of: list[int] = []  # each choice's prompt (usage counts a prompt once)
 
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the answers' text keeps special tokens (for a reply that parses them)."""
+        return False
+
     def start(self, prompts: list[list[int]], n: int) -> None:
         self.prompt_of = [p for p in range(len(prompts)) for _ in range(n)]
 
@@ -693,6 +709,10 @@ class Reply(ABC):
 
 
 class ChatReply(Reply):
+    """A chat answer: its reasoning (`reasoning_content`, where the template has a reasoning block or the
+    format a reasoning channel), its content and its tool calls, told apart as they stream (AnswerStream):
+    a call's name as soon as it is written, then its arguments in pieces."""
+
     id_prefix = "chatcmpl"
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
@@ -703,13 +723,21 @@ class ChatReply(Reply):
         super().__init__(model_name, fingerprint, tokenizer, vocabulary)
         self.tool_format = tool_format  # tool_calls.ToolFormat: the answers are parsed for calls
         self.parallel_tool_calls = parallel_tool_calls
-        # A streamed answer that may hold a call: its text so far and what of it went out as content (what
-        # the format says is safe: never a call's first characters). Where the call's opening marker is a
-        # special token (not in the text), nothing goes out before the end.
-        self.seen: dict[int, str] = {}
-        self.sent: dict[int, str] = {}
+        self.thinking: Thinking | None = None  # set with the prompt (whether the prompt opened the block)
+        self.seen: dict[int, str] = {}  # each streamed answer's text so far
+        self.streams: dict[int, AnswerStream] = {}
+        # The logprobs of tokens whose text has not gone out yet (held back: maybe a call's beginning).
         self.held_logprobs: dict[int, list] = {}
-        self.incremental = tool_format is not None and _survives_decoding(tokenizer, tool_format.start_marker)
+
+    @property
+    def special_tokens(self) -> bool:
+        # Tool-call markers are often special tokens: an answer parsed for calls keeps them in its text.
+        return self.tool_format is not None
+
+    def _stream(self, index: int) -> AnswerStream:
+        if index not in self.streams:
+            self.streams[index] = AnswerStream(self.tool_format, self.thinking, self.parallel_tool_calls)
+        return self.streams[index]
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         if entries is None:
@@ -725,57 +753,59 @@ class ChatReply(Reply):
         return [self._chunk_with(index, {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
 
     def chunk(self, piece: Piece) -> list[dict]:
-        text, entries = piece.text, piece.logprobs
-        if self.tool_format is not None:
-            i = piece.index
-            self.seen[i] = self.seen.get(i, "") + text
-            self.held_logprobs[i] = self.held_logprobs.get(i, []) + entries
-            sent = self.sent.get(i, "")
-            safe = self.tool_format.streamable(self.seen[i]) if self.incremental else ""
-            text = safe[len(sent) :] if safe.startswith(sent) else ""
-            if not text:
-                return []
-            self.sent[i] = self.sent.get(i, "") + text
-            entries, self.held_logprobs[i] = self.held_logprobs[i], []
-        logprobs = self._logprobs(entries) if entries else None
-        return [self._chunk_with(piece.index, {"delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})]
+        i, stream = piece.index, self._stream(piece.index)
+        if stream.plain:
+            logprobs = self._logprobs(piece.logprobs) if piece.logprobs else None
+            return [self._chunk_with(i, {"delta": {"content": piece.text}, "logprobs": logprobs, "finish_reason": None})]
+        self.seen[i] = self.seen.get(i, "") + piece.text
+        self.held_logprobs[i] = self.held_logprobs.get(i, []) + piece.logprobs
+        return self._delta_chunks(i, stream.update(self.seen[i]))
+
+    def _delta_chunks(self, i: int, deltas: list[Delta]) -> list[dict]:
+        """One chunk per kind of delta in a row, as OpenAI-compatible servers stream them (`reasoning_content`
+        as DeepSeek's API, vLLM and llama.cpp name it); held logprobs go with the content."""
+        chunks = []
+        for delta in deltas:
+            if isinstance(delta, ReasoningDelta):
+                body = {"reasoning_content": delta.text}
+            elif isinstance(delta, ContentDelta):
+                body = {"content": delta.text}
+            elif isinstance(delta, CallStarted):
+                call = {"index": delta.index, "id": delta.id, "type": "function"}
+                body = {"tool_calls": [{**call, "function": {"name": delta.name, "arguments": ""}}]}
+            else:
+                body = {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.text}}]}
+            logprobs = None
+            if isinstance(delta, ContentDelta) and self.held_logprobs.get(i):
+                logprobs, self.held_logprobs[i] = self._logprobs(self.held_logprobs[i]), []
+            chunks.append(self._chunk_with(i, {"delta": body, "logprobs": logprobs, "finish_reason": None}))
+        return chunks
 
     def last_chunks(self, done: Done) -> list[dict]:
         i, result = done.index, done.result
-        chunks = []
-        if self.tool_format is not None:
-            content, calls = self._parsed(result)
-            sent = self.sent.get(i, "")
-            rest = (content or "")[len(sent) :] if (content or "").startswith(sent) else ""
-            held = self.held_logprobs.pop(i, [])
-            if rest or held:
-                logprobs = self._logprobs(held) if held else None
-                chunks.append(self._chunk_with(i, {"delta": {"content": rest}, "logprobs": logprobs, "finish_reason": None}))
-            if calls:
-                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-                chunks.append(self._chunk_with(i, {"delta": delta, "logprobs": None, "finish_reason": None}))
-                return chunks + [self._chunk_with(i, {"delta": {}, "logprobs": None, "finish_reason": "tool_calls"})]
-        return chunks + [self._chunk_with(i, {"delta": {}, "logprobs": None, "finish_reason": finish_reason(result)})]
-
-    def _parsed(self, result: GenerationResult) -> tuple[str | None, list[dict]]:
-        """The answer's content and its tool calls (OpenAI's shape), from its text with special tokens."""
-        ids = result.token_ids[:-1] if result.eos else result.token_ids
-        parsed = self.tool_format.parse(self.tokenizer.decode(ids, skip_special_tokens=False))
-        calls = parsed.calls if self.parallel_tool_calls else parsed.calls[:1]
-        shaped = [
-            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
-        ]
-        return (parsed.content, shaped) if calls else (result.text, [])
+        stream = self._stream(i)
+        if stream.plain:
+            return [self._chunk_with(i, {"delta": {}, "logprobs": None, "finish_reason": finish_reason(result)})]
+        deltas, final = stream.finish(result.text)
+        chunks = self._delta_chunks(i, deltas)
+        held = self.held_logprobs.pop(i, [])
+        if held:
+            chunks.append(self._chunk_with(i, {"delta": {}, "logprobs": self._logprobs(held), "finish_reason": None}))
+        reason = "tool_calls" if final.calls else finish_reason(result)
+        return chunks + [self._chunk_with(i, {"delta": {}, "logprobs": None, "finish_reason": reason})]
 
     def _whole(self, index: int, result: GenerationResult) -> dict:
-        message = {"role": "assistant", "content": result.text}
+        stream = AnswerStream(self.tool_format, self.thinking, self.parallel_tool_calls)
+        _, final = stream.finish(result.text)
+        message: dict[str, Any] = {"role": "assistant", "content": final.content}
+        if final.reasoning is not None:
+            message["reasoning_content"] = final.reasoning
         reason = finish_reason(result)
-        if self.tool_format is not None:
-            content, calls = self._parsed(result)
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
-                reason = "tool_calls"
+        if final.calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in final.calls
+            ]
+            reason = "tool_calls"
         return {"message": message, "logprobs": self._logprobs(result.logprobs), "finish_reason": reason}
 
 
@@ -841,8 +871,3 @@ class CompletionReply(Reply):
         if echo and result.prompt_logprobs is not None:
             entries = result.prompt_logprobs + (result.logprobs or [])
         return {"text": echo + result.text, "logprobs": self._logprobs(index, entries), "finish_reason": finish_reason(result)}
-
-
-def _survives_decoding(tokenizer, text: str) -> bool:
-    """Whether `text` stays in the answer's text (it is not a special token that decoding drops)."""
-    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False), skip_special_tokens=True) == text

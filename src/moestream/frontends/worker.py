@@ -50,6 +50,7 @@ class GenerationParams:
     grammar: Grammar | None = None  # the answer must follow it (structured outputs, forced tool calls)
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
     prompt_logprobs: int | None = None  # the same for each prompt token (completions' echo with logprobs)
+    special_tokens: bool = False  # the text keeps special tokens (an answer parsed for tool calls)
 
 
 class WorkerError(Exception):
@@ -344,6 +345,7 @@ class Worker:
             constraint=constraint,
             logprobs=p.logprobs,
             prompt_logprobs=p.prompt_logprobs,
+            special_tokens=p.special_tokens,
             on_text=lambda text: job._post("text", Piece(index, text, decoding.take_logprobs())),
             on_first_token=lambda: self._first_token(job),
             cancel=job.request.cancel,
