@@ -12,11 +12,15 @@ import pytest
 from moestream.conversion.synthetic import byte_tokenizer
 from moestream.frontends.tool_calls import (
     FAMILIES,
+    CallDraft,
     DeepSeekFormat,
+    GlmFormat,
     HarmonyFormat,
     HermesFormat,
+    LlamaFormat,
     MistralFormat,
     ParsedOutput,
+    Qwen3CoderFormat,
     ToolCall,
     detect,
     to_template_messages,
@@ -67,6 +71,59 @@ def harmony_text(content, calls, after=""):
     return text
 
 
+# The XML-like formats type each value by the tool's schema, so the writers below tell the formats the
+# schema of what they write: each parameter's type is its value's (several where a name comes back typed
+# otherwise), kept here and handed to the formats as their schemas (a mapping they read as it is now).
+WRITTEN_SCHEMAS = {}
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+
+
+def json_type(value):
+    return "null" if value is None else JSON_TYPES[type(value)]
+
+
+def record_schemas(calls):
+    for name, arguments in calls:
+        properties = WRITTEN_SCHEMAS.setdefault(name, {"type": "object", "properties": {}})["properties"]
+        for key, value in arguments.items():
+            known = properties.setdefault(key, {"type": json_type(value)})["type"]
+            if json_type(value) not in ([known] if isinstance(known, str) else known):
+                properties[key]["type"] = [*([known] if isinstance(known, str) else known), json_type(value)]
+
+
+def xml_value(value):
+    """A value as the templates write it: a string as it is, anything else as JSON (tojson)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def qwen3_coder_text(content, calls, after=""):
+    record_schemas(calls)
+    blocks = "\n".join(
+        f"<tool_call>\n<function={n}>\n"
+        + "".join(f"<parameter={k}>\n{xml_value(v)}\n</parameter>\n" for k, v in a.items())
+        + "</function>\n</tool_call>"
+        for n, a in calls
+    )
+    return f"{content}\n{blocks}{after}<|im_end|>"
+
+
+def glm_text(content, calls, after=""):
+    record_schemas(calls)
+    blocks = "\n".join(
+        f"<tool_call>{n}\n"
+        + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{xml_value(v)}</arg_value>\n" for k, v in a.items())
+        + "</tool_call>"
+        for n, a in calls
+    )
+    return f"{content}\n{blocks}{after}<|observation|>"
+
+
+def llama_text(content, calls, after=""):
+    """Bare JSON when the answer is only calls; after `<|python_tag|>` when the model says something first."""
+    objects = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    return content + ("<|python_tag|>" if content and calls else "") + objects + after + "<|eot_id|>"
+
+
 WRITERS = {
     "hermes": (HermesFormat(), hermes_text),
     "mistral-json": (MistralFormat(), mistral_json_text),
@@ -74,7 +131,13 @@ WRITERS = {
     "deepseek-v3": (DeepSeekFormat(), deepseek_v3_text),
     "deepseek-v3.1": (DeepSeekFormat(fenced=False), deepseek_v31_text),
     "harmony": (HarmonyFormat(), harmony_text),
+    "qwen3-coder": (Qwen3CoderFormat(WRITTEN_SCHEMAS), qwen3_coder_text),
+    "glm": (GlmFormat(WRITTEN_SCHEMAS), glm_text),
+    "llama": (LlamaFormat(), llama_text),
 }
+# the formats whose arguments are built from raw values (compact JSON with the characters as they are)
+# rather than kept as the model wrote the JSON
+TYPED = {"qwen3-coder", "glm"}
 
 WORDS = ["get", "weather", "search", "docs", "send", "mail", "city", "lookup", "x2", "v3"]
 TRICKY = ['say "hi"', "back\\slash", "{braces}", "[brackets]", "line\nbreak", "café ☕", "tab\t", "</end>", ""]
@@ -116,14 +179,17 @@ def test_parse_round_trip(family, n_calls, seed):
     content = rng.choice(["", "Let me check that.", 'Sure — I\'ll call "the" tool {now}.'])
     parsed = fmt.parse(write(content, calls))
     # the arguments as the model wrote them (json.dumps here), less the whitespace between tokens
-    assert parsed.calls == [ToolCall(n, json.dumps(a, separators=(",", ":"))) for n, a in calls]
+    ascii_ = family not in TYPED
+    assert parsed.calls == [ToolCall(n, json.dumps(a, separators=(",", ":"), ensure_ascii=ascii_)) for n, a in calls]
     assert [json.loads(c.arguments) for c in parsed.calls] == [a for _, a in calls]
     assert parsed.content == (content or None)
     if family == "harmony":
         assert parsed.reasoning == "The user wants something; I will call a tool."
 
 
-@pytest.mark.parametrize("family", ["hermes", "mistral-json", "mistral-args", "deepseek-v3", "deepseek-v3.1"])
+@pytest.mark.parametrize(
+    "family", ["hermes", "mistral-json", "mistral-args", "deepseek-v3", "deepseek-v3.1", "qwen3-coder", "glm", "llama"]
+)
 def test_text_after_the_calls_is_content(family):
     fmt, write = WRITERS[family]
     parsed = fmt.parse(write("Before.", [("f", {"a": 1})], after=" After."))
@@ -148,6 +214,10 @@ MALFORMED = {
     "deepseek-v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": }\n```<｜tool▁call▁end｜>',
     "deepseek-v3.1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{a: 1}<｜tool▁call▁end｜>",
     "harmony": "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{'a': 1}<|call|>",
+    # a parameter never closed; a value never closed; an object never closed
+    "qwen3-coder": '<tool_call>\n<function=f>\n<parameter=a>\n{"x": 1}\n</function>\n</tool_call>',
+    "glm": '<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>{"x": 1}\n</tool_call>',
+    "llama": '<|python_tag|>{"name": "f", "parameters": {"a": 1}',
 }
 
 
@@ -252,6 +322,12 @@ HARMONY_TEMPLATE = (
 )
 PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 XML_CALLS_TEMPLATE = "<tool_call>\n<function={{ c.name }}>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+GLM_TEMPLATE = "<tool_call>{{ c.name }}\n{% for k, v in c.arguments.items() %}<arg_key>{{ k }}</arg_key>{% endfor %}</tool_call>"
+LLAMA_TEMPLATE = (
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}"
+    "{{- '{\"name\": \"' + c.name + '\", \"parameters\": ' + c.arguments | tojson + '}' }}"
+)
+LLAMA_BUILTIN_TEMPLATE = "{%- if builtin_tools is defined %}<|python_tag|>{{ c.name }}.call(){% endif %}<|eom_id|>"
 
 
 def test_detect():
@@ -264,9 +340,12 @@ def test_detect():
     assert isinstance(deepseek_v31, DeepSeekFormat) and not deepseek_v31.fenced
     assert isinstance(detect(HARMONY_TEMPLATE), HarmonyFormat)
     assert detect(PLAIN_TEMPLATE) is None
-    assert detect(XML_CALLS_TEMPLATE) is None  # <tool_call> with XML inside: not a format known here
+    # <tool_call> with XML inside rather than Hermes's JSON
+    assert isinstance(detect(XML_CALLS_TEMPLATE), Qwen3CoderFormat)
+    assert isinstance(detect(GLM_TEMPLATE), GlmFormat)
+    assert isinstance(detect(LLAMA_TEMPLATE), LlamaFormat) and isinstance(detect(LLAMA_BUILTIN_TEMPLATE), LlamaFormat)
     assert detect(None) is None and detect("") is None
-    assert set(FAMILIES) == {"hermes", "mistral", "deepseek", "harmony"}
+    assert set(FAMILIES) == {"hermes", "mistral", "deepseek", "harmony", "qwen3-coder", "glm", "llama"}
 
 
 # -- grammar -------------------------------------------------------------------------------------------
@@ -311,6 +390,9 @@ TOKEN_MARKERS = {
         "<｜tool▁sep｜>",
     ],
     "harmony": ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"],
+    "qwen3-coder": ["<tool_call>", "</tool_call>"],
+    "glm": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
+    "llama": [],  # forced calls are the bare JSON object: no marker
 }
 TOKEN_MARKERS["deepseek-v3.1"] = TOKEN_MARKERS["deepseek-v3"]
 
@@ -324,6 +406,9 @@ GRAMMAR_TEXT = {
     "harmony": lambda calls: "".join(
         f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>{json.dumps(a)}<|call|>" for n, a in calls
     ),
+    "qwen3-coder": lambda calls: qwen3_coder_text("", calls).strip().removesuffix("<|im_end|>"),
+    "glm": lambda calls: glm_text("", calls).strip().removesuffix("<|observation|>"),
+    "llama": lambda calls: llama_text("", calls).removesuffix("<|eot_id|>"),
 }
 
 _VOCABULARIES = {}
@@ -389,7 +474,7 @@ def test_grammar_forces_valid_calls(family):
     assert fmt.parse(write([GOOD])).calls == [ToolCall("get_weather", '{"city":"Paris","days":3}')]
 
 
-@pytest.mark.parametrize("family", WRITERS)
+@pytest.mark.parametrize("family", [f for f in WRITERS if TOKEN_MARKERS[f]])
 def test_grammar_markers_are_the_special_tokens(family):
     """Where a marker is a token, the grammar takes only that token, not the marker spelled out."""
     fmt, _ = WRITERS[family]
@@ -415,7 +500,7 @@ def test_grammar_markers_as_plain_text_where_they_are_text():
 def test_grammar_markers_by_name_without_the_vocabulary():
     """Without added_tokens, angle-bracketed markers are written by name and llguidance finds them;
     Mistral's bracketed ones can only be given by id."""
-    for family in ("hermes", "harmony", "deepseek-v3"):
+    for family in ("hermes", "harmony", "deepseek-v3", "qwen3-coder", "glm"):
         fmt, _ = WRITERS[family]
         tokenizer, words = vocabulary(TOKEN_MARKERS[family])
         grammar = fmt.grammar([WEATHER], NAMED)

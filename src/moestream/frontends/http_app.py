@@ -44,6 +44,7 @@ from .openai_api import (
     model_card,
     model_not_found,
 )
+from .responses_api import Responses
 from .serving import TooManyChoices
 from .worker import ClientGone, Done, Job, Worker, WorkerError, WorkerStats
 
@@ -88,6 +89,7 @@ def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
     # The API under /v1 (OpenAI's base URL) and, as llama.cpp's server does, without the prefix, for clients
     # whose base URL is the bare host.
     for prefix in ("/v1", ""):
+        app.add_api_route(f"{prefix}/responses", service.responses, methods=["POST"])
         app.add_api_route(f"{prefix}/models", service.models, methods=["GET"])
         app.add_api_route(f"{prefix}/models/{{name:path}}", service.retrieve_model, methods=["GET"])
         app.add_api_route(f"{prefix}/chat/completions", service.chat_completions, methods=["POST"])
@@ -143,6 +145,7 @@ class Service:
         shared = dict(vocabulary=self.worker.vocabulary, fingerprint=system_fingerprint(model))
         self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens, **shared)
         self.completion = Completions(tokenizer, config.model_name, context, **shared)
+        self.response = Responses(tokenizer, config.model_name, context, config.default_max_tokens, **shared)
         self.created = int(time.time())
         # (endpoint, outcome) -> requests answered; touched only on the event loop, so it needs no lock.
         self.requests: dict[tuple[str, str], int] = {}
@@ -154,6 +157,9 @@ class Service:
 
     async def completions(self, request: Request) -> Response:
         return await self.answer(self.completion, request)
+
+    async def responses(self, request: Request) -> Response:
+        return await self.answer(self.response, request)
 
     async def answer(self, endpoint: Endpoint, request: Request) -> Response:
         """Translate, queue and answer a request: one JSON object, or server-sent events. Every way it can
@@ -197,7 +203,7 @@ class Service:
         try:
             for index in range(reply.choices):
                 for chunk in reply.opening(index):
-                    yield _sse(chunk)
+                    yield reply.sse(chunk)
             results = {}
             async for item in job.output():
                 if isinstance(item, Done):
@@ -206,16 +212,17 @@ class Service:
                 else:
                     chunks = reply.chunk(item)
                 for chunk in chunks:
-                    yield _sse(chunk)
+                    yield reply.sse(chunk)
             if parsed.include_usage:
-                yield _sse(reply.usage_chunk(results))
+                yield reply.sse(reply.usage_chunk(results))
             outcome = "ok"
         except Exception as e:  # too late for an error status: the error travels as an event
             outcome = "error"
-            yield _sse(error_for(e).body)
+            yield reply.sse(reply.error_event(error_for(e).body))
         finally:
             self._end(endpoint, job, outcome)
-        yield "data: [DONE]\n\n"
+        if reply.done_marker:
+            yield "data: [DONE]\n\n"
 
     def _end(self, endpoint: Endpoint, job: Job | None, outcome: str) -> None:
         """The end of every generation request: free its queue slot (or stop its generation) if it has a
@@ -373,10 +380,6 @@ async def _read_json(request: Request) -> dict:
     return data
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
 # -- error handlers: every error is an OpenAI error object ----------------------------------------------------
 
 
@@ -389,7 +392,10 @@ async def _api_error(request, e: APIError):
 
 
 # What a client that asks for a path this server does not have is told (e.g. /v1/responses, /v1/embeddings).
-ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models (each also without /v1), GET /health, GET /metrics"
+ENDPOINTS = (
+    "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models (each also without /v1), "
+    "GET /health, GET /metrics"
+)
 
 
 async def _http_error(request, e: StarletteHTTPException):

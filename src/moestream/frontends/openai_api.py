@@ -15,6 +15,7 @@ Needs pydantic (which FastAPI brings); knows nothing of HTTP beyond status codes
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 import uuid
@@ -139,6 +140,7 @@ class ChatMessage(_Strict):
     tool_calls: list[_ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer to one of them
     refusal: str | None = None
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that show it
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -159,6 +161,8 @@ class ChatMessage(_Strict):
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -255,6 +259,8 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
+    # vLLM's and llama.cpp's extension: more variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -472,6 +478,12 @@ class ChatCompletions(Endpoint):
             if "reasoning_effort" not in (self._template() or ""):
                 raise APIError(400, "this model's chat template takes no reasoning effort", param="reasoning_effort")
             options["reasoning_effort"] = req.reasoning_effort
+        reserved = {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template"} & set(
+            req.chat_template_kwargs or {}
+        )
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
+        options.update(req.chat_template_kwargs or {})
         earlier_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
         # (with tool_choice "none" the answer is not parsed for calls, but earlier ones still go through the template)
         template_format = reply.tool_format or (tool_calls.detect(self._template()) if earlier_calls else None)
@@ -636,6 +648,16 @@ class Reply(ABC):
     def special_tokens(self) -> bool:
         """Whether the answers' text keeps special tokens (for a reply that parses them)."""
         return False
+
+    # A stream's framing: each payload as a server-sent event, and OpenAI's `data: [DONE]` at the end.
+    done_marker: ClassVar[bool] = True
+
+    def sse(self, payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def error_event(self, body: dict) -> dict:
+        """The event that tells a client its stream failed (the status line went out already)."""
+        return body
 
     def start(self, prompts: list[list[int]], n: int) -> None:
         self.prompt_of = [p for p in range(len(prompts)) for _ in range(n)]

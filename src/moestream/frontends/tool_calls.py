@@ -19,11 +19,18 @@ A `ToolFormat` does four things, all text processing, no model:
   as a mapping or as JSON text).
 
 The families (see each class for its format): hermes (Qwen2.5/Qwen3, Hermes and many fine-tunes),
-mistral (both the JSON-list and the name[ARGS] formats), deepseek (V3/R1 and V3.1) and harmony (gpt-oss).
+mistral (both the JSON-list and the name[ARGS] formats), deepseek (V3/R1 and V3.1), harmony (gpt-oss),
+qwen3-coder (Qwen3-Coder, Qwen3-Next, Qwen3.5: XML-like calls), glm (GLM-4.5/4.6: XML-like calls) and
+llama (Llama 3.1-3.3 and 4: a bare JSON object).
+
+The XML-like formats write each argument's value as raw text, so only the tool's JSON schema tells the
+string "3" from the number 3: a format that needs the request's tools to read the calls gets them from
+`with_tools(tools)` (a configured copy; the other formats return themselves).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -36,7 +43,18 @@ from .constraints import JSON_OPTIONS
 
 # End-of-turn tokens an answer may end with when decoded with its special tokens (the stop token is not
 # always cut off): none of them is content.
-END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "</s>", "<｜end▁of▁sentence｜>")
+END_OF_TURN = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",  # Llama 3.1 after a call it expects a result for
+    "<|eot|>",  # Llama 4
+    "<|end|>",
+    "</s>",
+    "<｜end▁of▁sentence｜>",
+    "<|observation|>",  # GLM-4.5 ends a turn of calls on it
+    "<|user|>",  # and any other turn on the next one's header
+)
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,11 @@ class ToolFormat:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+    def with_tools(self, tools: Iterable[Mapping[str, Any]] | None) -> ToolFormat:
+        """This format for a request that offers `tools` (OpenAI's list): a configured copy where reading
+        the calls needs the tools' schemas (the XML-like formats), else the format itself."""
+        return self
 
     # -- parsing --------------------------------------------------------------------------------------
 
@@ -169,7 +192,7 @@ class ToolFormat:
         rules = [f"start: {self._start_rule(lark, many)}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
         for i, (name, schema) in enumerate(functions):
             rules.append(f"call_{i}: {self._call_rule(lark, name, f'args_{i}')}")
-            rules.append(f"args_{i}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}")
+            rules.extend(self._arguments_rules(lark, f"args_{i}", schema))
         rules.extend(self._extra_rules(lark))
         return "\n".join(rules) + "\n"
 
@@ -180,6 +203,10 @@ class ToolFormat:
     def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
         """One call of function `name` whose arguments are the rule `args`."""
         raise NotImplementedError
+
+    def _arguments_rules(self, lark: _LarkWriter, rule: str, schema: dict) -> list[str]:
+        """The rule `rule` for a call's arguments held to `schema` (and any rules it needs): a JSON object."""
+        return [f"{rule}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"]
 
     def _extra_rules(self, lark: _LarkWriter) -> list[str]:
         return []
@@ -513,12 +540,344 @@ class HarmonyFormat(ToolFormat):
         ]
 
 
-FAMILIES: dict[str, type[ToolFormat]] = {cls.name: cls for cls in (HermesFormat, MistralFormat, DeepSeekFormat, HarmonyFormat)}
+class _XmlFormat(ToolFormat):
+    """What the XML-like formats share: each call is a `<tool_call>` block naming the function and giving
+    each argument as a key and its value written as raw text, one after the other; parallel calls are
+    blocks in a row (a newline apart, as the templates write them).
+
+    A value is text, so its type comes from the tool's JSON schema (`with_tools`): a string parameter's
+    value is the text as written; any other's is read as JSON (and, failing that, as a Python literal: some
+    templates render earlier calls' values with Python's `str`), else kept as the text. Without the tools
+    (or for a parameter the schema does not name or type) every value stays a string: it cannot be wrong
+    about a string, and a client that expects a number can still read one from it.
+
+    A call's arguments are built as compact JSON parameter by parameter, in the order written: while the
+    call is written its draft is `{` and the parameters whose value is complete, so what a stream sent is
+    always a prefix of the whole (the closing `}` comes with the call's end)."""
+
+    start_marker = "<tool_call>"
+    _end = "</tool_call>"
+
+    def __init__(self, schemas: Mapping[str, Mapping[str, Any]] | None = None):
+        # function name -> its parameters' JSON schema; kept as given (not copied)
+        self.schemas = schemas if schemas is not None else {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({sorted(self.schemas)!r})"
+
+    def with_tools(self, tools: Iterable[Mapping[str, Any]] | None) -> ToolFormat:
+        return type(self)(_schemas_of(tools))
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        position = 0
+        while (begin := text.find(self.start_marker, position)) >= 0:
+            yield text[position:begin]
+            after = begin + len(self.start_marker)
+            close = text.find(self._end, after)
+            if partial and close < 0:  # the call being written
+                yield self._read_call(text[after:], complete=False)
+                return
+            # (a last block without its closing marker: an answer cut at the end of the call)
+            end = len(text) if close < 0 else close + len(self._end)
+            call = self._read_call(text[after : len(text) if close < 0 else close], complete=True)
+            yield call if isinstance(call, ToolCall) else text[begin:end]
+            position = end
+        yield text[position:]
+
+    def _read_call(self, body: str, complete: bool) -> ToolCall | CallDraft | None:
+        """The call in a block's body (the text between the markers). `complete`: the whole body, a call
+        or None if it is malformed; else the body so far, the CallDraft of what it says for sure."""
+        raise NotImplementedError
+
+    def _end_of_call(self, name: str, pairs: list[str], complete: bool, closed: bool) -> ToolCall | CallDraft | None:
+        arguments = "{" + ",".join(pairs) + ("}" if closed else "")
+        if complete:
+            return ToolCall(name, arguments) if closed else None
+        return CallDraft(name, arguments)
+
+    def _pair(self, function: str, key: str, raw: str) -> str:
+        """One parameter as it goes into the arguments' compact JSON: `"key":value`."""
+        parameters = self.schemas.get(function)
+        properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+        value = _typed_value(raw, properties.get(key) if isinstance(properties, Mapping) else None)
+        return json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+    # -- grammar: each parameter in the format's words, its value held to the property's schema ----------
+
+    def _arguments_rules(self, lark: _LarkWriter, rule: str, schema: dict) -> list[str]:
+        properties = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        required = [p for p in schema.get("required") or [] if isinstance(p, str)]
+        # Required parameters first, in the schema's order, then each optional one, or not.
+        order = [p for p in properties if p in required] + [p for p in required if p not in properties]
+        order += [p for p in properties if p not in required]
+        shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # for the properties' $refs
+        rules, items = [], []
+        for k, key in enumerate(order):
+            prop = properties.get(key)
+            prop = dict(prop) if isinstance(prop, Mapping) else {}
+            types = _value_types(prop)
+            if types is None or "string" in types:  # text as written; reading it keeps it a string
+                enum = prop.get("enum")
+                if types == {"string"} and isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+                    value = "(" + " | ".join(lark.text(e) for e in enum) + ")"
+                else:
+                    value = self._string_value(lark)
+            else:
+                value = f"{rule}_{k}_value"
+                rules.append(f"{value}: %json {json.dumps({**shared, **prop, 'x-guidance': JSON_OPTIONS})}")
+            rules.append(f"{rule}_{k}: {self._parameter_rule(lark, key, value)}")
+            items.append(f"{rule}_{k}" + ("" if key in required else "?"))
+        return [f"{rule}: {' '.join(items)}", *rules]
+
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str) -> str:
+        raise NotImplementedError
+
+    def _string_value(self, lark: _LarkWriter) -> str:
+        """The expression for a string value: any text up to the value's closing marker."""
+        raise NotImplementedError
+
+
+class Qwen3CoderFormat(_XmlFormat):
+    """Qwen3-Coder's format (also Qwen3-Next and Qwen3.5): each call a block with the function and its
+    parameters as XML-like tags, each value on its own lines:
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        <parameter=days>
+        3
+        </parameter>
+        </function>
+        </tool_call>
+
+    A value is the text between `<parameter=NAME>` and `</parameter>`, less the newline after the one
+    and before the other; it is typed by the tool's schema (see `_XmlFormat`). `<tool_call>` and
+    `</tool_call>` are added tokens in Qwen's vocabulary; the tags inside are text."""
+
+    name = "qwen3-coder"
+    _token_markers = frozenset({"<tool_call>", "</tool_call>"})
+    _function = re.compile(r"\s*<function=([^>\n]*)>")
+    _parameter = re.compile(r"\s*<parameter=([^>\n]*)>")
+    _function_end = re.compile(r"\s*</function>")
+
+    def _read_call(self, body: str, complete: bool) -> ToolCall | CallDraft | None:
+        head = self._function.match(body)
+        name = head.group(1).strip() if head is not None else None
+        if not _is_name(name):
+            return None if complete else CallDraft(None, "")
+        position, pairs = head.end(), []
+        while (parameter := self._parameter.match(body, position)) is not None:
+            close = body.find("</parameter>", parameter.end())
+            key = parameter.group(1).strip()
+            if close < 0 or not key:
+                return self._end_of_call(name, pairs, complete, closed=False)
+            raw = body[parameter.end() : close]
+            raw = raw[1:] if raw.startswith("\n") else raw
+            raw = raw[:-1] if raw.endswith("\n") else raw
+            pairs.append(self._pair(name, key, raw))
+            position = close + len("</parameter>")
+        end = self._function_end.match(body, position)
+        closed = end is not None and not body[end.end() :].strip()
+        return self._end_of_call(name, pairs, complete, closed)
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        return f"call ({lark.text(chr(10))} call)*" if many else "call"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        head = lark.text(f"\n<function={name}>\n")
+        return f"{lark.marker(self.start_marker)} {head} {args} {lark.text('</function>' + chr(10))} {lark.marker(self._end)}"
+
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str) -> str:
+        if value == self._string_value(lark):  # the lexeme ends with the value's newline and closing tag
+            return f"{lark.text(f'<parameter={key}>' + chr(10))} {value} {lark.text(chr(10))}"
+        return f"{lark.text(f'<parameter={key}>' + chr(10))} {value} {lark.text(chr(10) + '</parameter>' + chr(10))}"
+
+    def _string_value(self, lark: _LarkWriter) -> str:
+        return "PARAMETER_TEXT"
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        # Any text, then the line that closes it. llguidance's lexer does not backtrack, so the lexeme takes
+        # in its closing tag (the first one: the value cannot contain it, or it would be read cut there).
+        return [_text_until("PARAMETER_TEXT", "\n</parameter>", "</parameter>")]
+
+
+class GlmFormat(_XmlFormat):
+    """GLM-4.5's and GLM-4.6's format (zai-org): each call a block with the function's name on its first
+    line, then each argument as a key and a value, the value written as raw text:
+
+        <tool_call>get_weather
+        <arg_key>city</arg_key>
+        <arg_value>Paris</arg_value>
+        <arg_key>days</arg_key>
+        <arg_value>3</arg_value>
+        </tool_call>
+
+    The name runs up to the line's end (or to the first `<arg_key>`); a value is all the text between its
+    tags, typed by the tool's schema (see `_XmlFormat`; the templates write the non-strings with tojson).
+    All six tags are special tokens in GLM's vocabulary."""
+
+    name = "glm"
+    _token_markers = frozenset({"<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"})
+    _name_end = re.compile(r"[^\n<]*")
+    _key = re.compile(r"\s*<arg_key>([^<]*)</arg_key>\s*<arg_value>")
+
+    def _read_call(self, body: str, complete: bool) -> ToolCall | CallDraft | None:
+        head = self._name_end.match(body)
+        name = head.group().strip()
+        if (not complete and head.end() == len(body)) or not _is_name(name):  # (the name may go on)
+            return None if complete else CallDraft(None, "")
+        position, pairs = head.end(), []
+        while (key := self._key.match(body, position)) is not None:
+            close = body.find("</arg_value>", key.end())
+            if close < 0 or not key.group(1).strip():
+                return self._end_of_call(name, pairs, complete, closed=False)
+            pairs.append(self._pair(name, key.group(1).strip(), body[key.end() : close]))
+            position = close + len("</arg_value>")
+        # The block's closing marker closes the call: only a complete body has it.
+        return self._end_of_call(name, pairs, complete, closed=complete and not body[position:].strip())
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        return f"call ({lark.text(chr(10))} call)*" if many else "call"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        return f"{lark.marker(self.start_marker)} {lark.text(name + chr(10))} {args} {lark.marker(self._end)}"
+
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str) -> str:
+        key_part = f"{lark.marker('<arg_key>')} {lark.text(key)} {lark.marker('</arg_key>')} {lark.text(chr(10))}"
+        if value == self._string_value(lark) and not lark.is_token("</arg_value>"):
+            return f"{key_part} {lark.marker('<arg_value>')} {value} {lark.text(chr(10))}"  # the lexeme closes it
+        return f"{key_part} {lark.marker('<arg_value>')} {value} {lark.marker('</arg_value>')} {lark.text(chr(10))}"
+
+    def _string_value(self, lark: _LarkWriter) -> str:
+        return "ARG_TEXT"
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        if lark.is_token("</arg_value>"):  # a regex never matches a special token: any text, up to it
+            return [r"ARG_TEXT: /(?s:.*)/"]
+        return [_text_until("ARG_TEXT", "</arg_value>", "</arg_value>")]
+
+
+class LlamaFormat(ToolFormat):
+    """Llama 3.1-3.3's and Llama 4's JSON calls: the answer is the call, a bare JSON object naming the
+    function and giving its "parameters" (some write "arguments"):
+
+        {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+    Several calls are objects in a row, separated by `;` or whitespace. There is no marker, so an answer
+    is calls only when it begins with `{"name"`: JSON elsewhere in prose is content. Llama 3.1 may put
+    `<|python_tag|>` before its calls (the token that opens its built-in tools' code) and Llama 4's
+    template wraps what it says before its calls in `<|python_start|>`...`<|python_end|>`: after any of
+    these tokens a call may begin too; the text before them is content and they themselves are dropped.
+    Text after the calls is content as well.
+
+    Streaming: an answer that begins like a call (`{`, `{"na`...) is held back until it is one or cannot
+    be one, so JSON that is not a call goes out only with the answer's end."""
+
+    name = "llama"
+    start_marker = '{"name"'
+    _wrappers = ("<|python_tag|>", "<|python_start|>", "<|python_end|>")
+    _token_markers = frozenset(_wrappers)
+    _head = re.compile(r'\s*\{\s*"name"')
+    # What may still grow into the head: `{`, then `"name"` begun.
+    _head_begun = re.compile(r'\s*(?:\{\s*(?:"(?:n(?:a(?:m(?:e)?)?)?)?)?)?')
+    _between = re.compile(r"\s*;?\s*(?:<\|python_end\|>\s*)?")
+    _close = re.compile(r"\s*\}")
+
+    def held_back(self, text: str) -> int:
+        return partial_marker_length(text, (*self._wrappers, *END_OF_TURN))
+
+    def streamable(self, text: str) -> str:
+        """Nothing while the answer may be (or is) calls from its start; else the text before the first
+        of the wrapper tokens (after them may come calls), less a trailing piece that may begin one."""
+        text = without_end_of_turn(text)
+        if self._head.match(text) or self._head_begun.fullmatch(text):
+            return ""
+        first = min((i for i in (text.find(m) for m in self._wrappers) if i >= 0), default=-1)
+        if first >= 0:
+            return text[:first].strip()
+        return text[: len(text) - self.held_back(text)].strip()
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        start = self._calls_start(text, partial)
+        if start is None:  # no call: all of it is content (wrapper tokens and all)
+            yield text
+            return
+        calls: list[ToolCall] = []
+        position = start
+        while True:
+            call, end = self._call_at(text, position)
+            if call is None:
+                if partial:  # the call being written (or a malformed one, which cannot be told yet)
+                    yield from calls
+                    yield self._draft_at(text, position)
+                    return
+                if not calls:  # the first call malformed: the answer is content as written
+                    yield text
+                    return
+                yield from calls
+                yield text[position:]
+                return
+            calls.append(call)
+            position = self._between.match(text, end).end()
+            if self._head.match(text, position):
+                continue
+            yield from calls
+            if not (partial and self._head_begun.fullmatch(text, position)):  # (may be the next call's beginning)
+                yield self._outside(text[:start]) + text[position:]
+            return
+
+    def _calls_start(self, text: str, partial: bool) -> int | None:
+        """Where the calls begin: at the answer's start or after a wrapper token, wherever an object that
+        names a function begins (or, in a partial answer, may be beginning); None where none does."""
+        starts = [0] + [m.end() for m in re.finditer("|".join(re.escape(w) for w in self._wrappers), text)]
+        for start in starts:
+            if self._head.match(text, start) or (partial and self._head_begun.fullmatch(text, start)):
+                return start + len(text[start:]) - len(text[start:].lstrip())
+        return None
+
+    def _outside(self, text: str) -> str:
+        for wrapper in self._wrappers:
+            text = text.replace(wrapper, "")
+        return text
+
+    def _call_at(self, text: str, start: int) -> tuple[ToolCall | None, int]:
+        """The call object at `start`: the name first, then the arguments, nothing else; (None, start)
+        otherwise (an object that only looks like a call, {"name": "Bob", "age": 3}, is not one)."""
+        head = _NAME_FIRST.match(text, start)
+        if head is None:
+            return None, start
+        arguments, end = _arguments_at(text, head.end())
+        close = self._close.match(text, end) if arguments is not None else None
+        name = json.loads(head.group(1))
+        if close is None or not _is_name(name):
+            return None, start
+        return ToolCall(name, arguments), close.end()
+
+    def _draft_at(self, text: str, start: int) -> CallDraft:
+        head = _NAME_FIRST.match(text, start)
+        if head is None or not _is_name(name := json.loads(head.group(1))):
+            return CallDraft(None, "")
+        return CallDraft(name, _arguments_prefix(text, head.end()) or "")
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        return f"call ({lark.text('; ')} call)*" if many else "call"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        head = lark.text('{"name": ' + json.dumps(name, ensure_ascii=False) + ', "parameters": ')
+        return f"{head} {args} {lark.text('}')}"
+
+
+FAMILIES: dict[str, type[ToolFormat]] = {
+    cls.name: cls
+    for cls in (HermesFormat, MistralFormat, DeepSeekFormat, HarmonyFormat, Qwen3CoderFormat, GlmFormat, LlamaFormat)
+}
 
 
 def detect(chat_template: str | None) -> ToolFormat | None:
-    """The tool-call format a chat template shows, from the markers in its text; None when it shows none
-    (or one not supported here: Qwen3-Coder's and GLM's XML-like calls also use `<tool_call>`)."""
+    """The tool-call format a chat template shows, from the markers in its text; None when it shows none.
+    The XML-like formats come without the tools: `with_tools` gives them those of a request."""
     if not chat_template:
         return None
     t = chat_template
@@ -528,8 +887,17 @@ def detect(chat_template: str | None) -> ToolFormat | None:
         return DeepSeekFormat(fenced="```json" in t)
     if MistralFormat.start_marker in t:
         return MistralFormat(args_style="[ARGS]" in t)
-    if HermesFormat.start_marker in t and not any(m in t for m in ("<function=", "<parameter=", "<arg_key>")):
+    # The XML-like formats also use <tool_call>: their inner tags tell them apart from Hermes's JSON.
+    if "<arg_key>" in t:
+        return GlmFormat()
+    if "<function=" in t and "<parameter=" in t:
+        return Qwen3CoderFormat()
+    if HermesFormat.start_marker in t:
         return HermesFormat()
+    # Llama's templates have no call marker: they ask for the JSON object in words, and 3.1's name the
+    # token its built-in tools' code follows.
+    if "<|python_tag|>" in t or '"parameters": dictionary of argument name and its value' in t:
+        return LlamaFormat()
     return None
 
 
@@ -691,6 +1059,96 @@ def _is_name(name: Any) -> bool:
     return isinstance(name, str) and re.fullmatch(r"[^\s<>\[\]{}\"'`]+", name) is not None
 
 
+def _schemas_of(tools: Iterable[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]]:
+    """Function name -> its parameters' JSON schema, from OpenAI's `tools` (entries not shaped so skipped)."""
+    schemas: dict[str, Mapping[str, Any]] = {}
+    for tool in tools or []:
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters")
+            schemas[function["name"]] = parameters if isinstance(parameters, Mapping) else {}
+    return schemas
+
+
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object"))
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "object")
+
+
+def _value_types(schema: Any) -> set[str] | None:
+    """The JSON types a schema allows (from `type`, `enum`, `const`, `anyOf`/`oneOf`); None where it does
+    not say."""
+    if not isinstance(schema, Mapping):
+        return None
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list) and kind and all(isinstance(k, str) for k in kind):
+        return set(kind)
+    if "const" in schema:
+        return {_json_type(schema["const"])}
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return {_json_type(v) for v in schema["enum"]}
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            parts = [_value_types(s) for s in schema[key]]
+            return None if any(p is None for p in parts) else set().union(*parts)
+    return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# JSON as RFC 8259 has it: no NaN or Infinity (json.dumps would write them back, and they are not JSON).
+_STRICT_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def _typed_value(raw: str, schema: Any) -> Any:
+    """A value written as raw text, typed by its property's schema: a string where the schema says
+    string only (or says nothing); else the JSON it is, or the Python literal (True, {'a': 1}: templates
+    that render values with `str`), or, where neither fits the schema's other types, the text."""
+    types = _value_types(schema)
+    if types is None or types == {"string"}:
+        return raw
+    text = raw.strip()
+    candidates = []
+    try:
+        candidates.append(_STRICT_DECODER.decode(text))
+    except ValueError:
+        lowered = {"true": True, "false": False, "null": None, "none": None}
+        if text.lower() in lowered:
+            candidates.append(lowered[text.lower()])
+        else:
+            try:
+                value = ast.literal_eval(text)
+                candidates.append(json.loads(json.dumps(value, allow_nan=False)))  # only what JSON can hold
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                pass
+    for value in candidates:
+        kind = _json_type(value)
+        fits = kind in types or (kind == "integer" and "number" in types)
+        if fits or "string" not in types:
+            return value
+    return raw
+
+
+def _regex_text(text: str) -> str:
+    """`text` as a regex for llguidance's Lark (letters and digits as they are, all else as \\x{..})."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def _text_until(lexeme: str, ending: str, marker: str) -> str:
+    """A lexeme: any text that ends with `ending` and has `marker` (which `ending` ends with) nowhere
+    before. The lexer takes the longest match without backtracking, so free text followed by a closing
+    tag must take the tag in: it ends at the first one."""
+    return f"{lexeme}: /(?s:.*){_regex_text(ending)}/ & ~/(?s:.*{_regex_text(marker)}.+)/"
+
+
 def partial_marker_length(text: str, markers: Iterable[str]) -> int:
     """The length of the longest end of `text` that is the beginning of one of `markers`."""
     longest = 0
@@ -750,6 +1208,12 @@ class _LarkWriter:
     @staticmethod
     def text(s: str) -> str:
         return json.dumps(s, ensure_ascii=False)
+
+    def is_token(self, m: str) -> bool:
+        """Whether `marker(m)` writes a token (else the marker's text)."""
+        if self.added_tokens is not None:
+            return m in self.added_tokens
+        return m in self.token_markers
 
     def marker(self, m: str) -> str:
         if self.added_tokens is not None:
