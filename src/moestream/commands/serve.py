@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from ..errors import MoestreamError, UsageError
@@ -42,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_chat_template_argument(parser)
     parser.add_argument(
+        "--cors",
+        default=None,
+        metavar="ORIGINS",
+        help="let browser front-ends on these origins call the API: a comma-separated list such as "
+        "http://localhost:3000,https://chat.example.org, or * for any (default: none; the browser then blocks "
+        "pages of other origins)",
+    )
+    parser.add_argument(
         "--max-queue", type=int, default=64, metavar="N", help="requests that may wait for the model; more get 429 (default 64)"
     )
     parser.add_argument(
@@ -56,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=512,
         metavar="N",
-        help="answer length of a chat request that sets no max_tokens (default 512; completions: 16, as OpenAI)",
+        help="answer length of a chat or responses request that sets no max_tokens / max_output_tokens (default "
+        "512; completions: 16, as OpenAI). Agents often send none: a long tool call needs room",
     )
     parser.add_argument(
         "--max-batch",
@@ -88,6 +98,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def cors_origins(value: str | None) -> tuple[str, ...]:
+    """--cors as a tuple of origins (scheme://host[:port], or *)."""
+    if value is None:
+        return ()
+    origins = tuple(o.strip().rstrip("/") for o in value.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise UsageError(f"--cors takes origins such as http://localhost:3000 (or *), not {origin!r}")
+    if not origins:
+        raise UsageError("--cors takes at least one origin (or *)")
+    return origins
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the options, load the store, and serve until interrupted."""
     from ..frontends.server import serve
@@ -100,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         positive(args.prefill_chunk, "--prefill-chunk")
     batch_kv = positive(parse_bytes(args.batch_kv_memory), "--batch-kv-memory")
     kv_memory = non_negative(parse_bytes(args.kv_memory), "--kv-memory")
+    origins = cors_origins(args.cors)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535 (0: any free port), not {args.port}")
     try:
@@ -123,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         kv_memory,
         args.prefill_chunk,
         args.api_key or None,
+        origins,
     )
     app = create_app(model, tokenizer, config)
 

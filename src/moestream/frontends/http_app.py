@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -64,6 +65,7 @@ class ServerConfig:
     kv_memory: int = 2**30  # bytes of recent prefixes' KV kept for reuse (0: none)
     prefill_chunk: int | None = None  # a newcomer's prompt tokens per step while others decode (None: one pass)
     api_key: str | None = None  # when set, /v1 requests must carry `Authorization: Bearer <api_key>`
+    cors_origins: tuple[str, ...] = ()  # origins whose browser pages may call the API ("*": any)
 
 
 def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
@@ -96,6 +98,16 @@ def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
         app.add_api_route(f"{prefix}/completions", service.completions, methods=["POST"])
     if config.api_key:
         app.middleware("http")(_api_key_check(config.api_key))
+    if config.cors_origins:
+        # Added last, so it is the outermost layer: a browser's preflight (OPTIONS, without the key) is
+        # answered before the key is checked, as browsers send no Authorization header with it.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["*"],
+        )
     return app
 
 
