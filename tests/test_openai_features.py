@@ -344,7 +344,16 @@ def test_api_key_chat_template_and_bare_paths(checkpoint, tmp_path, capsys):
     refused before the model loads."""
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<<{{ m.content }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}")
-    s = Server(checkpoint[1], tmp_path / "server.log", "--api-key", "sk-test", "--chat-template", str(template))
+    s = Server(
+        checkpoint[1],
+        tmp_path / "server.log",
+        "--api-key",
+        "sk-test",
+        "--chat-template",
+        str(template),
+        "--cors",
+        "http://localhost:3000",
+    )
     try:
         assert s.http.get("/health").status_code == 200
         refused = s.http.get("/v1/models")
@@ -355,15 +364,24 @@ def test_api_key_chat_template_and_bare_paths(checkpoint, tmp_path, capsys):
         assert answer.usage.prompt_tokens == len(byte_tokenizer()("<<Hi you>>=>", add_special_tokens=False)["input_ids"])
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="sk-other", max_retries=0).models.list()
+        # --cors: a browser's preflight (which carries no key) is answered for the allowed origin only
+        ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        preflight = s.http.options("/v1/responses", headers={"Origin": "http://localhost:3000", **ask})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert s.http.options("/v1/responses", headers={"Origin": "http://evil.example", **ask}).status_code == 400
+        keyed = s.http.get("/v1/models", headers={"Origin": "http://localhost:3000", "Authorization": "Bearer sk-test"})
+        assert keyed.status_code == 200 and keyed.headers["access-control-allow-origin"] == "http://localhost:3000"
     finally:
         s.stop()
+    assert main(["serve", str(checkpoint[1]), "--cors", "localhost:3000"]) == 2
+    assert "--cors takes origins" in capsys.readouterr().err
     template.write_text("{% for m in messages %}")
     assert main(["serve", str(checkpoint[1]), "--chat-template", str(template)]) == 2
     assert "does not render" in capsys.readouterr().err
 
 
 def test_unknown_paths_name_the_endpoints(server):
-    response = server.http.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+    response = server.http.post("/v1/embeddings", json={"model": MODEL, "input": "hi"})
     assert response.status_code == 404 and "/v1/chat/completions" in response.json()["error"]["message"]
 
 

@@ -143,6 +143,7 @@ class _Translated(ChatCompletionRequest):
 
     source: ResponsesRequest
     custom_tools: list[str] = Field(default_factory=list)  # the names of free-form tools
+    namespaces: dict[str, str] = Field(default_factory=dict)  # a namespaced function's name -> its namespace
 
 
 class Responses(ChatCompletions):
@@ -171,7 +172,7 @@ class Responses(ChatCompletions):
         if req.model is not None and req.model != self.model_name:
             raise model_not_found(req.model, self.model_name)
         req.refused()
-        tools, custom = _chat_tools(req.tools or [])
+        tools, custom, namespaces = _chat_tools(req.tools or [])
         chat: dict[str, Any] = {
             "messages": _chat_messages(req),
             "stream": req.stream,
@@ -188,7 +189,7 @@ class Responses(ChatCompletions):
             chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
         chat.update(self._reasoning_options(req.reasoning))
         try:
-            translated = _Translated.model_validate({**chat, "source": req, "custom_tools": custom})
+            translated = _Translated.model_validate({**chat, "source": req, "custom_tools": custom, "namespaces": namespaces})
         except ValidationError as e:
             error = _error_from_validation(e)
             raise APIError(400, error.body["error"]["message"].replace("messages", "input"), param="input") from None
@@ -219,6 +220,7 @@ class Responses(ChatCompletions):
             source=req.source,
             tool_format=tool_format,
             custom_tools=req.custom_tools,
+            namespaces=req.namespaces,
             parallel_tool_calls=req.parallel_tool_calls is not False,
         )
 
@@ -312,10 +314,11 @@ def _chat_messages(req: ResponsesRequest) -> list[dict]:
     return messages
 
 
-def _chat_tools(tools: list[dict]) -> tuple[list[dict], list[str]]:
-    """Responses tools as chat tools, and the names of the free-form (custom) ones. A namespace's functions
-    are offered as they are; hosted tools are not offered."""
-    chat, custom = [], []
+def _chat_tools(tools: list[dict]) -> tuple[list[dict], list[str], dict[str, str]]:
+    """Responses tools as chat tools, the names of the free-form (custom) ones, and each namespaced
+    function's namespace. A namespace's functions are offered by their own names; hosted tools are not
+    offered."""
+    chat, custom, namespaces = [], [], {}
 
     def function(tool: dict, where: str) -> dict:
         if not isinstance(tool.get("name"), str):
@@ -331,12 +334,13 @@ def _chat_tools(tools: list[dict]) -> tuple[list[dict], list[str]]:
             for j, inner in enumerate(tool.get("tools") or []):
                 if inner.get("type", "function") == "function":
                     chat.append(function(inner, f"{where}.tools[{j}]"))
+                    namespaces[inner["name"]] = tool.get("name")
         elif kind == "custom":
             chat.append(function({**tool, "parameters": CUSTOM_INPUT}, where))
             custom.append(tool.get("name"))
         elif kind not in HOSTED_TOOLS:
             raise APIError(400, f"{where} of type {kind!r} is not supported: send function tools", param=where)
-    return chat, custom
+    return chat, custom, namespaces
 
 
 def _chat_tool_choice(choice: str | dict) -> str | dict:
@@ -391,6 +395,7 @@ class ResponsesReply(Reply):
         source: ResponsesRequest,
         tool_format=None,
         custom_tools: list[str] | None = None,
+        namespaces: dict[str, str] | None = None,
         parallel_tool_calls: bool = True,
     ):
         super().__init__(model_name, fingerprint, tokenizer, vocabulary)
@@ -399,6 +404,7 @@ class ResponsesReply(Reply):
         self.source = source
         self.tool_format = tool_format
         self.custom_tools = set(custom_tools or [])
+        self.namespaces = namespaces or {}
         self.parallel_tool_calls = parallel_tool_calls
         self.thinking = None  # set with the prompt (ChatCompletions.prompts)
         self.stream = None
@@ -534,6 +540,8 @@ class ResponsesReply(Reply):
                     **({"input": ""} if custom else {"arguments": ""}),
                     "status": "in_progress",
                 }
+                if delta.name in self.namespaces:
+                    item["namespace"] = self.namespaces[delta.name]
                 self.call_items[delta.index] = item
                 events += self._open(item)
             elif isinstance(delta, ArgumentsDelta):
