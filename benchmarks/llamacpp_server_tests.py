@@ -109,7 +109,16 @@ CLASSIFIED: list[tuple[str, str, str]] = [
         LLAMA,
         "two assistant messages in a row are refused by llama.cpp, accepted by OpenAI",
     ),
-    (r"test_compat_oai_responses::", GAP, "/v1/responses (the newer API) is not served: a 404 lists the endpoints"),
+    (
+        r"test_compat_oai_responses::test_responses_stream_with_llama_telemetry",
+        LLAMA,
+        "llama.cpp's timing fields (timings_per_token, return_progress)",
+    ),
+    (
+        r"test_compat_oai_responses::test_responses_(with_openai_library|stream_with_openai_library|with_text_format)",
+        CONTENT,
+        "the text of llama.cpp's test model (Suddenly)",
+    ),
     # /completion and /completions are llama.cpp's native endpoint (content, n_probs, slots, tokens, ...)
     (
         r"test_completion::test_(cancel_request|completion\[|completion_parallel_slots|completion_prompt_cache|"

@@ -271,3 +271,12 @@ def test_reasoning_comes_back_as_a_reasoning_item_streamed_or_whole():
     )
     prompt = byte_tokenizer().decode(parsed.choices[0].prompt_ids)
     assert "assistant[scattering]: Blue." in prompt
+
+
+def test_xml_call_arguments_are_typed_by_the_requests_tool_schemas():
+    """Qwen3-Coder's calls write values as text: the server types them by the tool's schema."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}<function=f><parameter=x>"  # marks the format
+    answer = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    parsed, result = _offline_reply(template, answer, tools=[WEATHER_TOOL])
+    (call,) = parsed.reply.response({0: result})["output"]
+    assert call["type"] == "function_call" and json.loads(call["arguments"]) == {"city": "Oslo", "days": 3}

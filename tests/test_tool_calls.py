@@ -5,6 +5,7 @@ handed to chat templates."""
 import json
 import random
 
+import jsonschema
 import llguidance
 import llguidance.hf
 import pytest
@@ -324,7 +325,7 @@ PLAIN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content 
 XML_CALLS_TEMPLATE = "<tool_call>\n<function={{ c.name }}>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 GLM_TEMPLATE = "<tool_call>{{ c.name }}\n{% for k, v in c.arguments.items() %}<arg_key>{{ k }}</arg_key>{% endfor %}</tool_call>"
 LLAMA_TEMPLATE = (
-    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}"
+    '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.\' }}'
     "{{- '{\"name\": \"' + c.name + '\", \"parameters\": ' + c.arguments | tojson + '}' }}"
 )
 LLAMA_BUILTIN_TEMPLATE = "{%- if builtin_tools is defined %}<|python_tag|>{{ c.name }}.call(){% endif %}<|eom_id|>"
@@ -646,3 +647,379 @@ def test_deepseek_style_template_wants_text_arguments():
         ToolCall("get_weather", '{"city":"Paris","days":3}'),
         ToolCall("get_time", '{"zone":"CET"}'),
     ]
+
+
+# -- the formats that need the tools (Qwen3-Coder's and GLM's raw values) ------------------------------
+
+TYPED_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "s": {"type": "string"},
+                "i": {"type": "integer"},
+                "x": {"type": "number"},
+                "b": {"type": "boolean"},
+                "o": {"type": "object"},
+                "a": {"type": "array", "items": {"type": "integer"}},
+                "n": {"type": ["integer", "null"]},
+                "si": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                "e": {"enum": ["C", "F"]},
+                "any": {},
+            },
+        },
+    },
+}
+
+
+def qwen3_coder_call(name, raw_values):
+    parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in raw_values.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("fmt", [Qwen3CoderFormat(), GlmFormat()])
+def test_values_are_typed_by_the_tools_schema(fmt):
+    raw = {
+        "s": "3",  # a string that looks like a number stays a string
+        "i": "42",
+        "x": "-0.5",
+        "b": "true",
+        "o": '{"k": [1, "two"]}',
+        "a": "[1, 2]",
+        "n": "null",
+        "si": "7",  # a string or an integer: read as the integer it is
+        "e": "C",
+        "any": "12",  # a schema that gives no type: the text
+    }
+    if isinstance(fmt, GlmFormat):
+        text = "<tool_call>f\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in raw.items())
+        text += "</tool_call>"
+    else:
+        text = qwen3_coder_call("f", raw)
+    typed = fmt.with_tools([TYPED_TOOL])
+    assert typed is not fmt and type(typed) is type(fmt)
+    (call,) = typed.parse(text).calls
+    assert json.loads(call.arguments) == {
+        "s": "3",
+        "i": 42,
+        "x": -0.5,
+        "b": True,
+        "o": {"k": [1, "two"]},
+        "a": [1, 2],
+        "n": None,
+        "si": 7,
+        "e": "C",
+        "any": "12",
+    }
+    assert call.arguments.startswith('{"s":"3","i":42,')  # compact JSON, in the order written
+    # without the tools every value is the text the model wrote
+    (untyped,) = fmt.parse(text).calls
+    assert json.loads(untyped.arguments) == raw
+    # a function the tools do not name: its values stay text too
+    assert json.loads(typed.parse(text.replace(">f\n", ">g\n").replace("=f>", "=g>")).calls[0].arguments) == raw
+
+
+def test_values_that_are_not_json():
+    """Python literals (templates that render values with `str` show the model True and {'a': 1}), and text
+    that is neither stays the text rather than failing the call."""
+    typed = Qwen3CoderFormat().with_tools([TYPED_TOOL])
+    raw = {"b": "True", "o": "{'k': None, 'l': (1, 2)}", "i": "many", "x": "NaN", "a": "{1, 2}", "si": "seven", "n": "None"}
+    (call,) = typed.parse(qwen3_coder_call("f", raw)).calls
+    assert json.loads(call.arguments) == {
+        "b": True,
+        "o": {"k": None, "l": [1, 2]},
+        "i": "many",
+        "x": "NaN",  # not JSON (json.loads would take it; json.dumps would write invalid JSON)
+        "a": "{1, 2}",  # a Python set: nothing JSON has
+        "si": "seven",
+        "n": None,
+    }
+
+
+def test_qwen3_coder_values_keep_their_lines():
+    """A value is the text between the tags less one newline on each side: a value's own blank lines and
+    indentation are kept (code, as Qwen3-Coder writes it), and `<tool_call>` inside a value is text."""
+    code = "\ndef f():\n    return '<tool_call>'\n\n"
+    text = "Here:\n" + qwen3_coder_call("write_file", {"path": "a.py", "content": code}) + "\n"
+    assert Qwen3CoderFormat().parse(text) == ParsedOutput(
+        "Here:", [ToolCall("write_file", json.dumps({"path": "a.py", "content": code}, separators=(",", ":")))]
+    )
+    # a call cut off after its function closed (the stop came before </tool_call>) is still a call
+    assert Qwen3CoderFormat().parse(text.removesuffix("</tool_call>\n")).calls[0].name == "write_file"
+    # a call whose function never closes is content
+    unclosed = qwen3_coder_call("f", {"a": "1"}).replace("</function>\n", "")
+    assert Qwen3CoderFormat().parse(unclosed) == ParsedOutput(unclosed, [])
+
+
+def test_glm_name_without_a_newline_and_call_without_arguments():
+    text = "<tool_call>get_time<arg_key>zone</arg_key><arg_value>UTC</arg_value></tool_call>\n<tool_call>ping\n</tool_call>"
+    assert GlmFormat().parse(text) == ParsedOutput(None, [ToolCall("get_time", '{"zone":"UTC"}'), ToolCall("ping", "{}")])
+    # the value is all the text between its tags: GLM writes it on one line, spaces and all
+    spaced = "<tool_call>f\n<arg_key> a </arg_key>\n<arg_value> x \n</arg_value>\n</tool_call>"
+    assert GlmFormat().parse(spaced).calls == [ToolCall("f", '{"a":" x \\n"}')]
+    assert GlmFormat().parse("<tool_call>has space\n</tool_call>").calls == []
+
+
+@pytest.mark.parametrize("family", ["qwen3-coder", "glm"])
+def test_xml_call_drafts_grow_parameter_by_parameter(family):
+    """The draft's arguments are `{` and the parameters whose value is complete, a prefix of the call's
+    arguments at every length of the text; the name comes once it is whole."""
+    fmt, write = WRITERS[family]
+    arguments = {"city": "Pa\nris", "days": 3, "when": ["mon", "tue"]}
+    text = write("", [("get_weather", arguments)])
+    final = fmt.parse(text).calls[0]
+    assert final == ToolCall("get_weather", json.dumps(arguments, separators=(",", ":")))
+    seen = set()
+    for i in range(len(text) + 1):
+        calls = fmt.draft(text[:i]).calls
+        if calls:
+            (draft,) = calls
+            assert draft.name in (None, "get_weather") and final.arguments.startswith(draft.arguments)
+            assert draft.name is not None or draft.arguments == ""
+            seen.add(draft.arguments)
+    assert {"{", '{"city":"Pa\\nris"', '{"city":"Pa\\nris","days":3', final.arguments} <= seen
+    # the draft of a value being written says nothing of it yet
+    cut = text[: text.index("ris")]
+    assert fmt.draft(cut).calls == [CallDraft("get_weather", "{")]
+
+
+# -- Llama's bare JSON ---------------------------------------------------------------------------------
+
+
+def test_llama_calls_only_where_the_answer_begins_with_one():
+    fmt = LlamaFormat()
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert fmt.parse(f"  {call}<|eot_id|>") == ParsedOutput(None, [ToolCall("get_weather", '{"city":"Paris"}')])
+    assert fmt.parse(f"Call it: {call}") == ParsedOutput(f"Call it: {call}", [])  # JSON in prose
+    # "arguments" for "parameters", several calls a `;` or a line apart, or back to back
+    two = '{ "name": "f", "arguments": {"a": 1} };\n{"name": "g", "parameters": {}}{"name": "h", "parameters": {}}'
+    assert fmt.parse(two).calls == [ToolCall("f", '{"a":1}'), ToolCall("g", "{}"), ToolCall("h", "{}")]
+    # an object that only looks like a call: the name, but no parameters, or more than them
+    for json_answer in ('{"name": "Bob", "age": 3}', '{"name": "f", "parameters": {}, "id": 1}', '{"name": "f"}'):
+        assert fmt.parse(json_answer) == ParsedOutput(json_answer, [])
+    # a malformed second call: the first is a call, the rest content
+    assert fmt.parse('{"name": "f", "parameters": {}}; {"name": "g", "parameters": {oops}}') == ParsedOutput(
+        '{"name": "g", "parameters": {oops}}', [ToolCall("f", "{}")]
+    )
+
+
+def test_llama_wrapper_tokens():
+    fmt = LlamaFormat()
+    # Llama 3.1: <|python_tag|> before the call (and <|eom_id|>: a result is expected)
+    assert fmt.parse('<|python_tag|>{"name": "f", "parameters": {"a": 1}}<|eom_id|>') == ParsedOutput(
+        None, [ToolCall("f", '{"a":1}')]
+    )
+    # Llama 4: what it says before its calls between <|python_start|> and <|python_end|>; or the calls inside
+    llama4 = '<|python_start|>Let me look.<|python_end|>{"name": "f", "parameters": {}}{"name": "g", "parameters": {}}<|eot|>'
+    assert fmt.parse(llama4) == ParsedOutput("Let me look.", [ToolCall("f", "{}"), ToolCall("g", "{}")])
+    inside = '<|python_start|>{"name": "f", "parameters": {}}<|python_end|>'
+    assert fmt.parse(inside) == ParsedOutput(None, [ToolCall("f", "{}")])
+    # a built-in tool's code after the tag is not a JSON call: it stays as written
+    builtin = '<|python_tag|>brave_search.call(query="weather")<|eom_id|>'
+    assert fmt.parse(builtin) == ParsedOutput(builtin.removesuffix("<|eom_id|>"), [])
+
+
+def test_llama_streaming_holds_back_what_may_be_a_call():
+    fmt = LlamaFormat()
+    for text in ('{"name": "f", "parameters": {"a": 1}}', '{"a": 1} is JSON.', '{"name": "Bob", "age": 3}', "Plain {text}."):
+        final = fmt.parse(text).content or ""
+        sent = [fmt.streamable(text[:i]) for i in range(len(text) + 1)]
+        assert all(b.startswith(a) and final.startswith(b) for a, b in zip(sent, sent[1:])), text
+    assert fmt.streamable('{"na') == "" and fmt.streamable(" {") == ""
+    assert fmt.streamable('{"a": 1} is') == '{"a": 1} is'  # cannot be a call: it streams
+    assert fmt.streamable('{"name": "Bob", "age"') == ""  # may be one until it is whole
+    assert fmt.streamable("Sure <|python") == "Sure"
+    assert fmt.draft('{"name": "f", "parameters": {"a": 1, "b"').calls == [CallDraft("f", '{"a":1,"b"')]
+
+
+# -- grammar: the XML-like formats ---------------------------------------------------------------------
+
+
+def forced_calls_parse_and_validate(family, fmt, grammar, tokenizer, words, calls):
+    """Text the grammar accepts for these calls parses back (typed by the tools) to arguments valid
+    against the tools' schemas."""
+    text = GRAMMAR_TEXT[family](calls)
+    assert accepts_text(grammar, tokenizer, words, text), text
+    parsed = fmt.with_tools(GRAMMAR_TOOLS).parse(text).calls
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in GRAMMAR_TOOLS}
+    for call in parsed:
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+GRAMMAR_TOOLS = [
+    WEATHER,
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "content": {"type": "string"},
+                    "mode": {"type": "string", "enum": ["w", "a"]},
+                    "lines": {"type": "array", "items": {"$ref": "#/$defs/line"}},
+                    "force": {"type": "boolean"},
+                },
+                "required": ["content", "path"],
+                "$defs": {"line": {"type": "integer", "minimum": 1}},
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("family", ["qwen3-coder", "glm", "llama"])
+@pytest.mark.parametrize("spelled", [False, True])
+def test_grammar_forced_calls_parse_back_and_validate(family, spelled):
+    """Required parameters in the schema's order, then the optional ones, each or not; string values any
+    text (lines, markup, braces) but their closing tag; the rest JSON held to the property's schema. With
+    `spelled`, the vocabulary has none of the markers as tokens: the grammar spells them."""
+    fmt, _ = WRITERS[family]
+    tokenizer, words = vocabulary([] if spelled else TOKEN_MARKERS[family])
+    grammar = fmt.grammar(GRAMMAR_TOOLS, "required", added_tokens=tokenizer.get_added_vocab())
+    content = "def f():\n    return '<b>{x}</b>'\n"
+    for calls in (
+        [GOOD],
+        [("write_file", {"path": "a.py", "content": content})],
+        [("write_file", {"path": "a.py", "content": "", "mode": "a", "lines": [1, 2]}), GOOD],
+        [("write_file", {"path": "a.py", "content": "x", "force": False})],
+    ):
+        forced_calls_parse_and_validate(family, fmt, grammar, tokenizer, words, calls)
+    for bad in (
+        ("write_file", {"content": "x", "path": "a.py"}),  # required ones out of order
+        ("write_file", {"path": "a.py", "content": "x", "mode": "x"}),  # not in the enum
+        ("write_file", {"path": "a.py", "content": "x", "lines": [0]}),  # the $ref's minimum
+        ("write_file", {"path": "a.py", "content": "x", "force": False, "mode": "w"}),  # optional ones out of order
+    ):
+        assert not accepts_text(grammar, tokenizer, words, GRAMMAR_TEXT[family]([bad])), bad
+
+
+def test_grammar_string_values_cannot_hold_their_closing_tag():
+    """A value with `</parameter>` inside would be read cut there: the grammar does not let one be written."""
+    fmt, _ = WRITERS["qwen3-coder"]
+    tokenizer, words = vocabulary(TOKEN_MARKERS["qwen3-coder"])
+    grammar = fmt.grammar([WEATHER], NAMED, added_tokens=tokenizer.get_added_vocab())
+    assert accepts_text(grammar, tokenizer, words, GRAMMAR_TEXT["qwen3-coder"]([("get_weather", {"city": "</param", "days": 1})]))
+    bad = ("get_weather", {"city": "a</parameter>b", "days": 1})
+    assert not accepts_text(grammar, tokenizer, words, GRAMMAR_TEXT["qwen3-coder"]([bad]))
+    # spelled GLM markers: the same for </arg_value>
+    tokenizer, words = vocabulary([])
+    grammar = GlmFormat().grammar([WEATHER], NAMED, added_tokens=tokenizer.get_added_vocab())
+    assert not accepts_text(
+        grammar, tokenizer, words, GRAMMAR_TEXT["glm"]([("get_weather", {"city": "a</arg_value>", "days": 1})])
+    )
+
+
+# -- templates in each family's style ------------------------------------------------------------------
+
+# Minimal templates written for these tests in the style of each family's own: the calls from the
+# arguments as a mapping, each value as text (non-strings through tojson), the results after them.
+QWEN3_CODER_TOOLS_TEMPLATE = """
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls is defined %}
+{{- '<|im_start|>assistant' }}
+{%- for call in message.tool_calls %}
+{{- '\\n<tool_call>\\n<function=' + call.function.name + '>\\n' }}
+{%- for name, value in call.function.arguments | items %}
+{{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}
+{%- endfor %}
+{{- '</function>\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == "tool" %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+GLM_TOOLS_TEMPLATE = """[gMASK]<sop>
+{%- for m in messages %}
+{%- if m.role == "assistant" %}<|assistant|>
+{%- for tc in m.tool_calls or [] %}
+{{- '\\n<tool_call>' + tc.function.name + '\\n' }}
+{%- for k, v in tc.function.arguments.items() %}
+{{- '<arg_key>' + k + '</arg_key>\\n<arg_value>' + (v if v is string else v | tojson(ensure_ascii=False)) + '</arg_value>\\n' }}
+{%- endfor %}
+{{- '</tool_call>' }}
+{%- endfor %}
+{%- elif m.role == "tool" %}<|observation|>
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- else %}<|{{ m.role }}|>
+{{ m.content }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+LLAMA_TOOLS_TEMPLATE = """
+{%- if tools %}<|start_header_id|>system<|end_header_id|>
+
+Environment: ipython
+To call a function, respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|eot_id|>
+{%- endif %}
+{%- for message in messages %}
+{%- if message.tool_calls is defined %}<|start_header_id|>assistant<|end_header_id|>
+
+{% for call in message.tool_calls %}
+{{- '{"name": "' + call.function.name + '", "parameters": ' + call.function.arguments | tojson + '}' }}
+{%- if not loop.last %}; {% endif %}
+{%- endfor %}<|eot_id|>
+{%- elif message.role == "tool" %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>
+
+{{ message.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+
+@pytest.mark.parametrize(
+    "template, format_type, turn_between",
+    [
+        (QWEN3_CODER_TOOLS_TEMPLATE, Qwen3CoderFormat, ("<|im_start|>assistant", "<|im_end|>")),
+        (GLM_TOOLS_TEMPLATE, GlmFormat, ("<|assistant|>", "<|observation|>")),
+        (LLAMA_TOOLS_TEMPLATE, LlamaFormat, ("<|start_header_id|>assistant<|end_header_id|>", "<|eot_id|>")),
+    ],
+)
+def test_family_template_renders_calls_that_parse_back(template, format_type, turn_between):
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = template
+    fmt = detect(tokenizer.chat_template)
+    assert type(fmt) is format_type and fmt.arguments_as_dict
+    conversation = [*CONVERSATION[:2], {**CONVERSATION[2], "content": '{"temperature": 21}'}, CONVERSATION[3]]
+    conversation[1] = {
+        **conversation[1],
+        "tool_calls": [
+            *conversation[1]["tool_calls"],
+            {"id": "call_3", "type": "function", "function": {"name": "f", "arguments": '{"o": {"k": [1]}, "b": true}'}},
+        ],
+    }
+    tools = [WEATHER, TIME, {"type": "function", "function": {"name": "f", "parameters": TYPED_TOOL["function"]["parameters"]}}]
+    prompt = tokenizer.apply_chat_template(
+        fmt.template_messages(conversation), tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    opening, closing = turn_between
+    turn = prompt.split(opening)[1].split(closing)[0]
+    # the model's earlier turn, as the template wrote it, parses back to the calls it came from
+    assert fmt.with_tools(tools).parse(turn) == ParsedOutput(
+        None,
+        [
+            ToolCall("get_weather", '{"city":"Paris","days":3}'),
+            ToolCall("get_time", '{"zone":"CET"}'),
+            ToolCall("f", '{"o":{"k":[1]},"b":true}'),
+        ],
+    )
+    assert '{"temperature": 21}' in prompt

@@ -527,10 +527,12 @@ class ChatCompletions(Endpoint):
                 raise APIError(
                     400,
                     "this model's chat template defines no tool-call format that moestream parses, so tools cannot be "
-                    "offered to it (tool_choice none can); a --chat-template with a known format (Hermes/Qwen, Mistral, "
-                    "DeepSeek, gpt-oss) can",
+                    "offered to it (tool_choice none can); a --chat-template with a known format (Hermes/Qwen, "
+                    "Qwen3-Coder, GLM-4.5, Llama 3.x/4, Mistral, DeepSeek, gpt-oss) can",
                     param="tools",
                 )
+            # (the XML-like formats type each argument by the tool's schema)
+            tool_format = tool_format.with_tools([t.model_dump(exclude_none=True) for t in req.tools])
         return tool_format
 
     def grammar(self, req: ChatCompletionRequest, reply: ChatReply) -> Grammar | None:
