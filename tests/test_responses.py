@@ -31,6 +31,7 @@ def test_a_text_answer_is_the_chat_answer_to_the_same_conversation(server):  # n
     assert [item.type for item in answer.output] == ["message"] and answer.output[0].id.startswith("msg_")
     assert answer.output_text == _chat_text(server, [{"role": "user", "content": "Hello there"}], max_tokens=12, temperature=0)
     assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.output[0].status == "incomplete"
     assert answer.usage.output_tokens == 12 and answer.usage.input_tokens > 0
     # instructions are the system message; items in any of the shapes clients send
     items = [

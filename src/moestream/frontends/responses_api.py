@@ -413,6 +413,7 @@ class ResponsesReply(Reply):
         self.items: list[dict] = []  # output items, the last one possibly still open
         self.open = False  # whether the last item is still being written
         self.call_items: dict[int, dict] = {}  # call index -> its item
+        self.cut = False  # the answer ended at max_output_tokens: its last item is incomplete
 
     @property
     def special_tokens(self) -> bool:
@@ -444,10 +445,15 @@ class ResponsesReply(Reply):
             "output": output,
             "parallel_tool_calls": self.parallel_tool_calls,
             "previous_response_id": None,
-            "reasoning": {"effort": src.reasoning.effort if src.reasoning else None, "summary": None},
+            "reasoning": {"effort": src.reasoning.effort, "summary": src.reasoning.summary}
+            if src.reasoning
+            else {"effort": None, "summary": None},
             "store": False,
             "temperature": 1.0 if src.temperature is None else src.temperature,
-            "text": {"format": (src.text.format if src.text and src.text.format else {"type": "text"})},
+            "text": {
+                "format": src.text.format if src.text and src.text.format else {"type": "text"},
+                **({"verbosity": src.text.verbosity} if src.text and src.text.verbosity else {}),
+            },
             "tool_choice": src.tool_choice if src.tool_choice is not None else ("auto" if src.tools else "none"),
             "tools": src.tools or [],
             "top_p": 1.0 if src.top_p is None else src.top_p,
@@ -475,6 +481,7 @@ class ResponsesReply(Reply):
         result = results[0]
         stream = self._answer_stream()
         deltas, final = stream.finish(result.text)
+        self.cut = result.finish_reason == "length"
         self._events(deltas)  # builds the items (the events are not sent)
         self._close()
         self._finish_calls(final)
@@ -508,6 +515,7 @@ class ResponsesReply(Reply):
     def last_chunks(self, done: Done) -> list[dict]:
         result = done.result
         deltas, final = self.stream.finish(result.text)
+        self.cut = result.finish_reason == "length"
         events = self._events(deltas) + self._close()
         self._finish_calls(final)
         status = self._status(result)
@@ -637,7 +645,7 @@ class ResponsesReply(Reply):
             )
         else:  # a free-form tool's call: its input out of the JSON wrapper the model wrote
             item["input"] = _custom_input(item.pop("_arguments", ""))
-        item["status"] = "completed"
+        item["status"] = "incomplete" if self.cut else "completed"
         events.append(self._event("response.output_item.done", output_index=index, item=_public(item)))
         return events
 
