@@ -143,12 +143,6 @@ CLASSIFIED: list[tuple[str, str, str]] = [
         "the web UI's assets, CORS for browsers, local image files",
     ),
     (
-        r"test_tool_call::test_completion_without_tool_call_fast.*tools1",
-        GAP,
-        "Llama 3.x's tool-call format (a JSON object with name and parameters, or <|python_tag|>) is not among "
-        "those parsed: tools with tool_choice auto on that template get a 400 (tool_choice none is served)",
-    ),
-    (
         r"test_tool_call::test_completion_without_tool_call_fast.*STREAMED|test_chat_completion::test_logprobs_stream",
         LLAMA,
         'the harness refuses an empty content delta; OpenAI (and moestream) open a stream with content ""',

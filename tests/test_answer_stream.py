@@ -75,7 +75,7 @@ def test_streamed_deltas_add_up_to_the_final_answer(family, n_calls):
 def test_one_call_only_when_parallel_calls_are_off(family):
     fmt, write = WRITERS[family]
     text = write("", random_calls(random.Random(family), 2))
-    _, _, streamed, _, final = collect(AnswerStream(fmt, parallel_calls=False), list(text))
+    _, _, streamed, _, final = collect(AnswerStream(fmt, max_calls=1), list(text))
     assert len(final.calls) == 1 and len(streamed) == 1
 
 

@@ -281,3 +281,17 @@ def test_xml_call_arguments_are_typed_by_the_requests_tool_schemas():
     parsed, result = _offline_reply(template, answer, tools=[WEATHER_TOOL])
     (call,) = parsed.reply.response({0: result})["output"]
     assert call["type"] == "function_call" and json.loads(call["arguments"]) == {"city": "Oslo", "days": 3}
+
+
+def test_custom_tools_come_back_as_custom_calls_and_max_tool_calls_holds():
+    custom = {"type": "custom", "name": "apply_patch", "description": "Patch"}
+    answer = (
+        '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\n"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call>'
+    )
+    parsed, result = _offline_reply(TOOL_TEMPLATE, answer, tools=[custom, WEATHER_TOOL])
+    output = parsed.reply.response({0: result})["output"]
+    assert [item["type"] for item in output] == ["custom_tool_call", "function_call"]
+    assert output[0]["input"] == "*** Begin Patch\n" and output[0]["name"] == "apply_patch"
+    parsed, result = _offline_reply(TOOL_TEMPLATE, answer, tools=[custom, WEATHER_TOOL], max_tool_calls=1)
+    assert [item["type"] for item in parsed.reply.response({0: result})["output"]] == ["custom_tool_call"]

@@ -109,12 +109,13 @@ class AnswerStream:
     """One answer's deltas as its text grows (`update`), and its final form (`finish`).
 
     `tool_format`: the calls are parsed out (None: no tools offered, all that is not reasoning is
-    content); `thinking`: the template's reasoning block (None: no reasoning apart)."""
+    content); `thinking`: the template's reasoning block (None: no reasoning apart); `max_calls`: the
+    calls after that many are dropped (1: parallel calls off), None: no limit."""
 
-    def __init__(self, tool_format: ToolFormat | None = None, thinking: Thinking | None = None, parallel_calls: bool = True):
+    def __init__(self, tool_format: ToolFormat | None = None, thinking: Thinking | None = None, max_calls: int | None = None):
         self.tool_format = tool_format
         self.thinking = thinking
-        self.parallel_calls = parallel_calls
+        self.max_calls = max_calls
         self.reasoning_sent = ""
         self.content_sent = ""
         self.calls_sent: list[list[str]] = []  # [id, name, arguments sent] per announced call
@@ -139,8 +140,7 @@ class AnswerStream:
             parsed = self.tool_format.parse(rest)
             content, calls = parsed.content, parsed.calls
             reasoning = "\n".join(r for r in (reasoning, parsed.reasoning or "") if r)
-            if not self.parallel_calls:
-                calls = calls[:1]
+            calls = calls[: self.max_calls]
         deltas = self._deltas(reasoning, content or "", [(c.name, c.arguments) for c in calls])
         ids = [sent[0] for sent in self.calls_sent]
         final_calls = [IdentifiedCall(ids[i], c.name, c.arguments) for i, c in enumerate(calls)]
@@ -155,7 +155,7 @@ class AnswerStream:
             rest = without_end_of_turn(rest)
             return reasoning, rest[: len(rest) - partial_marker_length(rest, END_OF_TURN)].rstrip(), []
         draft = self.tool_format.draft(rest)
-        calls = draft.calls if self.parallel_calls else draft.calls[:1]
+        calls = draft.calls[: self.max_calls]
         return "\n".join(r for r in (reasoning, draft.reasoning) if r), draft.content, calls
 
     def _deltas(self, reasoning: str, content: str, calls: list[tuple[str, str]]) -> list[Delta]:

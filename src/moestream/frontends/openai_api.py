@@ -760,7 +760,7 @@ class ChatReply(Reply):
 
     def _stream(self, index: int) -> AnswerStream:
         if index not in self.streams:
-            self.streams[index] = AnswerStream(self.tool_format, self.thinking, self.parallel_tool_calls)
+            self.streams[index] = AnswerStream(self.tool_format, self.thinking, None if self.parallel_tool_calls else 1)
         return self.streams[index]
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
@@ -819,7 +819,7 @@ class ChatReply(Reply):
         return chunks + [self._chunk_with(i, {"delta": {}, "logprobs": None, "finish_reason": reason})]
 
     def _whole(self, index: int, result: GenerationResult) -> dict:
-        stream = AnswerStream(self.tool_format, self.thinking, self.parallel_tool_calls)
+        stream = AnswerStream(self.tool_format, self.thinking, None if self.parallel_tool_calls else 1)
         _, final = stream.finish(result.text)
         message: dict[str, Any] = {"role": "assistant", "content": final.content}
         if final.reasoning is not None:

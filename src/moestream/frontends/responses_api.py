@@ -420,8 +420,8 @@ class ResponsesReply(Reply):
         return self.tool_format is not None
 
     def _answer_stream(self) -> AnswerStream:
-        max_calls = self.source.max_tool_calls
-        return AnswerStream(self.tool_format, self.thinking, self.parallel_tool_calls and max_calls != 1)
+        limit = self.source.max_tool_calls
+        return AnswerStream(self.tool_format, self.thinking, limit if self.parallel_tool_calls else 1)
 
     # -- the response object --------------------------------------------------------------------------
 
@@ -651,7 +651,7 @@ class ResponsesReply(Reply):
 
     def _finish_calls(self, final: FinalAnswer) -> None:
         """The calls' items with the final arguments (the same as streamed, but for a call the model wrote
-        malformed after its start went out), and no call past `max_tool_calls`."""
+        malformed after its start went out)."""
         by_id = {c.id: c for c in final.calls}
         for item in self.call_items.values():
             call = by_id.get(item["call_id"])
@@ -659,11 +659,6 @@ class ResponsesReply(Reply):
                 item["arguments"] = call.arguments
             elif call is not None:
                 item["input"] = _custom_input(call.arguments)
-        limit = self.source.max_tool_calls
-        if limit is not None:
-            calls = [it for it in self.items if it["type"] in ("function_call", "custom_tool_call")]
-            for extra in calls[limit:]:
-                self.items.remove(extra)
 
 
 def _public(item: dict) -> dict:
