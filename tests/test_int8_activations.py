@@ -1,6 +1,6 @@
 """The int8-activation kernels (core/lowbit_dot.h): against the float64 reference of exactly their arithmetic
-(kernels.int8_activations_reference), with the AVX2 and the portable loops, and a whole model run with them
-against the same model with float activations."""
+(kernels.int8_activations_reference), with each variant of the loops this CPU has (AVX-512 VNNI, AVX2, the
+portable loops), and a whole model run with them against the same model with float activations."""
 
 import pytest
 import torch
@@ -21,12 +21,25 @@ def ext():
     return extension
 
 
-@pytest.fixture(params=["simd", "portable"])
+ISAS = ["portable", "avx2", "avx512-vnni"]  # from the plainest
+
+
+def _variants(ext) -> list[str]:
+    """The loops' variants this CPU runs: the portable one and every SIMD one up to its best."""
+    previous = ext.lowbit_isa(ISAS[-1])
+    best = ext.lowbit_isa(previous)
+    return ISAS[: ISAS.index(best) + 1]
+
+
+@pytest.fixture(params=ISAS)
 def loop(request, ext):
-    """Each test once with the CPU's SIMD loop (AVX2 where it has it) and once with the portable one."""
-    previous = ext.lowbit_portable(request.param == "portable")
+    """Each test once with each variant of the loops this CPU has (the others are skipped)."""
+    if request.param not in _variants(ext):
+        pytest.skip(f"this CPU has no {request.param}")
+    previous = ext.lowbit_isa(request.param)
+    assert ext.lowbit_isa("") == request.param
     yield request.param
-    ext.lowbit_portable(previous)
+    ext.lowbit_isa(previous)
 
 
 def _matrix(fmt: QuantFormat, n: int, k: int, g: torch.Generator):
@@ -82,19 +95,28 @@ def test_each_row_gets_the_same_bits_alone_or_with_others(ext):
             assert torch.equal(together[row : row + 1], kernels.quantized_matmul(x[row : row + 1], qweight, params, fmt, True))
 
 
-def test_simd_and_portable_loops_agree(ext):
+def test_each_simd_variant_agrees_with_the_portable_loops(ext):
     g = torch.Generator().manual_seed(8)
-    for name, group in FORMATS:
-        fmt = QuantFormat.make(name, group or 32)
-        _, qweight, params = _matrix(fmt, 48, 256, g)
-        x = _activations(5, 256, torch.float32, g)
-        simd = kernels.quantized_matmul(x, qweight, params, fmt, True)
-        previous = ext.lowbit_portable(True)
-        try:
-            portable = kernels.quantized_matmul(x, qweight, params, fmt, True)
-        finally:
-            ext.lowbit_portable(previous)
-        assert torch.allclose(simd, portable, rtol=1e-5, atol=1e-6 * simd.abs().max().item())
+    previous = ext.lowbit_isa("")
+    try:
+        for name, group in FORMATS:
+            fmt = QuantFormat.make(name, group or 32)
+            for k in (256, 384):  # (384: an odd number of 128-input pairs for the int8 weights' blocks)
+                _, qweight, params = _matrix(fmt, 48, k, g)
+                x = _activations(5, k, torch.float32, g)
+                ext.lowbit_isa("portable")
+                portable = kernels.quantized_matmul(x, qweight, params, fmt, True)
+                for variant in _variants(ext)[1:]:
+                    ext.lowbit_isa(variant)
+                    simd = kernels.quantized_matmul(x, qweight, params, fmt, True)
+                    assert torch.allclose(simd, portable, rtol=1e-5, atol=1e-6 * simd.abs().max().item()), (
+                        variant,
+                        name,
+                        group,
+                        k,
+                    )
+    finally:
+        ext.lowbit_isa(previous)
 
 
 def test_the_choice_of_activations(ext, monkeypatch):
@@ -102,7 +124,8 @@ def test_the_choice_of_activations(ext, monkeypatch):
     shapes = [(int4, 128, 256), (int4, 256, 128)]
     assert kernels.choose_activations("float", shapes, False) == (False, "float activations, as chosen")
     assert kernels.choose_activations("int8", shapes, True)[0] is False  # a GPU takes float activations
-    assert kernels.choose_activations("int8", shapes, False) == (True, "int8 activations, as chosen")
+    loops = f"; {ext.lowbit_isa('')} loops"  # the fast-paths line names the variant the CPU runs
+    assert kernels.choose_activations("int8", shapes, False) == (True, "int8 activations, as chosen" + loops)
     narrow = [(QuantFormat.make("int4", 32), 16, 32)]  # K = 32: not a multiple of 64
     assert kernels.choose_activations("int8", narrow, False)[0] is False
     used, why = kernels.choose_activations("auto", shapes, False)
@@ -114,7 +137,7 @@ def test_the_choice_of_activations(ext, monkeypatch):
     table = [(QuantFormat.make("mxfp4"), 128, 256)]  # a table format's float path dequantizes per call
     assert kernels.choose_activations("auto", shapes + table, False) == (
         True,
-        "int8 activations: the only fast kernel for mxfp4 weights",
+        "int8 activations: the only fast kernel for mxfp4 weights" + loops,
     )
     monkeypatch.setattr(fused_build, "extension", lambda: None)
     with pytest.raises(UsageError, match="needs the compiled kernels"):
@@ -145,7 +168,7 @@ def test_a_model_with_int8_activations_stays_close_to_float_ones(ext, wide_store
     assert all(engine.int8_activations) and all(p is None for p in engine.supply.preparers)  # records read as stored
     assert not any(loading.engine_of(floating).int8_activations)
     line = loading.fast_paths(integer)
-    assert "low-bit matmuls (int8 activations, as chosen)" in line and "read as stored" in line
+    assert f"low-bit matmuls (int8 activations, as chosen; {ext.lowbit_isa('')} loops)" in line and "read as stored" in line
     assert "attention (one token) 2/2" in line  # the fused attention agrees with the int8 linears' own forward
     ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():
@@ -167,7 +190,8 @@ def test_eval_prices_int8_activations_against_float_ones_on_the_same_store(ext, 
 
     text = "".join(chr(c) for c in torch.randint(97, 123, (300,), generator=torch.Generator().manual_seed(4)).tolist())
     report = compare(wide_store, wide_store, text, max_tokens=200, context=64, activations="int8")
-    assert report.activations == "int8 activations, as chosen" and report.reference_activations == "float activations, as chosen"
+    assert report.activations == f"int8 activations, as chosen; {ext.lowbit_isa('')} loops"
+    assert report.reference_activations == "float activations, as chosen"
     assert 0 < report.kl_mean < 1e-2 and report.top1_agreement > 0.8
     assert "low-bit matmuls" in report.table()
     same = compare(wide_store, wide_store, text, max_tokens=200, context=64, activations="float")

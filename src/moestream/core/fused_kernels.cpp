@@ -498,7 +498,22 @@ std::vector<torch::Tensor> q6_k_int4(torch::Tensor blocks, int64_t cols) {
 // The portable loops on any CPU (on) or the CPU's SIMD ones where it has them (off); returns the previous.
 bool lowbit_portable(bool on) {
   const bool previous = lowbit::portable_only();
-  lowbit::portable_only() = on;
+  lowbit::isa_cap() = on ? lowbit::Isa::portable : lowbit::Isa::avx512_vnni;
+  return previous;
+}
+
+static const char* const kIsaNames[] = {"portable", "avx2", "avx512-vnni"};
+
+// The loops' variant this CPU runs ("portable", "avx2", "avx512-vnni"); with a name, the most capable one
+// allowed from now on (the tests run each variant the CPU has). Returns the variant run before the call.
+std::string lowbit_isa(const std::string& cap) {
+  const std::string previous = kIsaNames[static_cast<int>(lowbit::isa())];
+  if (!cap.empty()) {
+    int i = 0;
+    while (i < 3 && cap != kIsaNames[i]) ++i;
+    TORCH_CHECK(i < 3, "lowbit_isa: one of portable, avx2, avx512-vnni, not ", cap);
+    lowbit::isa_cap() = static_cast<lowbit::Isa>(i);
+  }
   return previous;
 }
 
@@ -769,6 +784,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul", &int8_matmul);
   m.def("table_matmul", &table_matmul);
   m.def("lowbit_portable", &lowbit_portable);
+  m.def("lowbit_isa", &lowbit_isa);
   m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
   m.def("repair_nibbles", &repair_nibbles, py::call_guard<py::gil_scoped_release>());
   m.def("q6_k_int8", &q6_k_int8, py::call_guard<py::gil_scoped_release>());

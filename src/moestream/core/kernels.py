@@ -261,10 +261,11 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
                 "matmul (about 100x slower); install a C++ compiler, or convert with --experts-dtype int4"
             )
         return False, "float activations: no compiled kernels"
+    loops = f"; {_compiled().lowbit_isa('')} loops"  # the variant this CPU runs (lowbit_dot.h)
     if choice == "int8":
-        return True, "int8 activations, as chosen"
+        return True, "int8 activations, as chosen" + loops
     if tables:  # their float path dequantizes every matrix it multiplies: several times slower than either
-        return True, f"int8 activations: the only fast kernel for {', '.join(tables)} weights"
+        return True, f"int8 activations: the only fast kernel for {', '.join(tables)} weights" + loops
     fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
     # At most 4096 x 8192 (32 MiB of float32 to quantize from): an LM head of 129k rows would take
     # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
@@ -273,7 +274,7 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
     integer, floating = measure_activations(fmt, n, k)
     ratio = floating / integer
     if ratio >= INT8_ACTIVATIONS_MARGIN:
-        return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here"
+        return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here" + loops
     return False, f"float activations: int8 ones measured {ratio:.2f}x their speed here (under {INT8_ACTIVATIONS_MARGIN}x)"
 
 

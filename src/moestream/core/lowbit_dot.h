@@ -18,7 +18,8 @@
 // Sums over a block are exact integers; the sums over blocks and groups are float32, as is the result.
 //
 // Pure C++ on raw pointers: fused_kernels.cpp wraps these in torch tensors and splits the output rows
-// across threads. Runtime dispatch: AVX2 where the CPU has it, else a portable loop with the same result.
+// across threads. Runtime dispatch (`isa()`): AVX-512 with VNNI where the CPU has it, else AVX2, else a
+// portable loop; the same integer sums in each, the float sums over blocks in another order.
 #pragma once
 
 #include <algorithm>
@@ -235,41 +236,51 @@ __attribute__((target("avx2,fma"), always_inline)) inline void table_chunk(const
   }
 }
 
-// Weight rows n0..n1 (multiples of 8) against activation rows r0..r0+kTile. Per 8 weight rows, their scales
-// and zeros are one 32-byte load per group ([K/G, N, 2] keeps them side by side), so the zero's and the
-// centre's terms are done for the 8 rows at once, and the scales are kept as floats for the main loop.
+// The part of 8 weight rows' dot products that is per group, not per input: their scales and zeros are one
+// 32-byte load per group ([K/G, N, 2] keeps them side by side), so the zero's and the centre's terms are done
+// for the 8 rows at once (into rest[t][i]), and the scales are kept as floats (scales[8 g + i]) for the
+// main loop, whichever instructions it uses.
+template <int64_t kTile>
+__attribute__((target("avx2,fma"), always_inline)) inline void group_terms(const Activations& a, int64_t r0, const uint16_t* sz, int bits,
+                                                                          int64_t n, int64_t o8, bool table, float* scales,
+                                                                          float (*rest)[8]) {
+  const int64_t groups = a.k / a.group;
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256 middle = _mm256_set1_ps(static_cast<float>(1 << (bits - 1)));
+  const __m256 shift = _mm256_set1_ps(static_cast<float>(1 << (bits - 1)) - 8.f);
+  __m256 terms[kTile];
+  for (int64_t t = 0; t < kTile; ++t) terms[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + (g * n + o8) * 2));  // (s, z) of 8 rows
+    _mm_prefetch(reinterpret_cast<const char*>(sz + (g * n + o8 + kPrefetchScaleRows) * 2), _MM_HINT_T0);
+    const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
+    _mm256_storeu_ps(scales + g * 8, s);
+    if (table) {  // W = T[c] s + z: the zero's term alone
+      for (int64_t t = 0; t < kTile; ++t) terms[t] = _mm256_fmadd_ps(z, _mm256_broadcast_ss(a.sums.data() + (r0 + t) * groups + g), terms[t]);
+      continue;
+    }
+    const __m256 offset = _mm256_fmadd_ps(s, shift, z);  // z - (8 - C) s
+    const __m256 centred = _mm256_mul_ps(s, middle);     // C s
+    for (int64_t t = 0; t < kTile; ++t) {
+      terms[t] = _mm256_fmadd_ps(offset, _mm256_broadcast_ss(a.sums.data() + (r0 + t) * groups + g), terms[t]);
+      terms[t] = _mm256_fnmadd_ps(centred, _mm256_broadcast_ss(a.centre.data() + (r0 + t) * groups + g), terms[t]);
+    }
+  }
+  for (int64_t t = 0; t < kTile; ++t) _mm256_storeu_ps(rest[t], terms[t]);
+}
+
+// Weight rows n0..n1 (multiples of 8) against activation rows r0..r0+kTile.
 template <int64_t kTile>  // activation rows per pass, a constant so that the accumulators stay in registers
 LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int bits, int64_t n,
                                        int64_t n0, int64_t n1, float* scales, float* y, const int8_t* table) {
   const int64_t k = a.k, group = a.group, groups = k / group, supers = k / kSuper;
   const int8_t* q0 = a.q.data() + r0 * k;
   const float* d0 = a.scale.data() + r0 * supers * 8;
-  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m256 middle = _mm256_set1_ps(static_cast<float>(1 << (bits - 1)));
-  const __m256 shift = _mm256_set1_ps(static_cast<float>(1 << (bits - 1)) - 8.f);
   const __m256i lookup = table ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))) : _mm256_setzero_si256();
   alignas(32) float rest[kTile][8];
   for (int64_t o8 = n0; o8 < n1; o8 += 8) {
-    __m256 terms[kTile];
-    for (int64_t t = 0; t < kTile; ++t) terms[t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + (g * n + o8) * 2));  // (s, z) of 8 rows
-      _mm_prefetch(reinterpret_cast<const char*>(sz + (g * n + o8 + kPrefetchScaleRows) * 2), _MM_HINT_T0);
-      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-      const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
-      _mm256_storeu_ps(scales + g * 8, s);
-      if (table) {  // W = T[c] s + z: the zero's term alone
-        for (int64_t t = 0; t < kTile; ++t) terms[t] = _mm256_fmadd_ps(z, _mm256_broadcast_ss(a.sums.data() + (r0 + t) * groups + g), terms[t]);
-        continue;
-      }
-      const __m256 offset = _mm256_fmadd_ps(s, shift, z);  // z - (8 - C) s
-      const __m256 centred = _mm256_mul_ps(s, middle);     // C s
-      for (int64_t t = 0; t < kTile; ++t) {
-        terms[t] = _mm256_fmadd_ps(offset, _mm256_broadcast_ss(a.sums.data() + (r0 + t) * groups + g), terms[t]);
-        terms[t] = _mm256_fnmadd_ps(centred, _mm256_broadcast_ss(a.centre.data() + (r0 + t) * groups + g), terms[t]);
-      }
-    }
-    for (int64_t t = 0; t < kTile; ++t) _mm256_store_ps(rest[t], terms[t]);
+    group_terms<kTile>(a, r0, sz, bits, n, o8, table != nullptr, scales, rest);
     for (int64_t i = 0; i < 8; ++i) {
       const float* s = scales + i;  // s[8 g]: this row's scale of group g
       __m256 acc[kTile];
@@ -404,25 +415,182 @@ inline bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 }
+
+// ---- AVX-512 with VNNI (Intel Ice Lake and later, AMD Zen 4 and later) ------------------------------------
+// The same integer dot products as the AVX2 loops, each 4-byte group summed by one vpdpbusd (u8 x s8 -> s32)
+// where AVX2 needs maddubs, an add and madd, over 64 bytes per instruction: two 64-input chunks of a weight
+// row at once. Each int32 lane sums the same four products as the AVX2 loop's lane, so the integer sums are
+// the same; the float sums over blocks run over 16 lanes instead of 8 (another order of the same terms).
+#define LOWBIT_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+inline bool has_avx512_vnni() {
+  static const bool yes = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// Two 256-bit halves as one 512-bit vector (lo in the low half).
+#define LOWBIT_JOIN(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), (hi), 1)
+#define LOWBIT_LOAD256(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+
+// As int4_chunk, for chunks j and j + 1 of one weight row (64 bytes); sv: their weight scales per lane.
+template <int64_t kTile>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"), always_inline)) inline void int4_pair_vnni(
+    const uint8_t* row, const int8_t* q0, const float* d0, int64_t k, int64_t supers, int64_t j, __m512 sv, const __m512i* table,
+    __m512* acc) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i bytes = _mm512_loadu_si512(row + j * 32);
+  __m512i lo = _mm512_and_si512(bytes, low);
+  __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+  __m512i lo_sign = lo, hi_sign = hi;
+  if (table) {  // signed table values: |T[c]| against q with T[c]'s sign, as table_chunk
+    lo_sign = _mm512_shuffle_epi8(*table, lo), hi_sign = _mm512_shuffle_epi8(*table, hi);
+    lo = _mm512_abs_epi8(lo_sign), hi = _mm512_abs_epi8(hi_sign);
+  }
+  for (int64_t t = 0; t < kTile; ++t) {
+    const int8_t* q = q0 + t * k + j * kSuper;
+    __m512i even = LOWBIT_JOIN(LOWBIT_LOAD256(q), LOWBIT_LOAD256(q + kSuper));
+    __m512i odd = LOWBIT_JOIN(LOWBIT_LOAD256(q + kBlock), LOWBIT_LOAD256(q + kSuper + kBlock));
+    if (table) {  // q * sign(T[c]) (0 where T[c] is 0), as _mm256_sign_epi8 does
+      const __m512i zero = _mm512_setzero_si512();
+      even = _mm512_mask_sub_epi8(_mm512_maskz_mov_epi8(_mm512_cmpneq_epi8_mask(lo_sign, zero), even),
+                                  _mm512_cmplt_epi8_mask(lo_sign, zero), zero, even);
+      odd = _mm512_mask_sub_epi8(_mm512_maskz_mov_epi8(_mm512_cmpneq_epi8_mask(hi_sign, zero), odd), _mm512_cmplt_epi8_mask(hi_sign, zero),
+                                 zero, odd);
+    }
+    const __m512i dots = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, even), hi, odd);
+    const __m512 ds = _mm512_mul_ps(_mm512_loadu_ps(d0 + (t * supers + j) * 8), sv);
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), ds, acc[t]);
+  }
+}
+
+// As int4_tile_avx2, two chunks per step (`supers` even: K a multiple of 128).
+template <int64_t kTile>
+LOWBIT_VNNI inline void int4_tile_vnni(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0,
+                                       int64_t n1, float* scales, float* y, const int8_t* table) {
+  const int64_t k = a.k, group = a.group, supers = k / kSuper;
+  const int8_t* q0 = a.q.data() + r0 * k;
+  const float* d0 = a.scale.data() + r0 * supers * 8;
+  const __m512i lookup = table ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))) : _mm512_setzero_si512();
+  alignas(32) float rest[kTile][8];
+  for (int64_t o8 = n0; o8 < n1; o8 += 8) {
+    group_terms<kTile>(a, r0, sz, bits, n, o8, table != nullptr, scales, rest);
+    for (int64_t i = 0; i < 8; ++i) {
+      const float* s = scales + i;  // s[8 g]: this row's scale of group g
+      __m512 acc[kTile];
+      for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
+      const uint8_t* row = w + (o8 + i) * (k / 2);
+      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * (k / 2));
+      for (int64_t at = 0; at < k / 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+      for (int64_t j = 0; j < supers; j += 2) {
+        __m512 sv;  // the scale of each lane's group: 4 lanes a group at 32, 8 at 64, all 16 from 128 on
+        if (group == kBlock)
+          sv = _mm512_setr_ps(s[16 * j], s[16 * j], s[16 * j], s[16 * j], s[16 * j + 8], s[16 * j + 8], s[16 * j + 8], s[16 * j + 8],
+                              s[16 * j + 16], s[16 * j + 16], s[16 * j + 16], s[16 * j + 16], s[16 * j + 24], s[16 * j + 24],
+                              s[16 * j + 24], s[16 * j + 24]);
+        else if (group == kSuper)
+          sv = _mm512_insertf32x8(_mm512_set1_ps(s[8 * j]), _mm256_set1_ps(s[8 * (j + 1)]), 1);
+        else
+          sv = _mm512_set1_ps(s[8 * (j * kSuper / group)]);
+        int4_pair_vnni<kTile>(row, q0, d0, k, supers, j, sv, table ? &lookup : nullptr, acc);
+      }
+      for (int64_t t = 0; t < kTile; ++t) y[(r0 + t) * n + o8 + i] = _mm512_reduce_add_ps(acc[t]) + rest[t][i];
+    }
+  }
+}
+
+LOWBIT_VNNI inline void int4_rows_vnni(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
+                                       float* y, const int8_t* table) {
+  std::vector<float> s(a.k / a.group * 8);
+  for (int64_t b = n0; b < n1; b += kWeightRows) {
+    const int64_t e = std::min(b + kWeightRows, n1);
+    int64_t r0 = 0;
+    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int4_tile_vnni<kRowTile>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
+    switch (a.rows - r0) {
+      case 3: int4_tile_vnni<3>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
+      case 2: int4_tile_vnni<2>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
+      case 1: int4_tile_vnni<1>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
+    }
+  }
+}
+
+// As int8_tile_avx2, two blocks (64 bytes) per step (K a multiple of 64): |c| against q with c's sign.
+template <int64_t kTile>
+LOWBIT_VNNI inline void int8_tile_vnni(const Activations& a, int64_t r0, const int8_t* w, const void* scales, bool bf16_scales, int64_t n,
+                                       int64_t n0, int64_t n1, float* y) {
+  const int64_t k = a.k, blocks = k / kBlock;
+  const int8_t* q0 = a.q.data() + r0 * k;
+  const float* d0 = a.scale.data() + r0 * blocks;
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t o = n0; o < n1; ++o) {
+    __m512 acc[kTile];
+    for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
+    const int8_t* row = w + o * k;
+    const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * k);
+    for (int64_t at = 0; at < k; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const __m512i codes = _mm512_loadu_si512(row + b * kBlock);
+      const __m512i magnitude = _mm512_abs_epi8(codes);
+      const __mmask64 nonzero = _mm512_cmpneq_epi8_mask(codes, zero), negative = _mm512_cmplt_epi8_mask(codes, zero);
+      for (int64_t t = 0; t < kTile; ++t) {
+        const __m512i q = _mm512_loadu_si512(q0 + t * k + b * kBlock);
+        const __m512i signed_q = _mm512_mask_sub_epi8(_mm512_maskz_mov_epi8(nonzero, q), negative, zero, q);
+        const __m512i dots = _mm512_dpbusd_epi32(zero, magnitude, signed_q);
+        const __m512 ds = _mm512_insertf32x8(_mm512_set1_ps(d0[t * blocks + b]), _mm256_set1_ps(d0[t * blocks + b + 1]), 1);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), ds, acc[t]);
+      }
+    }
+    const float s = bf16_scales ? bf16_to_float(static_cast<const uint16_t*>(scales)[o]) : static_cast<const float*>(scales)[o];
+    for (int64_t t = 0; t < kTile; ++t) y[(r0 + t) * n + o] = s * _mm512_reduce_add_ps(acc[t]);
+  }
+}
+
+LOWBIT_VNNI inline void int8_rows_vnni(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0,
+                                       int64_t n1, float* y) {
+  for (int64_t b = n0; b < n1; b += kWeightRows) {
+    const int64_t e = std::min(b + kWeightRows, n1);
+    int64_t r0 = 0;
+    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int8_tile_vnni<kRowTile>(a, r0, w, scales, bf16_scales, n, b, e, y);
+    switch (a.rows - r0) {
+      case 3: int8_tile_vnni<3>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
+      case 2: int8_tile_vnni<2>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
+      case 1: int8_tile_vnni<1>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
+    }
+  }
+}
 }  // namespace lowbit
 #else
 namespace lowbit {
 inline bool has_avx2() { return false; }
+inline bool has_avx512_vnni() { return false; }
 }  // namespace lowbit
 #endif
 
 namespace lowbit {
-// Set to run the portable loops on any CPU (the tests compare both).
-inline bool& portable_only() {
-  static bool only = false;
-  return only;
+// The variants of the loops, from the plainest: each CPU runs the most capable one it has (`isa()`).
+enum class Isa { portable = 0, avx2 = 1, avx512_vnni = 2 };
+
+// The most capable variant allowed (the tests lower it to compare each variant with the portable loops).
+inline Isa& isa_cap() {
+  static Isa cap = Isa::avx512_vnni;
+  return cap;
 }
 
-// The dispatch: AVX2 where this CPU has it (AVX-512 CPUs included), else the portable loops.
+// The variant this CPU runs: chosen once from what it reports, then capped.
+inline Isa isa() {
+  static const Isa best = has_avx512_vnni() ? Isa::avx512_vnni : has_avx2() ? Isa::avx2 : Isa::portable;
+  return std::min(best, isa_cap());
+}
+
+inline bool portable_only() { return isa() == Isa::portable; }
+
+// The dispatch: the CPU's variant (`isa()`), else the portable loops.
 inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1, float* y,
                       const int8_t* table = nullptr) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx2() && !portable_only()) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y, table);
+  if (isa() == Isa::avx512_vnni && (a.k / kSuper) % 2 == 0) return int4_rows_vnni(a, w, sz, bits, n, n0, n1, y, table);
+  if (isa() >= Isa::avx2) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y, table);
 #endif
   int4_rows_portable(a, w, sz, bits, n, n0, n1, y, table);
 }
@@ -432,14 +600,15 @@ inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz
 template <typename T>
 void quantize(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx2() && !portable_only()) return quantize_blocks<T>(x, rows, k, group, a, quantize_block_avx2<T>, to_nibble_order_avx2);
+  if (isa() >= Isa::avx2) return quantize_blocks<T>(x, rows, k, group, a, quantize_block_avx2<T>, to_nibble_order_avx2);
 #endif
   quantize_blocks<T>(x, rows, k, group, a, quantize_block_portable<T>, to_nibble_order_portable);
 }
 
 inline void int8_rows(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0, int64_t n1, float* y) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (has_avx2() && !portable_only()) return int8_rows_avx2(a, w, scales, bf16_scales, n, n0, n1, y);
+  if (isa() == Isa::avx512_vnni && (a.k / kBlock) % 2 == 0) return int8_rows_vnni(a, w, scales, bf16_scales, n, n0, n1, y);
+  if (isa() >= Isa::avx2) return int8_rows_avx2(a, w, scales, bf16_scales, n, n0, n1, y);
 #endif
   int8_rows_portable(a, w, scales, bf16_scales, n, n0, n1, y);
 }

@@ -1,0 +1,107 @@
+"""The int8-activation kernels' variants (core/lowbit_dot.h: AVX-512 VNNI, AVX2, portable) side by side, on
+the machine at hand: each variant the CPU has, at Qwen3-30B-A3B's shapes, in cache and from DRAM.
+
+    python benchmarks/isa_variants.py [--threads 2] [--json OUT]
+
+1. Per shape (an expert's gate+up [1536, 2048] and down [2048, 768], attention's q [4096, 2048]) and format
+   (int4 g32/g64/g128, int8), one matmul at 1, 4 and 64 activation rows: the fastest of several runs of
+   each variant, the variants alternating, weights in cache.
+2. From DRAM: one token through 64 distinct [1536, 2048] matrices (beyond the caches): GB/s of weights
+   read per variant, and that as a share of the machine's read bandwidth (a float32 sum over 512 MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import machine
+import torch
+
+from moestream.conversion.quant import QuantFormat, pack, quantize
+from moestream.core import fused_build, kernels
+
+SHAPES = {"expert gate+up": (1536, 2048), "expert down": (2048, 768), "attention q": (4096, 2048)}
+FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", None)]
+ISAS = ["portable", "avx2", "avx512-vnni"]
+
+
+def variants(ext) -> list[str]:
+    previous = ext.lowbit_isa(ISAS[-1])
+    best = ext.lowbit_isa(previous)
+    return ISAS[1 : ISAS.index(best) + 1] or ["portable"]
+
+
+def stored(fmt: QuantFormat, n: int, k: int, seed: int):
+    record = pack(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), fmt), fmt, "w")
+    return record["w.qweight"], record[f"w.{fmt.params}"]
+
+
+def label(name: str, group: int | None) -> str:
+    return f"{name}-g{group}" if group else name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+    ext = fused_build.extension()
+    if ext is None:
+        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    names = variants(ext)
+    print(f"machine: {machine.line()}; {args.threads} threads; variants: {', '.join(names)}")
+    data = torch.rand(128 * 2**20)
+    bandwidth = data.numel() * 4 / (kernels.fastest_ms(data.sum, 5) / 1e3) / 1e9
+    del data
+    print(f"read bandwidth (float32 sum over 512 MiB): {bandwidth:.1f} GB/s\n")
+    previous = ext.lowbit_isa("")
+    results: dict = {"threads": args.threads, "bandwidth_gbs": bandwidth, "variants": names, "matmuls": [], "from_dram": []}
+    try:
+        print(f"{'shape':<16} {'format':<9} {'rows':>4} " + " ".join(f"{n + ' ms':>15}" for n in names) + "  ratio")
+        for shape, (n, k) in SHAPES.items():
+            for name, group in FORMATS:
+                fmt = QuantFormat.make(name, group or 32)
+                qweight, params = stored(fmt, n, k, seed=n + k)
+                for m in (1, 4, 64):
+                    x = torch.randn(m, k)
+                    best = {v: float("inf") for v in names}
+                    for _ in range(5):  # alternating, so that a busy moment slows every variant
+                        for v in names:
+                            ext.lowbit_isa(v)
+                            run = functools.partial(kernels.quantized_matmul, x, qweight, params, fmt, True)
+                            best[v] = min(best[v], kernels.fastest_ms(run, 6 if m < 64 else 2))
+                    ratio = best[names[0]] / best[names[-1]]
+                    cells = " ".join(f"{best[v]:>15.4f}" for v in names)
+                    print(f"{shape:<16} {label(name, group):<9} {m:>4} {cells}  {ratio:.2f}x", flush=True)
+                    results["matmuls"].append(dict(shape=shape, n=n, k=k, format=label(name, group), rows=m, ms=best))
+        print(f"\none token through 64 distinct 1536x2048 matrices (weights from DRAM); ratio {names[0]} / {names[-1]}:")
+        for name, group in FORMATS:
+            fmt = QuantFormat.make(name, group or 32)
+            matrices = [stored(fmt, 1536, 2048, seed=i) for i in range(64)]
+            x = torch.randn(1, 2048)
+            times = {v: [] for v in names}
+            for _ in range(5):
+                for v in names:
+                    ext.lowbit_isa(v)
+                    start = time.perf_counter()
+                    for qweight, params in matrices:
+                        kernels.quantized_matmul(x, qweight, params, fmt, True)
+                    times[v].append((time.perf_counter() - start) / len(matrices))
+            nbytes = sum(t.numel() * t.element_size() for t in matrices[0])
+            rates = {v: nbytes / min(times[v]) / 1e9 for v in names}
+            cells = ", ".join(f"{v} {min(times[v]) * 1e3:.3f} ms {rates[v]:.1f} GB/s ({rates[v] / bandwidth:.0%})" for v in names)
+            print(f"  {label(name, group):<9} {cells}; {min(times[names[0]]) / min(times[names[-1]]):.2f}x")
+            results["from_dram"].append(
+                dict(format=label(name, group), ms={v: min(t) * 1e3 for v, t in times.items()}, gbs=rates)
+            )
+    finally:
+        ext.lowbit_isa(previous)
+    if args.json:
+        machine.write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
