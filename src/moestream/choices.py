@@ -36,6 +36,9 @@ COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 #: `--activations`: what the CPU's low-bit matmuls take. "auto": int8 where the compiled kernels exist and
 #: are measured faster on the model's shapes (core/kernels.py, `choose_activations`).
 ACTIVATIONS = ("auto", "int8", "float")
+#: `--attention`: a decode step's attention function. "auto": the compiled flash-decoding kernel for one query
+#: where it is compiled and the model's attention is sdpa, sdpa for prompts (core/attention.py).
+ATTENTION = ("auto", "sdpa")
 #: `--prefetch`: speculative reads of the next layer's likely experts (core/prefetch.py).
 PREFETCH_MODES = ("auto", "on", "off")
 #: `--policy`: the expert cache's eviction policies (core/policies.py).

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .choices import ACTIVATIONS, COMPUTE_DTYPES, DEFAULT_POLICY, POLICIES, PREFETCH_MODES, VERIFY_MODES
+from .choices import ACTIVATIONS, ATTENTION, COMPUTE_DTYPES, DEFAULT_POLICY, POLICIES, PREFETCH_MODES, VERIFY_MODES
 from .errors import MoestreamError, UsageError
 
 #: `--io`: direct = O_DIRECT reads, expert bytes live only in moestream's cache; buffered = through the page cache.
@@ -157,6 +157,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
         "weights at twice their size), bf16 or fp32",
     )
     add_activations_argument(parser)
+    add_attention_argument(parser)
     parser.add_argument(
         "--prefetch",
         choices=PREFETCH_MODES,
@@ -180,6 +181,18 @@ def add_activations_argument(parser: argparse.ArgumentParser) -> None:
         "activation row quantized to int8 and the dot products kept in integers, as llama.cpp does: a little "
         "rounding, priced by `moestream eval STORE --reference STORE --activations int8`) or float (the "
         "activations as they are)",
+    )
+
+
+def add_attention_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default=ATTENTION[0],
+        help="a decode step's attention: auto (default: a compiled flash-decoding kernel that reads each cached key "
+        "and value once for its group of query heads, as the model's attention function; prompts keep sdpa) or "
+        "sdpa (transformers' own). The kernel sums in another order: `moestream eval STORE --reference STORE "
+        "--decode --activations float` prices it",
     )
 
 
@@ -211,6 +224,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         compute_dtype=args.compute_dtype,
         activations=args.activations,
         route_to_cached=args.route_to_cached,
+        attention=args.attention,
     )
 
 

@@ -19,7 +19,13 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..options import add_activations_argument, add_device_arguments, add_route_to_cached_argument, add_threads_argument
+    from ..options import (
+        add_activations_argument,
+        add_attention_argument,
+        add_device_arguments,
+        add_route_to_cached_argument,
+        add_threads_argument,
+    )
 
     parser.add_argument("store", help="store directory made by `moestream convert`")
     add_threads_argument(parser)
@@ -79,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what the low-bit matmuls of a store REF take (default float): `moestream eval STORE --reference STORE "
         "--activations int8` prices int8 activations alone",
     )
+    add_attention_argument(parser)  # (a store reference keeps sdpa: --decode prices the kernel)
     add_device_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         route_to_cached=args.route_to_cached,
         activations=args.activations,
         reference_activations=args.reference_activations,
+        attention=args.attention,
     )
     print(json.dumps(report.to_json()) if args.json else report.table())
     return 0

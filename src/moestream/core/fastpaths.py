@@ -36,9 +36,12 @@ def _partial_of(function) -> object:
     return getattr(function, "func", None)
 
 
-def survey(model, engine, routers, compute_dtype: torch.dtype, on_gpu: bool, activations: str = "") -> list[FastPath]:
+def survey(
+    model, engine, routers, compute_dtype: torch.dtype, on_gpu: bool, activations: str = "", attention: str = ""
+) -> list[FastPath]:
     """What `load` decided for this model; resolves the one-token experts kernel for `compute_dtype`.
-    `activations`: what kernels.choose_activations said of the low-bit matmuls' activations."""
+    `activations`: what kernels.choose_activations said of the low-bit matmuls' activations; `attention`:
+    what attention.install said of the model's attention function."""
     paths = []
     why_not = f"{compute_dtype}".removeprefix("torch.")
     if compute_dtype == torch.float32 and not native_bf16():
@@ -46,6 +49,8 @@ def survey(model, engine, routers, compute_dtype: torch.dtype, on_gpu: bool, act
     paths.append(FastPath("compute dtype", 0, 0, why_not))
     if activations:
         paths.append(FastPath("low-bit matmuls", 0, 0, activations))
+    if attention:
+        paths.append(FastPath("attention function", 0, 0, attention))
     ext = None if on_gpu else fused_build.extension()
     if on_gpu:
         paths.append(FastPath("fused CPU kernels", 0, 0, "off: the model runs on a GPU"))

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from . import dense, fused_build, kernels
+from . import attention, dense, fused_build, kernels
 
 
 def unavailable_reason() -> str | None:
@@ -408,7 +408,8 @@ def attention_plan(module: nn.Module, ext) -> tuple | None:
     scale, layer = getattr(module, "scaling", None), getattr(module, "layer_idx", None)
     if not isinstance(head_dim, int) or not isinstance(scale, float) or not isinstance(layer, int) or head_dim > 256:
         return None
-    if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "clip_qkv", None) is not None:
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", attention.NAME) or getattr(config, "clip_qkv", None) is not None:
         return None
     if getattr(module, "sliding_window", None) is not None:
         return None
@@ -428,7 +429,7 @@ def attention_plan(module: nn.Module, ext) -> tuple | None:
         *[list(parts) for parts in zip(*projections[:3])],
         qn, kn, q_eps, k_eps, per_head, head_dim,
     )  # fmt: skip
-    out = functools.partial(ext.attention_decode_out, *projections[3], scale, grouped)
+    out = functools.partial(ext.attention_decode_out, *projections[3], scale, grouped, implementation == attention.NAME)
     return qkv, out
 
 

@@ -13,6 +13,7 @@
 #include <ATen/ops/silu.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "decode_attention.h"
 #include "lowbit_dot.h"
 
 namespace torch {  // as <torch/extension.h> has it (torch/types.h)
@@ -629,13 +631,82 @@ std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weigh
   return {rotated[0], rotated[1], states[2]};
 }
 
-// The rest of one token's attention: sdpa over the cached keys and values as transformers calls it for
-// one query without a mask (no causal flag; grouped heads in sdpa itself), heads joined, then the output
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale);
+
+// The rest of one token's attention: the model's attention function over the cached keys and values as
+// transformers calls it for one query without a mask (`flash`: decode_attention, registered as the
+// model's own; else sdpa, no causal flag, grouped heads in sdpa itself), heads joined, then the output
 // projection -> [1, 1, H].
 torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, bool integer, torch::Tensor table,
-                                   double scale, bool grouped, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
-  auto o = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
+                                   double scale, bool grouped, bool flash, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+  auto o = flash ? decode_attention(q, k, v, c10::nullopt, scale) : at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
   return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group, integer, table_values(table)).view({1, 1, -1});
+}
+
+// One query position per row against a KV cache (decode_attention.h): q [B, H, 1, D], k and v [B, KVH, T, D]
+// (float32 or bf16, their last dimension contiguous, any other strides: a growing cache's views), an optional
+// mask [B or 1, 1, 1, T] (bool: true attends; or additive float) -> [B, H, 1, D] in q's dtype. The
+// positions are cut into pieces, at least 256 each and enough of them to keep every thread busy.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1, "decode_attention: q [B, H, 1, D], k and v [B, KVH, T, D]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0,
+              "decode_attention: shapes do not match");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "decode_attention: keys and values in float32 or bf16");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: the head dimension must be contiguous");
+  flash_decode::Layout s{q.size(0), q.size(1), k.size(1), k.size(2), k.size(3), k.stride(0), k.stride(1), k.stride(2),
+                             v.stride(0), v.stride(1), v.stride(2), 0};
+  const int64_t B = s.rows, H = s.heads, KVH = s.kv_heads, T = s.positions, D = s.dim, G = H / KVH;
+  auto queries = at::mul(q.to(at::kFloat), scale).contiguous();  // [B, H, 1, D]
+  torch::Tensor bias;
+  if (mask.has_value()) {
+    auto m = *mask;
+    TORCH_CHECK(m.dim() == 4 && m.size(-1) == T && m.size(1) == 1 && m.size(2) == 1 && (m.size(0) == 1 || m.size(0) == B),
+                "decode_attention: mask [B or 1, 1, 1, T]");
+    m = m.scalar_type() == at::kBool ? torch::zeros(m.sizes(), at::kFloat).masked_fill_(m.logical_not(), -INFINITY) : m.to(at::kFloat);
+    bias = m.reshape({m.size(0), T}).contiguous();
+    s.mask_batch = m.size(0) == 1 ? 0 : T;
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>((T + 255) / 256, (4 * threads + B * KVH - 1) / (B * KVH)));
+  const int64_t length = (T + pieces - 1) / pieces;
+  auto top = torch::empty({B * KVH * pieces, G}, at::kFloat);
+  auto sums = torch::empty({B * KVH * pieces, G}, at::kFloat);
+  auto acc = torch::empty({B * KVH * pieces, G, D}, at::kFloat);
+  const float* qp = queries.data_ptr<float>();
+  const float* mp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float *tp = top.data_ptr<float>(), *lp = sums.data_ptr<float>(), *ap = acc.data_ptr<float>();
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, B * KVH * pieces, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * length), row(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (KVH * pieces), kv = item / pieces % KVH, i = item % pieces;
+      const int64_t t0 = std::min(T, i * length), t1 = std::min(T, t0 + length);
+      float *m = tp + item * G, *l = lp + item * G, *a = ap + item * G * D;
+      if (t0 == t1) {
+        std::fill(m, m + G, -INFINITY), std::fill(l, l + G, 0.f), std::fill(a, a + G * D, 0.f);
+        continue;
+      }
+      const float* qg = qp + (b * H + kv * G) * D;
+      if (bf16)
+        flash_decode::piece_bf16(s, qg, reinterpret_cast<const uint16_t*>(k.data_ptr()), reinterpret_cast<const uint16_t*>(v.data_ptr()),
+                                     mp, b, kv, t0, t1, m, l, a, scores.data(), row.data());
+      else
+        flash_decode::piece_float(s, qg, k.data_ptr<float>(), v.data_ptr<float>(), mp, b, kv, t0, t1, m, l, a, scores.data(), row.data());
+    }
+  });
+  auto out = torch::empty({B, H, 1, D}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> m(pieces), l(pieces);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H, kv = h / G, g = h % G;
+      const int64_t first = (b * KVH + kv) * pieces;
+      for (int64_t i = 0; i < pieces; ++i) m[i] = tp[(first + i) * G + g], l[i] = lp[(first + i) * G + g];
+      flash_decode::merge(pieces, m.data(), l.data(), ap + first * G * D + g * D, G * D, D, op + bh * D);
+    }
+  });
+  return out.to(q.scalar_type());
 }
 
 // ---- int4 codes from the store's portable layout to torch's CPU kernel layout ----------------------------
@@ -785,6 +856,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("table_matmul", &table_matmul);
   m.def("lowbit_portable", &lowbit_portable);
   m.def("lowbit_isa", &lowbit_isa);
+  m.def("decode_attention", &decode_attention);
   m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
   m.def("repair_nibbles", &repair_nibbles, py::call_guard<py::gil_scoped_release>());
   m.def("q6_k_int8", &q6_k_int8, py::call_guard<py::gil_scoped_release>());

@@ -24,6 +24,7 @@ from ..conversion.skeleton import build_skeleton, config_from_dict, expert_param
 from ..conversion.store import DTYPES, Store, file_checksum
 from ..errors import StoreError, UsageError
 from ..units import format_bytes, parse_bytes
+from . import attention as attention_module
 from . import dense, fastpaths, fused, kernels
 from . import engine as engine_module
 from .devices import CudaDevice, Device
@@ -64,6 +65,7 @@ def load(
     compute_dtype: str = "auto",
     activations: str | None = None,
     route_to_cached: float = 0.0,
+    attention: str | None = None,
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
@@ -91,6 +93,9 @@ def load(
     route_to_cached: a margin in (0, 1) turns cache-aware routing on (routing.py): in a decode step a
         chosen expert that is not cached gives way to a cached one whose router probability is at least
         (1 - margin) times its own. It changes the model's output; 0 (the default) is off.
+    attention: a decode step's attention: "auto" (the default: the compiled flash-decoding kernel as the
+        model's attention function for one query, sdpa for prompts; core/attention.py) or "sdpa"
+        (transformers' own). The kernel sums in another order: `moestream eval --attention sdpa` prices it.
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     accelerator = _device(device)
@@ -139,6 +144,7 @@ def load(
         dense.prepare_for_cpu(model, int8_activations)
     dense.align_weights(model)
     dense.set_compute_dtype(model, stored, dtype)
+    attention_note = attention_module.install(model, attention, on_gpu)  # before fused.install: it reads the choice
     if not on_gpu:
         dense.routers_in_float32(routers)
         fused.install(model, routers)
@@ -171,7 +177,7 @@ def load(
             CacheAwareRouting(engine, route_to_cached).install(routers)
         model._moestream_engine = engine
         # Every kernel choice is made by now (the experts kernel is resolved here for the compute dtype).
-        engine.fast_paths = fastpaths.survey(model, engine, routers, dtype, on_gpu, activations_note)
+        engine.fast_paths = fastpaths.survey(model, engine, routers, dtype, on_gpu, activations_note, attention_note)
         tokenizer = load_tokenizer(opened.directory)
     except BaseException:
         engine.close()  # its store files are open: a load that fails must not keep them

@@ -483,14 +483,16 @@ LOWBIT_VNNI inline void int4_tile_vnni(const Activations& a, int64_t r0, const u
       const uint8_t* row = w + (o8 + i) * (k / 2);
       const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * (k / 2));
       for (int64_t at = 0; at < k / 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+      // The scale of each lane's group: 4 lanes a group at 32, 8 at 64, all 16 from 128 on. scales keeps
+      // the 8 rows' scales of a group side by side, so this row's are 8 floats apart: one permute picks them.
+      const __m512i every_fourth = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+      const __m512i every_eighth = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
       for (int64_t j = 0; j < supers; j += 2) {
-        __m512 sv;  // the scale of each lane's group: 4 lanes a group at 32, 8 at 64, all 16 from 128 on
+        __m512 sv;
         if (group == kBlock)
-          sv = _mm512_setr_ps(s[16 * j], s[16 * j], s[16 * j], s[16 * j], s[16 * j + 8], s[16 * j + 8], s[16 * j + 8], s[16 * j + 8],
-                              s[16 * j + 16], s[16 * j + 16], s[16 * j + 16], s[16 * j + 16], s[16 * j + 24], s[16 * j + 24],
-                              s[16 * j + 24], s[16 * j + 24]);
+          sv = _mm512_permutex2var_ps(_mm512_loadu_ps(s + 16 * j), every_fourth, _mm512_loadu_ps(s + 16 * j + 16));
         else if (group == kSuper)
-          sv = _mm512_insertf32x8(_mm512_set1_ps(s[8 * j]), _mm256_set1_ps(s[8 * (j + 1)]), 1);
+          sv = _mm512_permutexvar_ps(every_eighth, _mm512_loadu_ps(s + 8 * j));
         else
           sv = _mm512_set1_ps(s[8 * (j * kSuper / group)]);
         int4_pair_vnni<kTile>(row, q0, d0, k, supers, j, sv, table ? &lookup : nullptr, acc);
@@ -589,7 +591,9 @@ inline bool portable_only() { return isa() == Isa::portable; }
 inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1, float* y,
                       const int8_t* table = nullptr) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (isa() == Isa::avx512_vnni && (a.k / kSuper) % 2 == 0) return int4_rows_vnni(a, w, sz, bits, n, n0, n1, y, table);
+  // (group 32 stays on AVX2: its two scales per chunk cost the VNNI loop what its dot products save;
+  // benchmarks/isa_variants.py measured 0.91-1.05x there, 1.05-1.26x at group 64)
+  if (isa() == Isa::avx512_vnni && a.group != kBlock && (a.k / kSuper) % 2 == 0) return int4_rows_vnni(a, w, sz, bits, n, n0, n1, y, table);
   if (isa() >= Isa::avx2) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y, table);
 #endif
   int4_rows_portable(a, w, sz, bits, n, n0, n1, y, table);

@@ -355,6 +355,7 @@ def compare(
     route_to_cached: float = 0.0,
     activations: str | None = None,
     reference_activations: str = "float",
+    attention: str | None = None,
 ) -> QualityReport:
     """Compare a store with a reference (a Hugging Face checkpoint directory or another store) on `text`.
 
@@ -367,6 +368,8 @@ def compare(
     route_to_cached: the store's cache-aware routing margin (`moestream.load`), 0 for off.
     activations, reference_activations: what the low-bit matmuls of the store and of a store reference take
         (`moestream.load`); the store against itself with "int8" and "float" prices int8 activations.
+    attention: the store's attention function (`moestream.load`); a store reference keeps sdpa, so the store
+        against itself with `decode` (one query per step: where the kernel runs) prices the kernel.
     """
     from ..core.loading import engine_of, load, stats
 
@@ -383,7 +386,13 @@ def compare(
 
     start = time.perf_counter()
     store_model, tokenizer = load(
-        store, memory, device=device, gpu_memory=gpu_memory, route_to_cached=route_to_cached, activations=activations
+        store,
+        memory,
+        device=device,
+        gpu_memory=gpu_memory,
+        route_to_cached=route_to_cached,
+        activations=activations,
+        attention=attention,
     )
     store_load = time.perf_counter() - start
     if tokenizer is None:
@@ -406,7 +415,7 @@ def compare(
         converted = _gguf_reference(reference, store.resolve().parent, progress)
         try:
             reference_model, ref_tokenizer = load(
-                converted, memory, device=device, gpu_memory=gpu_memory, activations=reference_activations
+                converted, memory, device=device, gpu_memory=gpu_memory, activations=reference_activations, attention="sdpa"
             )
         finally:
             # The loaded model holds its files open (Linux keeps them readable); the directory goes now.
@@ -414,7 +423,7 @@ def compare(
         reference_dtype = "float32, dequantized"
     elif kind == "store":
         reference_model, ref_tokenizer = load(
-            reference, memory, device=device, gpu_memory=gpu_memory, activations=reference_activations
+            reference, memory, device=device, gpu_memory=gpu_memory, activations=reference_activations, attention="sdpa"
         )
         reference_dtype = engine_of(reference_model).store.manifest.experts_dtype
     else:

@@ -1,0 +1,108 @@
+"""A decode step's attention as the model's own attention function: the compiled flash-decoding kernel
+(decode_attention.h) for one query position over the KV cache, transformers' sdpa for everything else.
+
+transformers looks a model's attention function up by `config._attn_implementation` in its
+AttentionInterface on every call. `install` registers `attend` there as "moestream" (with sdpa's mask
+function) and points the model's config at it, so the model's own code runs the kernel: the lone path,
+the batched decode step (its padding mask included) and the fused one-token attention (fused.py, which
+then calls the same kernel and so still gives the model's own bits). Prefill, and any call the kernel does
+not cover (a sliding window, softcapping, attention sinks, dropout, another device or dtype), go to sdpa
+as before.
+
+The kernel sums in another order than sdpa and computes exp by a polynomial, so its output differs from
+sdpa's in the last bits (tests/test_attention.py bounds it against float64; `moestream eval --attention
+sdpa` prices it). `--attention sdpa` keeps transformers' own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..choices import ATTENTION
+from ..errors import UsageError
+from . import fused_build
+
+NAME = "moestream"  # its name in transformers' AttentionInterface
+
+
+def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' attention-function signature: query [B, H, Q, D], key and value [B, KVH, T, D] ->
+    ([B, Q, H, D], None). One query position per row runs the kernel; anything else runs sdpa."""
+    ext = fused_build.extension()
+    if ext is not None and _covered(query, key, value, attention_mask, dropout, kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        mask = attention_mask[..., -key.shape[2] :] if attention_mask is not None else None
+        return ext.decode_attention(query, key, value, mask, scale).transpose(1, 2), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _covered(query, key, value, mask, dropout: float, kwargs: dict) -> bool:
+    """Whether the kernel computes this call: one query per row on the CPU, keys and values in float32 or
+    bf16 with their head dimension contiguous, no dropout, no extras (sliding window, softcap, sinks), a
+    mask (if any) of one row per sequence."""
+    if query.shape[2] != 1 or query.device.type != "cpu" or dropout or key.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if value.dtype != key.dtype or key.shape != value.shape or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return False
+    if any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "s_aux", "sinks")):
+        return False
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[-1] < key.shape[2]):
+        return False
+    return True
+
+
+def install(model, choice: str | None, on_gpu: bool) -> str:
+    """Make the kernel the model's attention function where it can be ("auto"), or keep sdpa ("sdpa");
+    returns what was decided, for the fast-paths line."""
+    choice = "auto" if choice is None else choice
+    if choice not in ATTENTION:
+        raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {choice!r}")
+    if choice == "sdpa":
+        return "sdpa, as chosen"
+    if on_gpu:
+        return "sdpa: the model runs on a GPU"
+    if fused_build.extension() is None:
+        return "sdpa: no compiled kernels"
+    configs = [c for c in _configs(model.config) if getattr(c, "_attn_implementation", None) == "sdpa"]
+    if not configs:
+        return f"the model's own ({getattr(model.config, '_attn_implementation', None)})"
+    branching = sorted({type(m).__name__ for m in model.modules() if _branches_on_the_name(type(m))})
+    if branching:  # its code would take another path under another name (e.g. sparse attention's indices)
+        return f"sdpa: {', '.join(branching)} choose what to compute by the attention's name"
+    AttentionInterface.register(NAME, attend)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    for config in configs:
+        config._attn_implementation = NAME
+    return "flash-decoding kernel for one query, sdpa for prompts"
+
+
+# `config._attn_implementation == "sdpa"`, `... in ("eager", "sdpa")`, `!= "eager"`: code that decides by the name.
+_NAME_TEST = re.compile(r"_attn_implementation\s*(?:==|!=|\bin\b|\bnot\s+in\b)")
+
+
+def _branches_on_the_name(cls) -> bool:
+    """Whether the module's own source (its forward) compares the attention implementation's name: then a
+    name other than "sdpa" would change what it computes, not only which function it calls."""
+    if not cls.__name__.endswith("Attention"):
+        return False
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return True  # unknown: keep sdpa
+    return _NAME_TEST.search(source) is not None
+
+
+def _configs(config) -> list:
+    """A config and its sub-configs (a multimodal model's text config holds the attention's choice)."""
+    found = [config]
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None:
+            found.extend(_configs(sub))
+    return found

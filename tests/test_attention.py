@@ -1,0 +1,111 @@
+"""A decode step's attention (core/decode_attention.h through core/attention.py): the compiled flash-decoding
+kernel against float64 attention at 1, 17, 4,096 and 33,000 positions with grouped-query ratios 1, 4 and 8,
+with padding masks and a growing cache's strided views; a model running it as its attention function gives
+transformers' greedy tokens over 64 steps after a long prompt; `--attention sdpa` and models whose code
+decides by the attention's name keep sdpa."""
+
+import pytest
+import torch
+from tiny import TINY
+from transformers import AutoModelForCausalLM
+
+import moestream
+from moestream.cli import main
+from moestream.conversion.synthetic import make_model, save_checkpoint
+from moestream.core import attention, fused, fused_build
+from moestream.core.loading import stats
+
+
+@pytest.fixture(scope="module")
+def ext():
+    extension = fused_build.extension()
+    if extension is None:
+        pytest.skip(f"no compiled kernels: {fused.unavailable_reason()}")
+    return extension
+
+
+def reference(q, k, v, mask, scale):
+    """Attention in float64, the key/value heads repeated for their query heads."""
+    groups = q.shape[1] // k.shape[1]
+    keys, values = (t.double().repeat_interleave(groups, 1) for t in (k, v))
+    scores = (q.double() @ keys.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, -1) @ values
+
+
+@pytest.mark.parametrize("positions", [1, 17, 4096, 33000])
+@pytest.mark.parametrize("groups", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_against_float64(ext, positions, groups, dtype):
+    g = torch.Generator().manual_seed(positions * 10 + groups)
+    kv_heads, dim = (2, 64) if positions > 4096 else (4, 128)
+    q = torch.randn(2, kv_heads * groups, 1, dim, generator=g).to(dtype)
+    # scores of a few units, as trained models' are (a random key of 128 unit entries gives about 1)
+    k = (torch.randn(2, kv_heads, positions, dim, generator=g) * 2).to(dtype)
+    v = torch.randn(2, kv_heads, positions, dim, generator=g).to(dtype)
+    mask = torch.ones(2, 1, 1, positions, dtype=torch.bool)
+    mask[1, ..., : positions // 3] = False  # the second row left-padded, as a batch's shorter row is
+    scale = dim**-0.5
+    exact = reference(q, k, v, mask, scale)
+    got = ext.decode_attention(q, k, v, mask, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    # float32: sums of thousands of terms in float32; bf16: the output's own rounding (2^-8 relative)
+    tolerance = {torch.float32: 2e-6, torch.bfloat16: 8e-3}[dtype]
+    assert (got.double() - exact).abs().max().item() <= tolerance * max(1.0, exact.abs().max().item())
+    # no mask at all: every position
+    assert torch.allclose(ext.decode_attention(q[:1], k[:1], v[:1], None, scale).double(), reference(q[:1], k[:1], v[:1], None, scale),
+                          atol=tolerance * 4, rtol=0)  # fmt: skip
+
+
+def test_strided_views_of_a_growing_cache_and_an_additive_mask(ext):
+    g = torch.Generator().manual_seed(3)
+    room = torch.randn(1, 4, 700, 64, generator=g).bfloat16()  # a cache buffer with room past its 500 positions
+    k, v = room[:, :, :500], room.flip(2)[:, :, :500]
+    assert not k.is_contiguous()
+    q = torch.randn(1, 16, 1, 64, generator=g).bfloat16()
+    additive = torch.zeros(1, 1, 1, 500)
+    additive[..., :100] = float("-inf")
+    expected = ext.decode_attention(q, k.contiguous(), v.contiguous(), additive > -1, 0.125)
+    assert torch.equal(ext.decode_attention(q, k, v, additive, 0.125), expected)
+
+
+def test_a_model_running_it_gives_transformers_greedy_tokens_after_a_long_prompt(ext, tmp_path):
+    model = make_model("qwen3_moe", seed=2, **{**TINY["qwen3_moe"], "max_position_embeddings": 4096})
+    checkpoint = save_checkpoint(model, tmp_path / "hf")
+    assert main(["convert", str(checkpoint), str(tmp_path / "store"), "--experts-dtype", "fp32"]) == 0
+    prompt = torch.randint(3, model.config.vocab_size, (1, 2000), generator=torch.Generator().manual_seed(9))
+    reference_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    expected = reference_model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+    streamed, _ = moestream.load(tmp_path / "store", "1GiB")
+    assert streamed.config._attn_implementation == attention.NAME
+    line = next(p["note"] for p in stats(streamed)["fast_paths"] if p["name"] == "attention function")
+    assert line.startswith("flash-decoding kernel")
+    assert torch.equal(streamed.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False), expected)
+    plain, _ = moestream.load(tmp_path / "store", "1GiB", attention="sdpa")
+    assert plain.config._attn_implementation == "sdpa"
+    assert next(p["note"] for p in stats(plain)["fast_paths"] if p["name"] == "attention function") == "sdpa, as chosen"
+    # the kernel is what runs a decode step: its last bits are its own, within float32 rounding of sdpa's
+    steps = []
+    for m in (streamed, plain):
+        with torch.no_grad():
+            cache = m(prompt, use_cache=True).past_key_values
+            steps.append(m(expected[:, 2000:2001], cache=cache, use_cache=True).logits)
+    assert 0 < (steps[0] - steps[1]).abs().max().item() < 1e-5
+
+
+def test_models_whose_code_decides_by_the_name_keep_sdpa():
+    class PlainAttention(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    class SparseAttention(torch.nn.Module):
+        def forward(self, x):
+            if self.config._attn_implementation in ("eager", "sdpa"):
+                return x
+            return -x
+
+    assert not attention._branches_on_the_name(PlainAttention)
+    assert attention._branches_on_the_name(SparseAttention)
+    with pytest.raises(moestream.errors.UsageError, match="attention must be one of"):
+        attention.install(torch.nn.Linear(1, 1), "flash", False)
