@@ -109,3 +109,18 @@ def test_models_whose_code_decides_by_the_name_keep_sdpa():
     assert attention._branches_on_the_name(SparseAttention)
     with pytest.raises(moestream.errors.UsageError, match="attention must be one of"):
         attention.install(torch.nn.Linear(1, 1), "flash", False)
+
+
+def test_a_padded_row_in_a_batch_gets_the_bits_it_gets_alone(ext):
+    """A batch's rows are right-aligned, a shorter row's padding masked at the front: the kernel cuts the
+    positions from the last one, so the row sums the same terms in the same order as alone."""
+    g = torch.Generator().manual_seed(11)
+    for positions, padding in ((700, 0), (700, 45), (1300, 600), (90, 89)):
+        q = torch.randn(2, 8, 1, 64, generator=g)
+        k, v = (torch.randn(2, 2, positions, 64, generator=g) for _ in range(2))
+        mask = torch.ones(2, 1, 1, positions, dtype=torch.bool)
+        mask[1, ..., :padding] = False
+        batch = ext.decode_attention(q, k, v, mask, 0.125)
+        for row, start in ((0, 0), (1, padding)):
+            alone = ext.decode_attention(q[row : row + 1], k[row : row + 1, :, start:], v[row : row + 1, :, start:], None, 0.125)
+            assert torch.equal(batch[row : row + 1], alone), (positions, padding, row)

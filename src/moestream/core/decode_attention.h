@@ -98,12 +98,12 @@ __attribute__((always_inline)) inline void piece(const Layout& s, const float* q
     float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
     for (int64_t t = 0; t < n; ++t) top = std::max(top, sg[t]);
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) sg[t] = exp_nonpositive(sg[t] - top);
+    // In order, not by vector lanes: a padded row's positions sit at other offsets of its piece than alone,
+    // and its masked ones add exact zeros, so its sum is the same float as alone only if taken in order.
     float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - top);
-      sum += sg[t];
-    }
+    for (int64_t t = 0; t < n; ++t) sum += sg[t];
     m[g] = top, l[g] = sum;
     std::fill(acc + g * D, acc + (g + 1) * D, 0.0f);
   }

@@ -646,7 +646,9 @@ torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, i
 // One query position per row against a KV cache (decode_attention.h): q [B, H, 1, D], k and v [B, KVH, T, D]
 // (float32 or bf16, their last dimension contiguous, any other strides: a growing cache's views), an optional
 // mask [B or 1, 1, 1, T] (bool: true attends; or additive float) -> [B, H, 1, D] in q's dtype. The
-// positions are cut into pieces, at least 256 each and enough of them to keep every thread busy.
+// positions are cut into pieces of 256 counted from the last one: a batch's rows are right-aligned (a shorter
+// row's padding masked at the front), so a row meets the same pieces, summed in the same order, as it does
+// alone, and its answer has the same bits in a batch as alone, whatever the number of threads.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1, "decode_attention: q [B, H, 1, D], k and v [B, KVH, T, D]");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0,
@@ -667,9 +669,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     bias = m.reshape({m.size(0), T}).contiguous();
     s.mask_batch = m.size(0) == 1 ? 0 : T;
   }
-  const int64_t threads = at::get_num_threads();
-  const int64_t pieces = std::max<int64_t>(1, std::min<int64_t>((T + 255) / 256, (4 * threads + B * KVH - 1) / (B * KVH)));
-  const int64_t length = (T + pieces - 1) / pieces;
+  constexpr int64_t length = 256;
+  const int64_t pieces = std::max<int64_t>(1, (T + length - 1) / length);
   auto top = torch::empty({B * KVH * pieces, G}, at::kFloat);
   auto sums = torch::empty({B * KVH * pieces, G}, at::kFloat);
   auto acc = torch::empty({B * KVH * pieces, G, D}, at::kFloat);
@@ -681,7 +682,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     std::vector<float> scores(G * length), row(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (KVH * pieces), kv = item / pieces % KVH, i = item % pieces;
-      const int64_t t0 = std::min(T, i * length), t1 = std::min(T, t0 + length);
+      const int64_t t1 = T - (pieces - 1 - i) * length, t0 = std::max<int64_t>(0, t1 - length);
       float *m = tp + item * G, *l = lp + item * G, *a = ap + item * G * D;
       if (t0 == t1) {
         std::fill(m, m + G, -INFINITY), std::fill(l, l + G, 0.f), std::fill(a, a + G * D, 0.f);
