@@ -24,15 +24,20 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 namespace flash_decode {
 
-// fp-contract=fast: this kernel's sums are its own (no bit-exact twin to match), so a multiply and an add
-// may fuse, which halves the arithmetic of both products.
+// This kernel's sums are its own (no bit-exact twin to match): a multiply and an add may fuse, and a dot
+// product's lanes may be added as a tree (associative-math, which needs the other two), rather than one
+// lane after another, which took most of the time. What must keep its order does not live here (`in_order`).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DECODE_ATTENTION_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
+#define DECODE_ATTENTION_MATH optimize("fp-contract=fast", "associative-math", "no-signed-zeros", "no-trapping-math")
+#define DECODE_ATTENTION_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), DECODE_ATTENTION_MATH))
 #else
+#define DECODE_ATTENTION_MATH
 #define DECODE_ATTENTION_CLONES
 #endif
 
@@ -73,21 +78,111 @@ inline float exp_nonpositive(float x) {
   return underflow ? 0.0f : p * scale;
 }
 
+// The sum of x[0..n) added in order, not by vector lanes: a padded row's positions sit at other offsets of
+// its piece than alone, and its masked ones add exact zeros, so its sum is the same float as alone only if
+// taken in order. (Not inlined into the pieces, whose reassociating options would vectorize it.)
+__attribute__((noinline)) inline float in_order(const float* x, int64_t n) {
+  float sum = 0.0f;
+  for (int64_t t = 0; t < n; ++t) sum += x[t];
+  return sum;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define DECODE_ATTENTION_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+
+inline bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+DECODE_ATTENTION_AVX512 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+DECODE_ATTENTION_AVX512 inline __m512 widen16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// The scores of a piece with AVX-512 (D a multiple of 16 up to 256, G a multiple of 4): each key widened
+// once into registers, then four query heads at a time, their four dot products' lanes added as one tree
+// (the loops the compiler writes add each product's 16 lanes one after another, which took most of the
+// time). scores [G, n] (+ the mask's bias).
+template <typename T>
+DECODE_ATTENTION_AVX512 void scores_avx512(const float* q, const T* keys, int64_t k_pos, int64_t n, int64_t G, int64_t D, const float* bias,
+                                           float* scores) {
+  const int64_t chunks = D / 16;
+  __m512 row[16];
+  for (int64_t t = 0; t < n; ++t) {
+    const T* key = keys + t * k_pos;
+    for (int64_t c = 0; c < chunks; ++c) row[c] = widen16(key + 16 * c);
+    const float b = bias ? bias[t] : 0.0f;
+    for (int64_t g = 0; g < G; g += 4) {
+      const float* qg = q + g * D;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), row[c], a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + D + 16 * c), row[c], a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 2 * D + 16 * c), row[c], a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 3 * D + 16 * c), row[c], a3);
+      }
+      // per 128-bit lane: (a0, a1 | even, odd halves) -> (a0, a1, a2, a3) partial sums -> across the lanes
+      const __m512 h01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+      const __m512 h23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+      const __m512 quad = _mm512_add_ps(_mm512_shuffle_ps(h01, h23, 0x44), _mm512_shuffle_ps(h01, h23, 0xEE));
+      const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(quad), _mm512_extractf32x8_ps(quad, 1));
+      alignas(16) float dots[4];
+      _mm_store_ps(dots, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+      for (int64_t i = 0; i < 4; ++i) scores[(g + i) * n + t] = dots[i] + b;
+    }
+  }
+}
+
+// The weighted values of a piece with AVX-512 (D a multiple of 16 up to 128, G even): two query heads at a
+// time, their sums kept in registers across the piece's positions (the compiler's loop loads and stores
+// them for every position), each value widened as it is read. acc [G, D] is overwritten.
+template <typename T>
+DECODE_ATTENTION_AVX512 void values_avx512(const float* weights, const T* values, int64_t v_pos, int64_t n, int64_t G, int64_t D,
+                                           float* acc) {
+  const int64_t chunks = D / 16;
+  for (int64_t g = 0; g < G; g += 2) {
+    __m512 a0[8], a1[8];
+    for (int64_t c = 0; c < chunks; ++c) a0[c] = _mm512_setzero_ps(), a1[c] = _mm512_setzero_ps();
+    const float *p0 = weights + g * n, *p1 = p0 + n;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* value = values + t * v_pos;
+      const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 v = widen16(value + 16 * c);
+        a0[c] = _mm512_fmadd_ps(w0, v, a0[c]);
+        a1[c] = _mm512_fmadd_ps(w1, v, a1[c]);
+      }
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a0[c]), _mm512_storeu_ps(acc + (g + 1) * D + 16 * c, a1[c]);
+  }
+}
+#endif
+
 // One piece: positions t0..t1 of row b against the G query heads of KV head kv (their queries q [G, D],
 // already scaled). Writes the piece's max m[G], sum l[G] and weighted values acc[G, D]; `scores` has room
 // for G * (t1 - t0) floats and `row` for D.
-template <typename T>
+// kDim: the head size as a constant (the common 64 and 128: loops of known length, unrolled), 0 for any.
+template <typename T, int64_t kDim>
 __attribute__((always_inline)) inline void piece(const Layout& s, const float* q, const T* k, const T* v, const float* mask, int64_t b,
                                                  int64_t kv, int64_t t0, int64_t t1, float* m, float* l, float* acc, float* scores,
                                                  float* row) {
-  const int64_t G = s.heads / s.kv_heads, D = s.dim, n = t1 - t0;
+  const int64_t G = s.heads / s.kv_heads, D = kDim > 0 ? kDim : s.dim, n = t1 - t0;
   const T* keys = k + b * s.k_batch + kv * s.k_head;
   const T* values = v + b * s.v_batch + kv * s.v_head;
-  for (int64_t t = 0; t < n; ++t) {  // each key read once, for every query head of the group
+  const float* bias = mask ? mask + b * s.mask_batch + t0 : nullptr;
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool wide = has_avx512() && D % 16 == 0 && D <= 256 && G % 4 == 0;
+  if (wide) scores_avx512<T>(q, keys + t0 * s.k_pos, s.k_pos, n, G, D, bias, scores);
+#else
+  const bool wide = false;
+#endif
+  for (int64_t t = 0; t < n && !wide; ++t) {  // each key read once, for every query head of the group
     const T* key = keys + (t0 + t) * s.k_pos;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) row[d] = widen(key[d]);
-    const float bias = mask ? mask[b * s.mask_batch + t0 + t] : 0.0f;
+    const float b_t = bias ? bias[t] : 0.0f;
     int64_t g = 0;
     for (; g + 4 <= G; g += 4) {  // four query heads per pass over the key: it is loaded once for them
       const float *q0 = q + g * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
@@ -97,15 +192,15 @@ __attribute__((always_inline)) inline void piece(const Layout& s, const float* q
         d0 += q0[d] * row[d], d1 += q1[d] * row[d];
         d2 += q2[d] * row[d], d3 += q3[d] * row[d];
       }
-      scores[g * n + t] = d0 + bias, scores[(g + 1) * n + t] = d1 + bias;
-      scores[(g + 2) * n + t] = d2 + bias, scores[(g + 3) * n + t] = d3 + bias;
+      scores[g * n + t] = d0 + b_t, scores[(g + 1) * n + t] = d1 + b_t;
+      scores[(g + 2) * n + t] = d2 + b_t, scores[(g + 3) * n + t] = d3 + b_t;
     }
     for (; g < G; ++g) {
       const float* qg = q + g * D;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-      scores[g * n + t] = dot + bias;
+      scores[g * n + t] = dot + b_t;
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -115,13 +210,12 @@ __attribute__((always_inline)) inline void piece(const Layout& s, const float* q
     for (int64_t t = 0; t < n; ++t) top = std::max(top, sg[t]);
 #pragma omp simd
     for (int64_t t = 0; t < n; ++t) sg[t] = exp_nonpositive(sg[t] - top);
-    // In order, not by vector lanes: a padded row's positions sit at other offsets of its piece than alone,
-    // and its masked ones add exact zeros, so its sum is the same float as alone only if taken in order.
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) sum += sg[t];
-    m[g] = top, l[g] = sum;
+    m[g] = top, l[g] = in_order(sg, n);
     std::fill(acc + g * D, acc + (g + 1) * D, 0.0f);
   }
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (wide && D <= 128 && G % 2 == 0) return values_avx512<T>(scores, values + t0 * s.v_pos, s.v_pos, n, G, D, acc);
+#endif
   for (int64_t t = 0; t < n; ++t) {  // each value read once
     const T* value = values + (t0 + t) * s.v_pos;
 #pragma omp simd
@@ -144,13 +238,17 @@ __attribute__((always_inline)) inline void piece(const Layout& s, const float* q
 
 DECODE_ATTENTION_CLONES inline void piece_float(const Layout& s, const float* q, const float* k, const float* v, const float* mask, int64_t b,
                                                 int64_t kv, int64_t t0, int64_t t1, float* m, float* l, float* acc, float* scores, float* row) {
-  piece<float>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+  if (s.dim == 128) return piece<float, 128>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+  if (s.dim == 64) return piece<float, 64>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+  piece<float, 0>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
 }
 
 DECODE_ATTENTION_CLONES inline void piece_bf16(const Layout& s, const float* q, const uint16_t* k, const uint16_t* v, const float* mask,
                                                int64_t b, int64_t kv, int64_t t0, int64_t t1, float* m, float* l, float* acc, float* scores,
                                                float* row) {
-  piece<uint16_t>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+  if (s.dim == 128) return piece<uint16_t, 128>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+  if (s.dim == 64) return piece<uint16_t, 64>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+  piece<uint16_t, 0>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
 }
 
 // The pieces of one (row, query head) merged: m[i], l[i], acc[i * stride .. + D] for pieces i -> out [D].

@@ -172,7 +172,20 @@ def _import(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    _cap_lowbit_isa(module)
     return module
+
+
+def _cap_lowbit_isa(module) -> None:
+    """MOESTREAM_LOWBIT_ISA=avx2 (or portable) runs the int8-activation loops of a plainer CPU on this one,
+    as ATEN_CPU_CAPABILITY does for torch's: to time the variants side by side, or to test a plainer CPU's
+    path. A value it does not know is said once and ignored."""
+    cap = os.environ.get("MOESTREAM_LOWBIT_ISA")
+    if cap and hasattr(module, "lowbit_isa"):
+        try:
+            module.lowbit_isa(cap)
+        except RuntimeError as e:
+            print(f"moestream: MOESTREAM_LOWBIT_ISA ignored: {str(e).splitlines()[0]}", file=sys.stderr)
 
 
 def _first_error(log: str) -> str:

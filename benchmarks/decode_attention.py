@@ -1,0 +1,64 @@
+"""One decode query's attention at the Qwen3-30B-A3B shape: moestream's flash-decoding kernel against torch's
+sdpa as transformers calls it, side by side, over growing contexts.
+
+    python benchmarks/decode_attention.py [--threads 2] [--positions 1024 4096 16384 32768] [--dtype bf16]
+
+32 query heads, 4 key/value heads of 128 (grouped 8 to 1), one query against T cached positions: the fastest
+of 15 calls of each, the two alternating; GB/s is the keys' and values' bytes over that time (the bytes a
+decode step must read: the floor of a long-context decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import machine
+import torch
+import torch.nn.functional as F
+
+from moestream.core import fused_build
+
+
+def fastest_ms(function, runs: int = 15) -> float:
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--positions", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    args = parser.parse_args()
+    ext = fused_build.extension()
+    if ext is None:
+        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    print(f"machine: {machine.line()}; {args.threads} threads; {args.dtype}")
+    print(f"{'positions':>9} {'kernel ms':>10} {'GB/s':>6} {'sdpa ms':>9} {'GB/s':>6} {'speed-up':>8}")
+    for positions in args.positions:
+        g = torch.Generator().manual_seed(positions)
+        q = torch.randn(1, 32, 1, 128, generator=g).to(dtype)
+        k, v = (torch.randn(1, 4, positions, 128, generator=g).to(dtype) for _ in range(2))
+        kernel, sdpa = float("inf"), float("inf")
+        ours = functools.partial(ext.decode_attention, q, k, v, None, 128**-0.5)
+        theirs = functools.partial(F.scaled_dot_product_attention, q, k, v, scale=128**-0.5, enable_gqa=True)
+        for _ in range(3):
+            kernel, sdpa = min(kernel, fastest_ms(ours, 5)), min(sdpa, fastest_ms(theirs, 5))
+        gigabytes = 2 * k.numel() * k.element_size() / 1e9
+        print(
+            f"{positions:>9} {kernel:>10.3f} {gigabytes / kernel * 1e3:>6.1f} {sdpa:>9.3f} {gigabytes / sdpa * 1e3:>6.1f} "
+            f"{sdpa / kernel:>7.2f}x",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
