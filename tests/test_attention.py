@@ -16,12 +16,18 @@ from moestream.core import attention, fused, fused_build
 from moestream.core.loading import stats
 
 
-@pytest.fixture(scope="module")
-def ext():
+@pytest.fixture(scope="module", params=["avx512", "compiled loops"])
+def ext(request):
+    """The kernels, once with the AVX-512 loops where the CPU has them, once with the loops the compiler
+    writes for every CPU (what an AVX2-only CPU runs)."""
     extension = fused_build.extension()
     if extension is None:
         pytest.skip(f"no compiled kernels: {fused.unavailable_reason()}")
-    return extension
+    has = extension.decode_attention_avx512(request.param == "avx512")
+    if request.param == "avx512" and not has:
+        pytest.skip("this CPU has no AVX-512")
+    yield extension
+    extension.decode_attention_avx512(True)  # (the default: the AVX-512 loops where the CPU has them)
 
 
 def reference(q, k, v, mask, scale):

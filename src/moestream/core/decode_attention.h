@@ -90,10 +90,16 @@ __attribute__((noinline)) inline float in_order(const float* x, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define DECODE_ATTENTION_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
+// Whether the AVX-512 loops may run (the tests turn them off to run the compiler's loops of other CPUs).
+inline bool& avx512_allowed() {
+  static bool allowed = true;
+  return allowed;
+}
+
 inline bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return yes;
+  return yes && avx512_allowed();
 }
 
 DECODE_ATTENTION_AVX512 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }

@@ -710,6 +710,18 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out.to(q.scalar_type());
 }
 
+// Whether decode_attention may take its AVX-512 loops (on), or runs the compiler's loops that other CPUs run
+// (off); returns whether it could before. (The tests run both on a CPU that has AVX-512.)
+bool decode_attention_avx512(bool on) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool previous = flash_decode::has_avx512();
+  flash_decode::avx512_allowed() = on;
+  return previous;
+#else
+  return false;
+#endif
+}
+
 // ---- int4 codes from the store's portable layout to torch's CPU kernel layout ----------------------------
 // The store keeps int4 codes as plain nibbles in row order (src [N, K/2]: byte j of row n holds inputs 2j and
 // 2j+1). torch's CPU kernel reads another layout, different per CPU build: each of its bytes pairs input k
@@ -858,6 +870,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lowbit_portable", &lowbit_portable);
   m.def("lowbit_isa", &lowbit_isa);
   m.def("decode_attention", &decode_attention);
+  m.def("decode_attention_avx512", &decode_attention_avx512);
   m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
   m.def("repair_nibbles", &repair_nibbles, py::call_guard<py::gil_scoped_release>());
   m.def("q6_k_int8", &q6_k_int8, py::call_guard<py::gil_scoped_release>());
