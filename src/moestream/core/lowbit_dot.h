@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace lowbit {
@@ -182,6 +183,23 @@ inline void int8_rows_portable(const Activations& a, const int8_t* w, const void
 namespace lowbit {
 #define LOWBIT_AVX2 __attribute__((target("avx2,fma")))
 
+// The order every SIMD loop takes: weight rows n0..n1 in blocks of kWeightRows (they stay in cache for every
+// activation row), each against the activation rows in tiles of kRowTile, then the 1-3 rows left.
+// tile(std::integral_constant<int64_t, K>{}, r0, b, e): K activation rows from r0 against weight rows b..e.
+template <typename Tile>
+inline void over_tiles(int64_t rows, int64_t n0, int64_t n1, Tile tile) {
+  for (int64_t b = n0; b < n1; b += kWeightRows) {
+    const int64_t e = std::min(b + kWeightRows, n1);
+    int64_t r0 = 0;
+    for (; r0 + kRowTile <= rows; r0 += kRowTile) tile(std::integral_constant<int64_t, kRowTile>{}, r0, b, e);
+    switch (rows - r0) {
+      case 3: tile(std::integral_constant<int64_t, 3>{}, r0, b, e); break;
+      case 2: tile(std::integral_constant<int64_t, 2>{}, r0, b, e); break;
+      case 1: tile(std::integral_constant<int64_t, 1>{}, r0, b, e); break;
+    }
+  }
+}
+
 LOWBIT_AVX2 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -310,16 +328,9 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
 LOWBIT_AVX2 inline void int4_rows_avx2(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
                                        float* y, const int8_t* table) {
   std::vector<float> s(a.k / a.group * 8);  // 8 rows' scales per group, as float
-  for (int64_t b = n0; b < n1; b += kWeightRows) {  // these weight rows stay in cache for every activation row
-    const int64_t e = std::min(b + kWeightRows, n1);
-    int64_t r0 = 0;
-    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int4_tile_avx2<kRowTile>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
-    switch (a.rows - r0) {
-      case 3: int4_tile_avx2<3>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
-      case 2: int4_tile_avx2<2>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
-      case 1: int4_tile_avx2<1>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
-    }
-  }
+  over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
+    int4_tile_avx2<decltype(tile)::value>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
+  });
 }
 
 // As int8_rows_portable. Signed codes against signed activations: maddubs takes |c| (unsigned; -128 reads
@@ -354,16 +365,9 @@ LOWBIT_AVX2 inline void int8_tile_avx2(const Activations& a, int64_t r0, const i
 
 LOWBIT_AVX2 inline void int8_rows_avx2(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0,
                                        int64_t n1, float* y) {
-  for (int64_t b = n0; b < n1; b += kWeightRows) {
-    const int64_t e = std::min(b + kWeightRows, n1);
-    int64_t r0 = 0;
-    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int8_tile_avx2<kRowTile>(a, r0, w, scales, bf16_scales, n, b, e, y);
-    switch (a.rows - r0) {
-      case 3: int8_tile_avx2<3>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
-      case 2: int8_tile_avx2<2>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
-      case 1: int8_tile_avx2<1>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
-    }
-  }
+  over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
+    int8_tile_avx2<decltype(tile)::value>(a, r0, w, scales, bf16_scales, n, b, e, y);
+  });
 }
 
 // As quantize_block_portable, eight inputs per instruction (the same codes, scale and code sum; the float
@@ -505,16 +509,9 @@ LOWBIT_VNNI inline void int4_tile_vnni(const Activations& a, int64_t r0, const u
 LOWBIT_VNNI inline void int4_rows_vnni(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
                                        float* y, const int8_t* table) {
   std::vector<float> s(a.k / a.group * 8);
-  for (int64_t b = n0; b < n1; b += kWeightRows) {
-    const int64_t e = std::min(b + kWeightRows, n1);
-    int64_t r0 = 0;
-    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int4_tile_vnni<kRowTile>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
-    switch (a.rows - r0) {
-      case 3: int4_tile_vnni<3>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
-      case 2: int4_tile_vnni<2>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
-      case 1: int4_tile_vnni<1>(a, r0, w, sz, bits, n, b, e, s.data(), y, table); break;
-    }
-  }
+  over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
+    int4_tile_vnni<decltype(tile)::value>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
+  });
 }
 
 // As int8_tile_avx2, two blocks (64 bytes) per step (K a multiple of 64): |c| against q with c's sign.
@@ -550,16 +547,9 @@ LOWBIT_VNNI inline void int8_tile_vnni(const Activations& a, int64_t r0, const i
 
 LOWBIT_VNNI inline void int8_rows_vnni(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0,
                                        int64_t n1, float* y) {
-  for (int64_t b = n0; b < n1; b += kWeightRows) {
-    const int64_t e = std::min(b + kWeightRows, n1);
-    int64_t r0 = 0;
-    for (; r0 + kRowTile <= a.rows; r0 += kRowTile) int8_tile_vnni<kRowTile>(a, r0, w, scales, bf16_scales, n, b, e, y);
-    switch (a.rows - r0) {
-      case 3: int8_tile_vnni<3>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
-      case 2: int8_tile_vnni<2>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
-      case 1: int8_tile_vnni<1>(a, r0, w, scales, bf16_scales, n, b, e, y); break;
-    }
-  }
+  over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
+    int8_tile_vnni<decltype(tile)::value>(a, r0, w, scales, bf16_scales, n, b, e, y);
+  });
 }
 }  // namespace lowbit
 #else
