@@ -1,11 +1,13 @@
 """One decode query's attention at the Qwen3-30B-A3B shape: moestream's flash-decoding kernel against torch's
 sdpa as transformers calls it, side by side, over growing contexts.
 
-    python benchmarks/decode_attention.py [--threads 2] [--positions 1024 4096 16384 32768] [--dtype bf16]
+    python benchmarks/decode_attention.py [--threads 2] [--positions 1024 4096 16384 32768] [--dtype bf16] [--simd avx2]
 
 32 query heads, 4 key/value heads of 128 (grouped 8 to 1), one query against T cached positions: the fastest
 of 15 calls of each, the two alternating; GB/s is the keys' and values' bytes over that time (the bytes a
-decode step must read: the floor of a long-context decode).
+decode step must read: the floor of a long-context decode). --simd avx2 (or loops) runs the kernel's
+loops of a plainer CPU on this one; with ATEN_CPU_CAPABILITY=avx2 torch's sdpa does likewise (the compiler's
+part of the kernel keeps this CPU's clone, so this approximates an AVX2-only CPU from above).
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--positions", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--simd", choices=["avx512", "avx2", "loops"], default="avx512", help="the most capable loops allowed")
     args = parser.parse_args()
     ext = fused_build.extension()
     if ext is None:
         raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
     torch.set_num_threads(args.threads)
+    ext.decode_attention_simd(args.simd)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    print(f"machine: {machine.line()}; {args.threads} threads; {args.dtype}")
+    print(f"machine: {machine.line()}; {args.threads} threads; {args.dtype}; kernel loops up to {args.simd}")
     print(f"{'positions':>9} {'kernel ms':>10} {'GB/s':>6} {'sdpa ms':>9} {'GB/s':>6} {'speed-up':>8}")
     for positions in args.positions:
         g = torch.Generator().manual_seed(positions)

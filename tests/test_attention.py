@@ -15,19 +15,23 @@ from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core import attention, fused, fused_build
 from moestream.core.loading import stats
 
+SIMD = ["avx512", "avx2", "loops"]  # from the most capable
 
-@pytest.fixture(scope="module", params=["avx512", "compiled loops"])
+
+@pytest.fixture(scope="module", params=SIMD)
 def ext(request):
-    """The kernels, once with the AVX-512 loops where the CPU has them, once with the loops the compiler
-    writes for every CPU (what an AVX2-only CPU runs)."""
+    """The kernels, once with each set of loops this CPU can run: AVX-512, AVX2, and the loops the compiler
+    writes for every CPU."""
     extension = fused_build.extension()
     if extension is None:
         pytest.skip(f"no compiled kernels: {fused.unavailable_reason()}")
-    has = extension.decode_attention_avx512(request.param == "avx512")
-    if request.param == "avx512" and not has:
-        pytest.skip("this CPU has no AVX-512")
+    best = extension.decode_attention_simd("avx512")
+    extension.decode_attention_simd(best)
+    if SIMD.index(request.param) < SIMD.index(best):
+        pytest.skip(f"this CPU has no {request.param}")
+    extension.decode_attention_simd(request.param)
     yield extension
-    extension.decode_attention_avx512(True)  # (the default: the AVX-512 loops where the CPU has them)
+    extension.decode_attention_simd("avx512")  # (the default: the most capable loops the CPU has)
 
 
 def reference(q, k, v, mask, scale):

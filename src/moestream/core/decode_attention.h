@@ -90,16 +90,50 @@ __attribute__((noinline)) inline float in_order(const float* x, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define DECODE_ATTENTION_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
 
-// Whether the AVX-512 loops may run (the tests turn them off to run the compiler's loops of other CPUs).
-inline bool& avx512_allowed() {
-  static bool allowed = true;
-  return allowed;
+// The most capable hand-written loops allowed: 2 AVX-512, 1 AVX2, 0 none (the compiler's loops alone). The
+// tests lower it to run, on one CPU, what plainer CPUs run.
+inline int& simd_cap() {
+  static int cap = 2;
+  return cap;
 }
 
 inline bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return yes && avx512_allowed();
+  return yes && simd_cap() >= 2;
+}
+
+inline bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes && simd_cap() >= 1;
+}
+
+// As scores_avx512 with AVX2 (D a multiple of 8, G a multiple of 4): sixteen registers do not hold a widened
+// key, so it is widened into `row` (in L1) and read from there for each four heads.
+template <typename T>
+__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const T* keys, int64_t k_pos, int64_t n, int64_t G, int64_t D,
+                                                     const float* bias, float* scores, float* row) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* key = keys + t * k_pos;
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(key[d]);
+    const float b = bias ? bias[t] : 0.0f;
+    for (int64_t g = 0; g < G; g += 4) {
+      const float* qg = q + g * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 r = _mm256_loadu_ps(row + d);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), r, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + D + d), r, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 2 * D + d), r, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 3 * D + d), r, a3);
+      }
+      // pairs, then quads, within each 128-bit half; then the halves: (a0, a1, a2, a3)
+      const __m256 quad = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      alignas(16) float dots[4];
+      _mm_store_ps(dots, _mm_add_ps(_mm256_castps256_ps128(quad), _mm256_extractf128_ps(quad, 1)));
+      for (int64_t i = 0; i < 4; ++i) scores[(g + i) * n + t] = dots[i] + b;
+    }
+  }
 }
 
 DECODE_ATTENTION_AVX512 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
@@ -180,11 +214,13 @@ __attribute__((always_inline)) inline void piece(const Layout& s, const float* q
   const float* bias = mask ? mask + b * s.mask_batch + t0 : nullptr;
 #if defined(__x86_64__) && defined(__GNUC__)
   const bool wide = has_avx512() && D % 16 == 0 && D <= 256 && G % 4 == 0;
+  const bool narrow = !wide && has_avx2() && D % 8 == 0 && G % 4 == 0;
   if (wide) scores_avx512<T>(q, keys + t0 * s.k_pos, s.k_pos, n, G, D, bias, scores);
+  if (narrow) scores_avx2<T>(q, keys + t0 * s.k_pos, s.k_pos, n, G, D, bias, scores, row);
 #else
-  const bool wide = false;
+  const bool wide = false, narrow = false;
 #endif
-  for (int64_t t = 0; t < n && !wide; ++t) {  // each key read once, for every query head of the group
+  for (int64_t t = 0; t < n && !wide && !narrow; ++t) {  // each key read once, for every query head of the group
     const T* key = keys + (t0 + t) * s.k_pos;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) row[d] = widen(key[d]);

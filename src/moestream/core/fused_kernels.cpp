@@ -710,15 +710,16 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out.to(q.scalar_type());
 }
 
-// Whether decode_attention may take its AVX-512 loops (on), or runs the compiler's loops that other CPUs run
-// (off); returns whether it could before. (The tests run both on a CPU that has AVX-512.)
-bool decode_attention_avx512(bool on) {
+// The hand-written loops decode_attention may take: "avx512", "avx2" or "loops" (the compiler's alone, as a
+// CPU without AVX2 runs); returns the ones this CPU took before the call. (The tests run each on one CPU.)
+std::string decode_attention_simd(const std::string& cap) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  const bool previous = flash_decode::has_avx512();
-  flash_decode::avx512_allowed() = on;
+  const std::string previous = flash_decode::has_avx512() ? "avx512" : flash_decode::has_avx2() ? "avx2" : "loops";
+  TORCH_CHECK(cap == "avx512" || cap == "avx2" || cap == "loops", "decode_attention_simd: avx512, avx2 or loops, not ", cap);
+  flash_decode::simd_cap() = cap == "avx512" ? 2 : cap == "avx2" ? 1 : 0;
   return previous;
 #else
-  return false;
+  return "loops";
 #endif
 }
 
@@ -870,7 +871,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lowbit_portable", &lowbit_portable);
   m.def("lowbit_isa", &lowbit_isa);
   m.def("decode_attention", &decode_attention);
-  m.def("decode_attention_avx512", &decode_attention_avx512);
+  m.def("decode_attention_simd", &decode_attention_simd);
   m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
   m.def("repair_nibbles", &repair_nibbles, py::call_guard<py::gil_scoped_release>());
   m.def("q6_k_int8", &q6_k_int8, py::call_guard<py::gil_scoped_release>());
