@@ -203,6 +203,8 @@ def test_what_agents_send_is_accepted_and_what_cannot_be_served_is_refused_by_na
         ({"tools": [{"type": "computer_use", "name": "x"}]}, "tools[0]"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"tools": [{"type": "namespace", "name": "n", "tools": ["x"]}]}, "tools[0].tools"),
+        ({"tools": [{"type": "namespace", "name": "n", "tools": 5}]}, "tools[0].tools"),
         ({"frequency_penalty": 1}, "frequency_penalty"),
         ({"input": []}, "input"),
     ]

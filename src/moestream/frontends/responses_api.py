@@ -331,7 +331,10 @@ def _chat_tools(tools: list[dict]) -> tuple[list[dict], list[str], dict[str, str
         if kind == "function":
             chat.append(function(tool, where))
         elif kind == "namespace":
-            for j, inner in enumerate(tool.get("tools") or []):
+            inner_tools = tool.get("tools") or []
+            if not isinstance(inner_tools, list) or not all(isinstance(inner, dict) for inner in inner_tools):
+                raise APIError(400, f"{where}.tools must be a list of tool objects", param=f"{where}.tools")
+            for j, inner in enumerate(inner_tools):
                 if inner.get("type", "function") == "function":
                     chat.append(function(inner, f"{where}.tools[{j}]"))
                     namespaces[inner["name"]] = tool.get("name")
