@@ -22,11 +22,9 @@ def collect(stream: AnswerStream, pieces: list[str]):
     """Feed the pieces; what a client holds after concatenating the deltas, the order of the events, and
     the final answer."""
     reasoning, content, calls, events = "", "", {}, []
-    text = ""
     for piece in pieces:
-        text += piece
-        events += stream.update(text)
-    deltas, final = stream.finish(text)
+        events += stream.update(piece)
+    deltas, final = stream.finish("".join(pieces))
     events += deltas
     for e in events:
         if isinstance(e, ReasoningDelta):

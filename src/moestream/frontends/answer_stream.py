@@ -106,7 +106,7 @@ class Thinking:
 
 
 class AnswerStream:
-    """One answer's deltas as its text grows (`update`), and its final form (`finish`).
+    """One answer's deltas as its text grows piece by piece (`update`), and its final form (`finish`).
 
     `tool_format`: the calls are parsed out (None: no tools offered, all that is not reasoning is
     content); `thinking`: the template's reasoning block (None: no reasoning apart); `max_calls`: the
@@ -116,6 +116,7 @@ class AnswerStream:
         self.tool_format = tool_format
         self.thinking = thinking
         self.max_calls = max_calls
+        self.text = ""  # the answer so far
         self.reasoning_sent = ""
         self.content_sent = ""
         self.calls_sent: list[list[str]] = []  # [id, name, arguments sent] per announced call
@@ -125,9 +126,10 @@ class AnswerStream:
         """Whether the answer is content only, as it is written (no parsing, no special tokens)."""
         return self.tool_format is None and self.thinking is None
 
-    def update(self, text: str) -> list[Delta]:
-        """The new deltas now that the answer's text (all of it so far) is `text`."""
-        reasoning, content, calls = self._parts(text)
+    def update(self, piece: str) -> list[Delta]:
+        """The new deltas now that the answer has grown by `piece`."""
+        self.text += piece
+        reasoning, content, calls = self._parts(self.text)
         return self._deltas(reasoning, content, [(c.name, c.arguments) for c in calls if c.name is not None])
 
     def finish(self, text: str) -> tuple[list[Delta], FinalAnswer]:

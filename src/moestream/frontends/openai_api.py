@@ -748,7 +748,6 @@ class ChatReply(Reply):
         self.tool_format = tool_format  # tool_calls.ToolFormat: the answers are parsed for calls
         self.parallel_tool_calls = parallel_tool_calls
         self.thinking: Thinking | None = None  # set with the prompt (whether the prompt opened the block)
-        self.seen: dict[int, str] = {}  # each streamed answer's text so far
         self.streams: dict[int, AnswerStream] = {}
         # The logprobs of tokens whose text has not gone out yet (held back: maybe a call's beginning).
         self.held_logprobs: dict[int, list] = {}
@@ -781,9 +780,8 @@ class ChatReply(Reply):
         if stream.plain:
             logprobs = self._logprobs(piece.logprobs) if piece.logprobs else None
             return [self._chunk_with(i, {"delta": {"content": piece.text}, "logprobs": logprobs, "finish_reason": None})]
-        self.seen[i] = self.seen.get(i, "") + piece.text
         self.held_logprobs[i] = self.held_logprobs.get(i, []) + piece.logprobs
-        return self._delta_chunks(i, stream.update(self.seen[i]))
+        return self._delta_chunks(i, stream.update(piece.text))
 
     def _delta_chunks(self, i: int, deltas: list[Delta]) -> list[dict]:
         """One chunk per kind of delta in a row, as OpenAI-compatible servers stream them (`reasoning_content`

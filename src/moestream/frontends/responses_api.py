@@ -411,7 +411,6 @@ class ResponsesReply(Reply):
         self.parallel_tool_calls = parallel_tool_calls
         self.thinking = None  # set with the prompt (ChatCompletions.prompts)
         self.stream = None
-        self.text = ""  # the streamed answer so far
         self.sequence = 0
         self.items: list[dict] = []  # output items, the last one possibly still open
         self.open = False  # whether the last item is still being written
@@ -512,8 +511,7 @@ class ResponsesReply(Reply):
         return [self._event("response.created", response=snapshot), self._event("response.in_progress", response=snapshot)]
 
     def chunk(self, piece: Piece) -> list[dict]:
-        self.text += piece.text
-        return self._events(self.stream.update(self.text))
+        return self._events(self.stream.update(piece.text))
 
     def last_chunks(self, done: Done) -> list[dict]:
         result = done.result
