@@ -32,7 +32,6 @@ from .openai_api import (
     Reply,
     _error_from_validation,
     _Strict,
-    model_not_found,
 )
 from .worker import Done, Piece
 
@@ -165,13 +164,8 @@ class Responses(ChatCompletions):
             raise
 
     def validate(self, data: dict) -> _Translated:
-        try:
-            req = ResponsesRequest.model_validate(data)
-        except ValidationError as e:
-            raise _error_from_validation(e) from None
-        if req.model is not None and req.model != self.model_name:
-            raise model_not_found(req.model, self.model_name)
-        req.refused()
+        """The request, validated as a ResponsesRequest (Endpoint.validate), then as the chat request it becomes."""
+        req = super().validate(data)
         tools, custom, namespaces = _chat_tools(req.tools or [])
         chat: dict[str, Any] = {
             "messages": _chat_messages(req),
