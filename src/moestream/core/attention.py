@@ -72,7 +72,8 @@ def install(model, choice: str | None, on_gpu: bool) -> str:
     configs = [c for c in _configs(model.config) if getattr(c, "_attn_implementation", None) == "sdpa"]
     if not configs:
         return f"the model's own ({getattr(model.config, '_attn_implementation', None)})"
-    branching = sorted({type(m).__name__ for m in model.modules() if _branches_on_the_name(type(m))})
+    classes = {type(m) for m in model.modules()}  # (each class's source read once, not once per layer)
+    branching = sorted(cls.__name__ for cls in classes if _branches_on_the_name(cls))
     if branching:  # its code would take another path under another name (e.g. sparse attention's indices)
         return f"sdpa: {', '.join(branching)} choose what to compute by the attention's name"
     AttentionInterface.register(NAME, attend)
