@@ -664,11 +664,11 @@ def test_compiled_q6_k_rows_become_the_int8_torch_makes_of_them(monkeypatch):
     expected = quant.quantize(gguf_blocks.q6_k_decoded(raw).view(40, 768), quant.QuantFormat.make("int8"))
     monkeypatch.setattr(gguf_blocks, "_compiled", ext)
     for portable in (False, True):  # the CPU's SIMD loop where it has one, and the portable loop
-        previous = ext.lowbit_portable(portable)
+        previous = ext.lowbit_isa("portable" if portable else "avx512-vnni")
         try:
             codes, scales = gguf_blocks.q6_k_int8(raw, 768)
         finally:
-            ext.lowbit_portable(previous)
+            ext.lowbit_isa(previous)
         assert codes.dtype == torch.int8 and codes.abs().max() == 127 and codes[7].abs().max() == 0
         assert torch.equal(codes, expected.codes) and torch.equal(scales, expected.scales), portable
     monkeypatch.setattr(gguf_blocks, "_compiled", _NotBuilt())
@@ -695,11 +695,11 @@ def test_compiled_q6_k_rows_become_the_int4_torch_makes_of_them(monkeypatch):
     expected = quant.pack(quant.quantize(gguf_blocks.q6_k_decoded(raw).view(40, 768), fmt), fmt, "w")
     monkeypatch.setattr(gguf_blocks, "_compiled", ext)
     for portable in (False, True):
-        previous = ext.lowbit_portable(portable)
+        previous = ext.lowbit_isa("portable" if portable else "avx512-vnni")
         try:
             nibbles, s, z = gguf_blocks.q6_k_int4(raw, 768)
         finally:
-            ext.lowbit_portable(previous)
+            ext.lowbit_isa(previous)
         got = quant.int4_parts("w", nibbles, s.to(torch.bfloat16), z.to(torch.bfloat16))
         assert torch.equal(got["w.qweight"], expected["w.qweight"]), portable
         assert torch.equal(got["w.scales_zeros"], expected["w.scales_zeros"]), portable

@@ -422,7 +422,7 @@ static void q6_k_rows(const torch::Tensor& blocks, int64_t cols, QuantizeRow qua
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   bool simd = false;
 #if defined(__x86_64__) && defined(__GNUC__)
-  simd = lowbit::has_avx2() && !lowbit::portable_only();
+  simd = lowbit::isa() >= lowbit::Isa::avx2;
 #endif
   at::parallel_for(0, blocks.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w(cols);
@@ -495,13 +495,6 @@ std::vector<torch::Tensor> q6_k_int4(torch::Tensor blocks, int64_t cols) {
     int4_groups(w, cols, out + r * cols / 2, s + r * cols / 32, z + r * cols / 32, simd);
   });
   return {nibbles, scales, zeros};
-}
-
-// The portable loops on any CPU (on) or the CPU's SIMD ones where it has them (off); returns the previous.
-bool lowbit_portable(bool on) {
-  const bool previous = lowbit::portable_only();
-  lowbit::isa_cap() = on ? lowbit::Isa::portable : lowbit::Isa::avx512_vnni;
-  return previous;
 }
 
 static const char* const kIsaNames[] = {"portable", "avx2", "avx512-vnni"};
@@ -868,7 +861,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul);
   m.def("int8_matmul", &int8_matmul);
   m.def("table_matmul", &table_matmul);
-  m.def("lowbit_portable", &lowbit_portable);
   m.def("lowbit_isa", &lowbit_isa);
   m.def("decode_attention", &decode_attention);
   m.def("decode_attention_simd", &decode_attention_simd);

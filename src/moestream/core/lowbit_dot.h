@@ -575,8 +575,6 @@ inline Isa isa() {
   return std::min(best, isa_cap());
 }
 
-inline bool portable_only() { return isa() == Isa::portable; }
-
 // The dispatch: the CPU's variant (`isa()`), else the portable loops.
 inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1, float* y,
                       const int8_t* table = nullptr) {
