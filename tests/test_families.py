@@ -38,6 +38,7 @@ NOT_RUN = {
     "openai_privacy_filter": _NO_CAUSAL_LM.format("a token classifier"),
     "qwen3_omni_moe": _NO_CAUSAL_LM.format("multimodal and text-to-waveform only"),
     "qwen3_vl_moe": _NO_CAUSAL_LM.format("image-text-to-text only"),
+    "step3p7": _NO_CAUSAL_LM.format("image-text-to-text only"),
     "unlimited_ocr": _NO_CAUSAL_LM.format("image-text-to-text only"),
 }
 # Tiny checkpoints transformers runs but moestream's converter does not take yet (conversion/convert.py): the

@@ -153,7 +153,7 @@ def shrunk(model_type: str, **overrides) -> dict:
 _MLA = dict(num_key_value_heads=4)  # multi-head latent attention: as many key/value heads as query heads
 _FAMILIES = dict(
     afmoe={}, aria_text={}, axk1=_MLA, axk2=_MLA, bailing_hybrid=_MLA, beam={}, cohere2_moe={}, deepseek_v2=_MLA,
-    deepseek_v32=_MLA, dots1={}, dots3_note_text=dict(_MLA, head_dim=16), ernie4_5_moe={}, exaone_moe={}, flex_olmo={},
+    deepseek_v32=_MLA, dots1={}, dots3_note_text=dict(_MLA, head_dim=16), ergo={}, ernie4_5_moe={}, exaone_moe={}, flex_olmo={},
     flint={}, gemma4_text=dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16),
     glm4_moe={}, glm4_moe_lite=_MLA, glm_moe_dsa=_MLA, granitemoe={}, granitemoe_swa={},
     granitemoehybrid=dict(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2),
@@ -161,8 +161,14 @@ _FAMILIES = dict(
     inkling2_text=dict(unpadded_vocab_size=VOCAB_SIZE), inkling2_loop_text=dict(unpadded_vocab_size=VOCAB_SIZE),
     jamba=dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0),
     kimi_linear=_MLA, kolibri1={}, laguna={}, lara_mini={},
+    kolibri1_1=dict(  # layer 2 reads layer 1's keys and values; head_dim a multiple of 16 (its NVFP4 rounding)
+        num_hidden_layers=3, layer_types=["sliding_attention", "indexed_attention", "indexed_attention"], index_layers=[1],
+        kv_source_layers=[0, 1, 1], head_dim=16, index_num_heads=2, index_topk=4, index_pool_size=16, index_compression=4,
+        index_num_local_tokens=2, index_num_sink_tokens=1, mlp_only_intermediate_size=64,
+    ),
+    longcat_flash=dict(_MLA, num_layers=2, ffn_hidden_size=64, expert_ffn_hidden_size=16, zero_expert_num=2),
     lfm2_moe=dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
-    mellum={}, mimo_v2_flash={}, minimax={}, minimax_m2={}, minimax_m3_vl_text={}, nemotron_h={}, phimoe={},
+    mellum={}, mimo_v2_flash={}, minicpm5_moe={}, minimax={}, minimax_m2={}, minimax_m3_vl_text={}, nemotron_h={}, phimoe={},
     qwen3_5_moe_text={}, qwen3_next={},
     qwen4_exp_text=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2),
     solar_open={}, zaya=dict(num_experts_per_tok=1),  # ZAYA routes to one expert only

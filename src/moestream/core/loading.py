@@ -168,8 +168,10 @@ def load(
             module._moestream_engine = engine
             # The class's forward is transformers' dispatch, which looks the implementation up in the
             # config on every call (a few microseconds per layer and token); the module's own goes straight
-            # to the one it would find.
-            module.forward = functools.partial(engine_module.streaming_experts_forward, module)
+            # to the one it would find. A subclass with a forward of its own (Ergo's per-route norms around
+            # the decorated projections) keeps it: its call to the dispatch reaches the engine.
+            if _is_experts_dispatch(type(module).forward):
+                module.forward = functools.partial(engine_module.streaming_experts_forward, module)
         # The embedding sees each forward pass's input ids first: the engine's step start (the prefetcher's
         # clock, hash-routed layers' exact reads) hangs off it, not off the experts calls.
         model.get_input_embeddings().register_forward_pre_hook(engine.embedding_pre_hook)
@@ -298,3 +300,9 @@ def stats(model) -> dict:
 def close(model) -> None:
     """Stop the model's reader threads and release its cache; the model cannot run afterwards."""
     engine_of(model).close()
+
+
+def _is_experts_dispatch(forward) -> bool:
+    """Whether `forward` is the one `@use_experts_implementation` wraps a class's own in (functools.wraps
+    leaves the original as `__wrapped__`), not a subclass's override around it."""
+    return hasattr(forward, "__wrapped__")
