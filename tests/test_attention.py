@@ -46,25 +46,34 @@ def reference(q, k, v, mask, scale):
 
 @pytest.mark.parametrize("positions", [1, 17, 4096, 33000])
 @pytest.mark.parametrize("groups", [1, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_the_kernel_against_float64(ext, positions, groups, dtype):
+    """int8: an 8-bit cache's packed rows (float32 queries), against float64 attention over the rows they
+    unpack to: the kernel adds no error of its own to the cache's rounding."""
     g = torch.Generator().manual_seed(positions * 10 + groups)
     kv_heads, dim = (2, 64) if positions > 4096 else (4, 128)
-    q = torch.randn(2, kv_heads * groups, 1, dim, generator=g).to(dtype)
+    q = torch.randn(2, kv_heads * groups, 1, dim, generator=g).to(dtype if dtype != torch.int8 else torch.float32)
     # scores of a few units, as trained models' are (a random key of 128 unit entries gives about 1)
-    k = (torch.randn(2, kv_heads, positions, dim, generator=g) * 2).to(dtype)
-    v = torch.randn(2, kv_heads, positions, dim, generator=g).to(dtype)
+    k = torch.randn(2, kv_heads, positions, dim, generator=g) * 2
+    v = torch.randn(2, kv_heads, positions, dim, generator=g)
+    if dtype == torch.int8:
+        k, v = attention.pack_int8(k), attention.pack_int8(v)
+        rows = attention.unpack_int8(k, torch.float64), attention.unpack_int8(v, torch.float64)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+        rows = k, v
     mask = torch.ones(2, 1, 1, positions, dtype=torch.bool)
     mask[1, ..., : positions // 3] = False  # the second row left-padded, as a batch's shorter row is
     scale = dim**-0.5
-    exact = reference(q, k, v, mask, scale)
+    exact = reference(q, *rows, mask, scale)
     got = ext.decode_attention(q, k, v, mask, scale)
-    assert got.dtype == dtype and got.shape == q.shape
+    assert got.dtype == q.dtype and got.shape == q.shape
     # float32: sums of thousands of terms in float32; bf16: the output's own rounding (2^-8 relative)
-    tolerance = {torch.float32: 2e-6, torch.bfloat16: 8e-3}[dtype]
+    tolerance = {torch.float32: 2e-6, torch.int8: 2e-6, torch.bfloat16: 8e-3}[dtype]
     assert (got.double() - exact).abs().max().item() <= tolerance * max(1.0, exact.abs().max().item())
     # no mask at all: every position
-    assert torch.allclose(ext.decode_attention(q[:1], k[:1], v[:1], None, scale).double(), reference(q[:1], k[:1], v[:1], None, scale),
+    alone = [t[:1] for t in rows]
+    assert torch.allclose(ext.decode_attention(q[:1], k[:1], v[:1], None, scale).double(), reference(q[:1], *alone, None, scale),
                           atol=tolerance * 4, rtol=0)  # fmt: skip
 
 

@@ -39,6 +39,10 @@ ACTIVATIONS = ("auto", "int8", "float")
 #: `--attention`: a decode step's attention function. "auto": the compiled flash-decoding kernel for one query
 #: where it is compiled and the model's attention is sdpa, sdpa for prompts (core/attention.py).
 ATTENTION = ("auto", "sdpa")
+#: `--kv-cache-dtype`: what a decode step's KV cache holds. "auto": keys and values in the model's dtype;
+#: "int8": each position's row of a head as int8 codes and one float32 scale, about half the bytes a step
+#: reads at long context (core/attention.py, frontends/kv_layer.py).
+KV_CACHE_DTYPES = ("auto", "int8")
 #: `--prefetch`: speculative reads of the next layer's likely experts (core/prefetch.py).
 PREFETCH_MODES = ("auto", "on", "off")
 #: `--policy`: the expert cache's eviction policies (core/policies.py).

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from .choices import ACTIVATIONS, ATTENTION, COMPUTE_DTYPES, DEFAULT_POLICY, POLICIES, PREFETCH_MODES, VERIFY_MODES
+from .choices import ACTIVATIONS, ATTENTION, COMPUTE_DTYPES, DEFAULT_POLICY, KV_CACHE_DTYPES, POLICIES, PREFETCH_MODES, VERIFY_MODES
 from .errors import MoestreamError, UsageError
 
 #: `--io`: direct = O_DIRECT reads, expert bytes live only in moestream's cache; buffered = through the page cache.
@@ -158,6 +158,7 @@ def add_store_arguments(parser: argparse.ArgumentParser, memory_default: str = "
     )
     add_activations_argument(parser)
     add_attention_argument(parser)
+    add_kv_cache_argument(parser)
     parser.add_argument(
         "--prefetch",
         choices=PREFETCH_MODES,
@@ -196,6 +197,18 @@ def add_attention_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kv_cache_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=KV_CACHE_DTYPES[0],
+        help="what the KV cache holds: auto (default: keys and values in the compute dtype) or int8 (each "
+        "position's row of a head as int8 codes and one scale, as llama.cpp's -ctk/-ctv q8_0: about half the "
+        "bytes a decode step reads at long context, read by the attention kernel; a little rounding, priced by "
+        "`moestream eval STORE --reference STORE --decode --kv-cache-dtype int8`)",
+    )
+
+
 def add_route_to_cached_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--route-to-cached",
@@ -225,6 +238,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         activations=args.activations,
         route_to_cached=args.route_to_cached,
         attention=args.attention,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

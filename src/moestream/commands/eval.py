@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_activations_argument,
         add_attention_argument,
         add_device_arguments,
+        add_kv_cache_argument,
         add_route_to_cached_argument,
         add_threads_argument,
     )
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--activations int8` prices int8 activations alone",
     )
     add_attention_argument(parser)  # (a store reference keeps sdpa: --decode prices the kernel)
+    add_kv_cache_argument(parser)
     add_device_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         activations=args.activations,
         reference_activations=args.reference_activations,
         attention=args.attention,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     print(json.dumps(report.to_json()) if args.json else report.table())
     return 0

@@ -12,6 +12,12 @@ as before.
 The kernel sums in another order than sdpa and computes exp by a polynomial, so its output differs from
 sdpa's in the last bits (tests/test_attention.py bounds it against float64; `moestream eval --attention
 sdpa` prices it). `--attention sdpa` keeps transformers' own.
+
+An 8-bit KV cache (`--kv-cache-dtype int8`, llama.cpp's `-ctk/-ctv q8_0` in spirit) holds each position's
+row of a head as int8 codes followed by the bytes of its float32 scale (`pack_int8`): one tensor, so that
+whatever cuts, joins or copies a cache's rows (batching, the prefix cache) carries the scales along. The
+kernel reads those rows as they are, about half the bytes of bf16; a call it does not cover (a prompt)
+gets them widened back for sdpa. Only a model whose attention function is the kernel gets such a cache.
 """
 
 from __future__ import annotations
@@ -24,31 +30,55 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..choices import ATTENTION
+from ..choices import ATTENTION, KV_CACHE_DTYPES
 from ..errors import UsageError
 from . import fused_build
 
 NAME = "moestream"  # its name in transformers' AttentionInterface
 
 
+# Bytes of the float32 scale that follows an 8-bit row's codes.
+SCALE_BYTES = 4
+
+
+def pack_int8(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] float -> [..., D + 4] int8: each row's codes round(x / scale) with scale = absmax / 127, then the
+    scale's bytes. A row of zeros (left padding) packs to zeros, which unpack to zeros."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    codes = torch.round(x / torch.where(scale > 0, scale, 1.0)).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def unpack_int8(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows `pack_int8` packed, widened back: codes times scale, in `dtype`."""
+    scale = packed[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+    return (packed[..., :-SCALE_BYTES].float() * scale).to(dtype)
+
+
 def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """transformers' attention-function signature: query [B, H, Q, D], key and value [B, KVH, T, D] ->
-    ([B, Q, H, D], None). One query position per row runs the kernel; anything else runs sdpa."""
+    """transformers' attention-function signature: query [B, H, Q, D], key and value [B, KVH, T, D] (or an
+    8-bit cache's packed rows) -> ([B, Q, H, D], None). One query position per row runs the kernel;
+    anything else runs sdpa."""
     ext = fused_build.extension()
     if ext is not None and _covered(query, key, value, attention_mask, dropout, kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         mask = attention_mask[..., -key.shape[2] :] if attention_mask is not None else None
         return ext.decode_attention(query, key, value, mask, scale).transpose(1, 2), None
+    if key.dtype == torch.int8:
+        key, value = unpack_int8(key, query.dtype), unpack_int8(value, query.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _covered(query, key, value, mask, dropout: float, kwargs: dict) -> bool:
-    """Whether the kernel computes this call: one query per row on the CPU, keys and values in float32 or
-    bf16 with their head dimension contiguous, no dropout, no extras (sliding window, softcap, sinks), a
+    """Whether the kernel computes this call: one query per row on the CPU, keys and values in float32,
+    bf16 or packed int8 with their head dimension contiguous, no dropout, no extras (sliding window, softcap, sinks), a
     mask (if any) of one row per sequence."""
-    if query.shape[2] != 1 or query.device.type != "cpu" or dropout or key.dtype not in (torch.float32, torch.bfloat16):
+    if query.shape[2] != 1 or query.device.type != "cpu" or dropout or key.dtype not in (torch.float32, torch.bfloat16, torch.int8):
         return False
     if value.dtype != key.dtype or key.shape != value.shape or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return False
+    if key.shape[-1] != query.shape[-1] + (SCALE_BYTES if key.dtype == torch.int8 else 0):
         return False
     if any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "s_aux", "sinks")):
         return False
@@ -57,12 +87,37 @@ def _covered(query, key, value, mask, dropout: float, kwargs: dict) -> bool:
     return True
 
 
-def install(model, choice: str | None, on_gpu: bool) -> str:
+def install(model, choice: str | None, on_gpu: bool, kv_cache_dtype: str = "auto") -> str:
     """Make the kernel the model's attention function where it can be ("auto"), or keep sdpa ("sdpa");
-    returns what was decided, for the fast-paths line."""
+    returns what was decided, for the fast-paths line. kv_cache_dtype "int8" asks for an 8-bit KV cache
+    (`quantizes_kv`), which only the kernel reads: a UsageError says why where it is not the model's."""
     choice = "auto" if choice is None else choice
     if choice not in ATTENTION:
         raise UsageError(f"attention must be one of {', '.join(ATTENTION)}, not {choice!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UsageError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
+    note = _install(model, choice, on_gpu)
+    if kv_cache_dtype == "int8":
+        if note != KERNEL:
+            raise UsageError(
+                f"an 8-bit KV cache is read by moestream's attention kernel only, and this model keeps {note}; "
+                "drop --kv-cache-dtype int8 (or --attention sdpa) to run it"
+            )
+        model._moestream_kv_cache_dtype = "int8"
+        note += "; 8-bit KV cache"
+    return note
+
+
+def quantizes_kv(model) -> bool:
+    """Whether the model was loaded with an 8-bit KV cache: its caches' full-attention layers are to hold
+    packed rows (frontends/kv_layer.py) once a forward pass has made them."""
+    return getattr(model, "_moestream_kv_cache_dtype", None) == "int8"
+
+
+KERNEL = "flash-decoding kernel for one query, sdpa for prompts"  # what `install` says when the kernel is in
+
+
+def _install(model, choice: str, on_gpu: bool) -> str:
     if choice == "sdpa":
         return "sdpa, as chosen"
     if on_gpu:
@@ -80,7 +135,7 @@ def install(model, choice: str | None, on_gpu: bool) -> str:
     AttentionMaskInterface.register(NAME, sdpa_mask)
     for config in configs:
         config._attn_implementation = NAME
-    return "flash-decoding kernel for one query, sdpa for prompts"
+    return KERNEL
 
 
 # `config._attn_implementation == "sdpa"`, `... in ("eager", "sdpa")`, `!= "eager"`: code that decides by the name.

@@ -8,7 +8,9 @@
 //
 // The arithmetic, per row b, query head h (KV head h / G) and its positions t:
 //   s_t = scale * (q_h . k_t) + mask_t;  m = max_t s_t;  p_t = exp(s_t - m);  o_h = sum_t p_t v_t / sum_t p_t
-// in float32, keys and values read in their dtype (float32 or bf16) and widened. A piece of positions
+// in float32, keys and values read in their dtype (float32 or bf16) and widened. An 8-bit cache (int8_t) holds
+// each position's row of a head as D int8 codes followed by its float32 scale (absmax / 127): the row is the
+// codes times the scale, which the keys' scores and the values' weights take once per row. A piece of positions
 // keeps its own m_i, l_i = sum p_t and a_i = sum p_t v_t; the pieces merge as m = max m_i,
 // l = sum l_i e^(m_i - m), o = sum a_i e^(m_i - m) / l. Sums run in another order than sdpa's, and exp is a
 // polynomial (within 2 ulp of expf over the range it sees), so the result differs from sdpa's in the last
@@ -24,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #endif
@@ -42,7 +45,8 @@ namespace flash_decode {
 #endif
 
 // Where the keys, values and mask lie: element (b, head, t, d) of K at b * k_batch + head * k_head +
-// t * k_pos + d (d contiguous), V likewise; the additive mask (0 or -inf) at b * mask_batch + t, or none.
+// t * k_pos + d (d contiguous; an 8-bit row's scale right after its D codes), V likewise; the additive mask
+// (0 or -inf) at b * mask_batch + t, or none.
 struct Layout {
   int64_t rows, heads, kv_heads, positions, dim;
   int64_t k_batch, k_head, k_pos, v_batch, v_head, v_pos;
@@ -50,11 +54,24 @@ struct Layout {
 };
 
 inline float widen(float x) { return x; }
+inline float widen(int8_t code) { return static_cast<float>(code); }
 inline float widen(uint16_t bf16) {
   const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
+}
+
+// What a row of D elements is multiplied by: its float32 scale after the codes (8-bit), else 1.
+template <typename T>
+inline float row_scale(const T* row, int64_t D) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + D, sizeof(scale));
+    return scale;
+  } else {
+    return 1.0f;
+  }
 }
 
 // exp(x) for x <= 0 (a score minus the largest), 0 below -87 (exp underflows there, and -inf is a masked
@@ -115,7 +132,8 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const T* ke
                                                      const float* bias, float* scores, float* row) {
   for (int64_t t = 0; t < n; ++t) {
     const T* key = keys + t * k_pos;
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(key[d]);
+    const float scale = row_scale(key, D);
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(key[d]) * scale;
     const float b = bias ? bias[t] : 0.0f;
     for (int64_t g = 0; g < G; g += 4) {
       const float* qg = q + g * D;
@@ -140,6 +158,9 @@ DECODE_ATTENTION_AVX512 inline __m512 widen16(const float* p) { return _mm512_lo
 DECODE_ATTENTION_AVX512 inline __m512 widen16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
+DECODE_ATTENTION_AVX512 inline __m512 widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 // The scores of a piece with AVX-512 (D a multiple of 16 up to 256, G a multiple of 4): each key widened
 // once into registers, then four query heads at a time, their four dot products' lanes added as one tree
@@ -153,6 +174,10 @@ DECODE_ATTENTION_AVX512 void scores_avx512(const float* q, const T* keys, int64_
   for (int64_t t = 0; t < n; ++t) {
     const T* key = keys + t * k_pos;
     for (int64_t c = 0; c < chunks; ++c) row[c] = widen16(key + 16 * c);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      const __m512 scale = _mm512_set1_ps(row_scale(key, D));
+      for (int64_t c = 0; c < chunks; ++c) row[c] = _mm512_mul_ps(row[c], scale);
+    }
     const float b = bias ? bias[t] : 0.0f;
     for (int64_t g = 0; g < G; g += 4) {
       const float* qg = q + g * D;
@@ -188,7 +213,8 @@ DECODE_ATTENTION_AVX512 void values_avx512(const float* weights, const T* values
     const float *p0 = weights + g * n, *p1 = p0 + n;
     for (int64_t t = 0; t < n; ++t) {
       const T* value = values + t * v_pos;
-      const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
+      const float scale = row_scale(value, D);  // (the weights carry the row's scale)
+      const __m512 w0 = _mm512_set1_ps(p0[t] * scale), w1 = _mm512_set1_ps(p1[t] * scale);
       for (int64_t c = 0; c < chunks; ++c) {
         const __m512 v = widen16(value + 16 * c);
         a0[c] = _mm512_fmadd_ps(w0, v, a0[c]);
@@ -222,8 +248,9 @@ __attribute__((always_inline)) inline void piece(const Layout& s, const float* q
 #endif
   for (int64_t t = 0; t < n && !wide && !narrow; ++t) {  // each key read once, for every query head of the group
     const T* key = keys + (t0 + t) * s.k_pos;
+    const float scale = row_scale(key, D);
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(key[d]);
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(key[d]) * scale;
     const float b_t = bias ? bias[t] : 0.0f;
     int64_t g = 0;
     for (; g + 4 <= G; g += 4) {  // four query heads per pass over the key: it is loaded once for them
@@ -260,8 +287,9 @@ __attribute__((always_inline)) inline void piece(const Layout& s, const float* q
 #endif
   for (int64_t t = 0; t < n; ++t) {  // each value read once
     const T* value = values + (t0 + t) * s.v_pos;
+    const float scale = row_scale(value, D);
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) row[d] = widen(value[d]);
+    for (int64_t d = 0; d < D; ++d) row[d] = widen(value[d]) * scale;
     int64_t g = 0;
     for (; g + 2 <= G; g += 2) {  // the value loaded once for two heads
       const float p0 = scores[g * n + t], p1 = scores[(g + 1) * n + t];
@@ -291,6 +319,13 @@ DECODE_ATTENTION_CLONES inline void piece_bf16(const Layout& s, const float* q, 
   if (s.dim == 128) return piece<uint16_t, 128>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
   if (s.dim == 64) return piece<uint16_t, 64>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
   piece<uint16_t, 0>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+}
+
+DECODE_ATTENTION_CLONES inline void piece_int8(const Layout& s, const float* q, const int8_t* k, const int8_t* v, const float* mask, int64_t b,
+                                               int64_t kv, int64_t t0, int64_t t1, float* m, float* l, float* acc, float* scores, float* row) {
+  if (s.dim == 128) return piece<int8_t, 128>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+  if (s.dim == 64) return piece<int8_t, 64>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
+  piece<int8_t, 0>(s, q, k, v, mask, b, kv, t0, t1, m, l, acc, scores, row);
 }
 
 // The pieces of one (row, query head) merged: m[i], l[i], acc[i * stride .. + D] for pieces i -> out [D].

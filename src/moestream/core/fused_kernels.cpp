@@ -632,24 +632,27 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // projection -> [1, 1, H].
 torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, bool integer, torch::Tensor table,
                                    double scale, bool grouped, bool flash, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(flash || k.scalar_type() != at::kChar, "attention_decode_out: an 8-bit KV cache is read by the flash-decoding kernel only");
   auto o = flash ? decode_attention(q, k, v, c10::nullopt, scale) : at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
   return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group, integer, table_values(table)).view({1, 1, -1});
 }
 
 // One query position per row against a KV cache (decode_attention.h): q [B, H, 1, D], k and v [B, KVH, T, D]
-// (float32 or bf16, their last dimension contiguous, any other strides: a growing cache's views), an optional
+// (float32 or bf16, or an 8-bit cache's rows [B, KVH, T, D + 4]: D int8 codes, then the float32 scale's bytes;
+// their last dimension contiguous, any other strides: a growing cache's views), an optional
 // mask [B or 1, 1, 1, T] (bool: true attends; or additive float) -> [B, H, 1, D] in q's dtype. The
 // positions are cut into pieces of 256 counted from the last one: a batch's rows are right-aligned (a shorter
 // row's padding masked at the front), so a row meets the same pieces, summed in the same order, as it does
 // alone, and its answer has the same bits in a batch as alone, whatever the number of threads.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1, "decode_attention: q [B, H, 1, D], k and v [B, KVH, T, D]");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0,
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) + (int8 ? 4 : 0) && q.size(1) % k.size(1) == 0,
               "decode_attention: shapes do not match");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
-              "decode_attention: keys and values in float32 or bf16");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16 || int8),
+              "decode_attention: keys and values in float32, bf16 or int8 rows with their scales");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: the head dimension must be contiguous");
-  flash_decode::Layout s{q.size(0), q.size(1), k.size(1), k.size(2), k.size(3), k.stride(0), k.stride(1), k.stride(2),
+  flash_decode::Layout s{q.size(0), q.size(1), k.size(1), k.size(2), q.size(3), k.stride(0), k.stride(1), k.stride(2),
                              v.stride(0), v.stride(1), v.stride(2), 0};
   const int64_t B = s.rows, H = s.heads, KVH = s.kv_heads, T = s.positions, D = s.dim, G = H / KVH;
   auto queries = at::mul(q.to(at::kFloat), scale).contiguous();  // [B, H, 1, D]
@@ -682,7 +685,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         continue;
       }
       const float* qg = qp + (b * H + kv * G) * D;
-      if (bf16)
+      if (int8)
+        flash_decode::piece_int8(s, qg, k.data_ptr<int8_t>(), v.data_ptr<int8_t>(), mp, b, kv, t0, t1, m, l, a, scores.data(), row.data());
+      else if (bf16)
         flash_decode::piece_bf16(s, qg, reinterpret_cast<const uint16_t*>(k.data_ptr()), reinterpret_cast<const uint16_t*>(v.data_ptr()),
                                      mp, b, kv, t0, t1, m, l, a, scores.data(), row.data());
       else

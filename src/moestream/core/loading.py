@@ -66,6 +66,7 @@ def load(
     activations: str | None = None,
     route_to_cached: float = 0.0,
     attention: str | None = None,
+    kv_cache_dtype: str = "auto",
 ):
     """Load a store as a transformers model whose experts stream from disk under a byte budget.
 
@@ -96,6 +97,9 @@ def load(
     attention: a decode step's attention: "auto" (the default: the compiled flash-decoding kernel as the
         model's attention function for one query, sdpa for prompts; core/attention.py) or "sdpa"
         (transformers' own). The kernel sums in another order: `moestream eval --attention sdpa` prices it.
+    kv_cache_dtype: "auto" (the default: keys and values in the compute dtype) or "int8" (an 8-bit KV
+        cache the attention kernel reads: about half the bytes of bf16 per position; `moestream eval
+        --kv-cache-dtype int8` prices it). Needs the kernel as the model's attention.
     Returns (model, tokenizer); tokenizer is None when the store has no tokenizer files.
     """
     accelerator = _device(device)
@@ -144,7 +148,7 @@ def load(
         dense.prepare_for_cpu(model, int8_activations)
     dense.align_weights(model)
     dense.set_compute_dtype(model, stored, dtype)
-    attention_note = attention_module.install(model, attention, on_gpu)  # before fused.install: it reads the choice
+    attention_note = attention_module.install(model, attention, on_gpu, kv_cache_dtype)  # before fused.install: it reads the choice
     if not on_gpu:
         dense.routers_in_float32(routers)
         fused.install(model, routers)

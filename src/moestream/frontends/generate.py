@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from ..core.attention import quantizes_kv
 from ..core.loading import engine_of
 from ..errors import MoestreamError
 from .constraints import Constraint, Grammar, Vocabulary
@@ -247,6 +248,7 @@ class Forward:
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.cache = cache
+        self.int8_kv = quantizes_kv(model)  # loaded with an 8-bit KV cache (core/attention.py)
 
     def __call__(self, ids: torch.Tensor, *, every_position: bool = False, **inputs) -> torch.Tensor:
         """Logits [rows, positions, vocab] of the ids fed after everything fed so far (`inputs`: an
@@ -264,6 +266,8 @@ class Forward:
                 "or send a shorter prompt or fewer requests at once (--max-batch, --batch-kv-memory)"
             ) from None
         self.cache = getattr(out, self.cache_name)
+        if self.int8_kv:  # the layers a forward pass made hold packed rows from now on (kv_layer.Int8Layer)
+            grow_in_place(self.cache, int8=True)
         return out.logits
 
 

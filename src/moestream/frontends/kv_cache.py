@@ -30,9 +30,9 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from .kv_layer import GrowingLayer, grow_in_place
+from .kv_layer import GrowingLayer, Int8Layer, grow_in_place
 
-_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer)  # growing: a decoding sequence's
+_LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer, Int8Layer)  # growing: a decoding sequence's
 
 
 def batchable(cache) -> str | None:

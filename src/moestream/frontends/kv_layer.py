@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from ..core.attention import pack_int8
+
 ROOM = 256  # positions of room per reallocation: a copy of the history every 256 decode steps
 
 
@@ -69,6 +71,10 @@ class GrowingLayer(DynamicLayer):
         self._buffers = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._append(key_states, value_states)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The update: these positions written after the held ones, into room; the whole keys and values."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         held = self.keys.shape[-2] if self.keys.numel() else 0
@@ -111,12 +117,46 @@ class GrowingLayer(DynamicLayer):
         return _Buffers(made[0], made[1], held)
 
 
-def grow_in_place(cache) -> None:
-    """Make each plain DynamicLayer of `cache` (a transformers Cache) a GrowingLayer; other kinds of layers
-    (sliding windows, compressed or quantized caches) keep their own update."""
+class Int8Layer(GrowingLayer):
+    """A GrowingLayer of an 8-bit KV cache: its keys and values are packed rows (core/attention.py,
+    `pack_int8`: each position's row of a head as int8 codes and its scale), which the attention kernel
+    reads as they are; each update packs the new positions, and returns the packed whole. Cutting, joining
+    and copying rows (kv_cache.py) moves codes and scales together, so it stays such a layer throughout:
+    its plain and compact copies are Int8Layers too, which pack what later updates bring."""
+
+    @classmethod
+    def adopt(cls, layer: DynamicLayer) -> Int8Layer:
+        """An Int8Layer with `layer`'s state, its float keys and values packed (packed ones kept)."""
+        packed = super().adopt(layer)
+        if packed.is_initialized and packed.keys.dtype != torch.int8:
+            packed.keys, packed.values = pack_int8(packed.keys), pack_int8(packed.values)
+        return packed
+
+    def plain(self) -> Int8Layer:
+        plain = Int8Layer.__new__(Int8Layer)
+        plain.__dict__.update(self.__dict__)
+        plain._buffers = None
+        return plain
+
+    def compact(self) -> Int8Layer:
+        plain = self.plain()
+        if self.is_initialized:
+            plain.keys, plain.values = self.keys.clone(), self.values.clone()
+        return plain
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._append(pack_int8(key_states), pack_int8(value_states))
+
+
+def grow_in_place(cache, int8: bool = False) -> None:
+    """Make each plain DynamicLayer of `cache` (a transformers Cache) a GrowingLayer, or with `int8` an
+    Int8Layer (a growing one too); other kinds of layers (sliding windows, compressed or quantized caches)
+    keep their own update."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         return
     for i, layer in enumerate(layers):
-        if type(layer) is DynamicLayer:
+        if int8 and type(layer) in (DynamicLayer, GrowingLayer):
+            layers[i] = Int8Layer.adopt(layer)
+        elif type(layer) is DynamicLayer:
             layers[i] = GrowingLayer.adopt(layer)

@@ -356,6 +356,7 @@ def compare(
     activations: str | None = None,
     reference_activations: str = "float",
     attention: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> QualityReport:
     """Compare a store with a reference (a Hugging Face checkpoint directory or another store) on `text`.
 
@@ -370,6 +371,8 @@ def compare(
         (`moestream.load`); the store against itself with "int8" and "float" prices int8 activations.
     attention: the store's attention function (`moestream.load`); a store reference keeps sdpa, so the store
         against itself with `decode` (one query per step: where the kernel runs) prices the kernel.
+    kv_cache_dtype: the store's KV cache (`moestream.load`): "int8" against itself with `decode` prices the
+        8-bit cache (with the kernel's own price; `attention` alone gives that one apart).
     """
     from ..core.loading import engine_of, load, stats
 
@@ -393,6 +396,7 @@ def compare(
         route_to_cached=route_to_cached,
         activations=activations,
         attention=attention,
+        kv_cache_dtype=kv_cache_dtype,
     )
     store_load = time.perf_counter() - start
     if tokenizer is None:
