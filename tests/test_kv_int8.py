@@ -120,7 +120,9 @@ def test_the_prefix_cache_keeps_packed_rows_and_a_continuation_reads_them(store)
     first = _decode(model, prompt, 6, prefix_cache=prefixes)
     ((entry, size),) = prefixes._entries.values()
     assert all(type(layer) is Int8Layer and layer.keys.dtype == torch.int8 for layer in entry.layers)
-    assert size == kv_bytes(entry) == sum(t.untyped_storage().nbytes() for layer in entry.layers for t in (layer.keys, layer.values))
+    assert (
+        size == kv_bytes(entry) == sum(t.untyped_storage().nbytes() for layer in entry.layers for t in (layer.keys, layer.values))
+    )
     follow = prompt + [int(x.argmax()) for x in first[:-1]] + [11, 12]
     fresh = _decode(model, follow, 5)
     reused = _decode(model, follow, 5, prefix_cache=prefixes)
@@ -135,7 +137,9 @@ def test_an_8bit_cache_needs_the_attention_kernel(store, capsys):
         moestream.load(store, "1GiB", kv_cache_dtype="int8", attention="sdpa")
     with pytest.raises(UsageError, match="kv_cache_dtype must be one of"):
         moestream.load(store, "1GiB", kv_cache_dtype="q4")
-    code = main(["generate", str(store), "--prompt", "hello", "--max-new-tokens", "2", "--kv-cache-dtype", "int8", "--attention", "sdpa"])
+    code = main(
+        ["generate", str(store), "--prompt", "hello", "--max-new-tokens", "2", "--kv-cache-dtype", "int8", "--attention", "sdpa"]
+    )
     assert code != 0
     err = capsys.readouterr().err
     assert "8-bit KV cache" in err and "Traceback" not in err

@@ -16,7 +16,16 @@ import os
 import sys
 from pathlib import Path
 
-from .choices import ACTIVATIONS, ATTENTION, COMPUTE_DTYPES, DEFAULT_POLICY, KV_CACHE_DTYPES, POLICIES, PREFETCH_MODES, VERIFY_MODES
+from .choices import (
+    ACTIVATIONS,
+    ATTENTION,
+    COMPUTE_DTYPES,
+    DEFAULT_POLICY,
+    KV_CACHE_DTYPES,
+    POLICIES,
+    PREFETCH_MODES,
+    VERIFY_MODES,
+)
 from .errors import MoestreamError, UsageError
 
 #: `--io`: direct = O_DIRECT reads, expert bytes live only in moestream's cache; buffered = through the page cache.

@@ -74,7 +74,12 @@ def _covered(query, key, value, mask, dropout: float, kwargs: dict) -> bool:
     """Whether the kernel computes this call: one query per row on the CPU, keys and values in float32,
     bf16 or packed int8 with their head dimension contiguous, no dropout, no extras (sliding window, softcap, sinks), a
     mask (if any) of one row per sequence."""
-    if query.shape[2] != 1 or query.device.type != "cpu" or dropout or key.dtype not in (torch.float32, torch.bfloat16, torch.int8):
+    if (
+        query.shape[2] != 1
+        or query.device.type != "cpu"
+        or dropout
+        or key.dtype not in (torch.float32, torch.bfloat16, torch.int8)
+    ):
         return False
     if value.dtype != key.dtype or key.shape != value.shape or key.stride(-1) != 1 or value.stride(-1) != 1:
         return False

@@ -148,7 +148,9 @@ def load(
         dense.prepare_for_cpu(model, int8_activations)
     dense.align_weights(model)
     dense.set_compute_dtype(model, stored, dtype)
-    attention_note = attention_module.install(model, attention, on_gpu, kv_cache_dtype)  # before fused.install: it reads the choice
+    attention_note = attention_module.install(
+        model, attention, on_gpu, kv_cache_dtype
+    )  # before fused.install: it reads the choice
     if not on_gpu:
         dense.routers_in_float32(routers)
         fused.install(model, routers)
