@@ -68,7 +68,7 @@ def test_decoding_stays_within_the_stated_error_of_the_float_cache(store):
     plain, _ = moestream.load(store, "1GiB")
     packed, _ = moestream.load(store, "1GiB", kv_cache_dtype="int8")
     note = next(p["note"] for p in stats(packed)["fast_paths"] if p["name"] == "attention function")
-    assert note.endswith("8-bit KV cache")
+    assert "8-bit KV cache" in note
     expected, got = _decode(plain, prompt, 48), _decode(packed, prompt, 48)
     for a, b in zip(expected, got):
         assert (a - b).abs().max().item() <= 0.02 * a.abs().max().item()
@@ -145,3 +145,45 @@ def test_an_8bit_cache_needs_the_attention_kernel(store, capsys):
     assert "8-bit KV cache" in err and "Traceback" not in err
     tokens = list(itertools.islice(generate_step(moestream.load(store, "1GiB", kv_cache_dtype="int8")[0], [5, 6, 7]), 3))
     assert len(tokens) == 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_the_kv_sizes_inspect_prints_are_what_a_cache_holds(family):
+    """KVSizes (inspect's KV rows) against the bytes of the cache transformers' own forward leaves, in the
+    model's dtype and packed as an 8-bit cache: full layers, sliding windows (gpt_oss), MLA (deepseek_v3)."""
+    from tiny import tiny_model
+
+    from moestream.conversion.sizes import KVSizes
+    from moestream.frontends.kv_layer import grow_in_place
+
+    model = tiny_model(family)
+    kv = KVSizes.of_config(model.config)
+    assert kv is not None
+    for positions in (3, 40):
+        ids = torch.randint(3, 250, (1, positions), generator=torch.Generator().manual_seed(positions))
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).past_key_values
+        assert kv_bytes(cache) == kv.nbytes(positions, element_bytes=4), positions
+        if kv.packable:  # (the layers an 8-bit cache packs: every full-attention one here)
+            grow_in_place(cache, packed=range(len(cache.layers)))
+            assert kv_bytes(cache) == kv.nbytes(positions, element_bytes=4, int8=True)
+
+
+def test_a_latent_cache_is_left_in_its_dtype(tmp_path):
+    """MLA (deepseek_v3) caches a latent that its own code widens per head before the attention reads it:
+    packed rows would break that code, so its layers stay as they are and it decodes as without the option."""
+    _, checkpoint = tiny_checkpoint("deepseek_v3", tmp_path / "hf", seed=3)
+    assert main(["convert", str(checkpoint), str(tmp_path / "store"), "--experts-dtype", "fp32"]) == 0
+    prompt = torch.randint(3, 250, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    plain, _ = moestream.load(tmp_path / "store", "1GiB")
+    try:
+        packed, _ = moestream.load(tmp_path / "store", "1GiB", kv_cache_dtype="int8")
+    except UsageError as e:  # (or its attention keeps sdpa, and the option is refused with the reason)
+        assert "8-bit KV cache" in str(e)
+        return
+    assert all(torch.equal(a, b) for a, b in zip(_decode(plain, prompt, 6), _decode(packed, prompt, 6)))
+    steps = generate_step(packed, prompt)
+    next(steps)
+    cache = steps.gi_frame.f_locals["forward"].cache
+    assert not any(isinstance(layer, Int8Layer) for layer in cache.layers)
+    steps.close()

@@ -31,6 +31,7 @@ def print_inspect(store: str | os.PathLike, budget: int | None, gpu_budget: int 
         ("minimum --memory", format_bytes(sizes.minimum_budget)),
     ]
     rows += _gguf_rows(s.manifest)
+    rows += _kv_rows(cfg)
     budgets = [budget] if budget is not None else [b for b in (2**28, 2**30, 2**32, 2**34) if b >= sizes.minimum_budget]
     for b in budgets:
         rows.append(
@@ -61,6 +62,30 @@ def print_inspect(store: str | os.PathLike, budget: int | None, gpu_budget: int 
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     return 0
+
+
+def _kv_rows(config: dict) -> list[tuple[str, str]]:
+    """A decoding sequence's KV cache at a few context lengths, in bf16 and as an 8-bit cache
+    (`--kv-cache-dtype int8`): memory on top of the weights, and what each decode step reads."""
+    from .sizes import KVSizes
+
+    kv = KVSizes.of_config(config)
+    if kv is None:
+        return [("KV cache", "not estimated for this model's attention")]
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32")
+    name, width = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2)}.get(dtype, ("fp32", 4))
+    limit = text.get("max_position_embeddings") or 0
+    contexts = [n for n in (4096, 32768) if not limit or n <= limit] + ([limit] if limit and limit not in (4096, 32768) else [])
+
+    def both(n: int) -> str:
+        if not kv.packable:
+            return f"{format_bytes(kv.nbytes(n, width))} in {name} (a latent cache: --kv-cache-dtype int8 does not pack it)"
+        return (
+            f"{format_bytes(kv.nbytes(n, width))} in {name}, {format_bytes(kv.nbytes(n, int8=True))} with --kv-cache-dtype int8"
+        )
+
+    return [("KV cache per position", both(1))] + [(f"KV cache at {n} positions", f"{both(n)} (per sequence)") for n in contexts]
 
 
 def _describe_format(manifest) -> str:

@@ -65,6 +65,67 @@ def routed_experts(config: Any) -> int | None:
     return _largest(_field(config, EXPERTS_FIELDS))
 
 
+# Layer types whose KV cache grows with every position, and ones bounded by a window; other types (linear
+# attention, Mamba, convolutions) keep a fixed state and add nothing per position.
+FULL_ATTENTION_TYPES = ("full_attention", "attention", "global_attention")
+SLIDING_TYPES = ("sliding_attention", "local_attention", "chunked_attention")
+# What an 8-bit KV cache adds to each row of a head: its float32 scale (core/attention.py, pack_int8).
+INT8_ROW_BYTES = 4
+
+
+@dataclass(frozen=True)
+class KVSizes:
+    """A decoding sequence's KV cache by the config: per position of context, the key and value elements
+    its growing layers add (`elements`) in `rows` rows of a head, and the sliding-window layers' elements per
+    position, which stop growing at `window` - 1 positions. `packable`: an 8-bit cache packs the growing
+    layers' rows (not MLA's latent cache, which the model widens before its attention reads it)."""
+
+    elements: int
+    rows: int
+    sliding_elements: int = 0
+    window: int = 0
+    packable: bool = True
+
+    def nbytes(self, positions: int, element_bytes: int = 2, int8: bool = False) -> int:
+        """Bytes after `positions` positions, elements of `element_bytes` (2: bf16), the growing layers'
+        rows packed with `int8` (sliding windows stay in the dtype)."""
+        growing = self.elements + INT8_ROW_BYTES * self.rows if int8 and self.packable else self.elements * element_bytes
+        # (a sliding-window layer keeps its last window - 1 positions: the new one makes the window)
+        return positions * growing + min(positions, self.window - 1) * self.sliding_elements * element_bytes
+
+    @staticmethod
+    def of_config(config: Any) -> "KVSizes | None":
+        """From a config dict or PretrainedConfig: grouped-query attention (num_key_value_heads x head_dim,
+        per layer type) and multi-head latent attention (transformers caches the latent, kv_lora_rank, and
+        the rotary key, qk_rope_head_dim, once per layer); None where the config says neither, or has layer
+        types this does not know."""
+        config = _text_config(config)
+
+        def get(name: str) -> Any:
+            return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+        layers, heads = get("num_hidden_layers"), get("num_attention_heads")
+        if not isinstance(layers, int) or not isinstance(heads, int) or heads <= 0:
+            return None
+        latent = get("kv_lora_rank")
+        if latent:
+            per_layer, rows = latent + (get("qk_rope_head_dim") or 0), 2
+        else:
+            kv_heads = get("num_key_value_heads") or heads
+            head_dim = get("head_dim") or (get("hidden_size") or 0) // heads
+            per_layer, rows = 2 * kv_heads * head_dim, 2 * kv_heads
+        if per_layer <= 0:
+            return None
+        types = get("layer_types") or ["full_attention"] * layers
+        full = sum(t in FULL_ATTENTION_TYPES for t in types)
+        sliding = sum(t in SLIDING_TYPES for t in types)
+        known = full + sliding + sum("linear" in t or "mamba" in t or t == "conv" for t in types)
+        window = get("sliding_window") or get("attention_chunk_size") or 0
+        if known != len(types) or (sliding and not window):
+            return None
+        return KVSizes(full * per_layer, full * rows, sliding * per_layer, int(window), packable=not latent)
+
+
 @dataclass(frozen=True)
 class ModelSizes:
     """The bytes of a model as moestream stores and streams it, from a store's manifest (`of_store`) or

@@ -60,6 +60,7 @@ def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scal
     """transformers' attention-function signature: query [B, H, Q, D], key and value [B, KVH, T, D] (or an
     8-bit cache's packed rows) -> ([B, Q, H, D], None). One query position per row runs the kernel;
     anything else runs sdpa."""
+    mark_read(module, key, value)
     ext = fused_build.extension()
     if ext is not None and _covered(query, key, value, attention_mask, dropout, kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -68,6 +69,31 @@ def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scal
     if key.dtype == torch.int8:
         key, value = unpack_int8(key, query.dtype), unpack_int8(value, query.dtype)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def mark_read(module, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Note which keys and values the attention module's call read: `packable_layers` compares them with its
+    cache layer's, to find the layers whose cached tensors reach the attention as they are. (Into the
+    module's __dict__: nn.Module's __setattr__ costs a microsecond a call.)"""
+    module.__dict__[_READ] = (key.data_ptr(), value.data_ptr())
+
+
+_READ = "_moestream_kv_read"
+
+
+def packable_layers(model, cache) -> list[int]:
+    """The cache layers an 8-bit cache may pack: those whose keys and values the last forward pass handed to
+    the model's attention function (or fused step) as they are. A model that transforms them in between (MLA
+    widens its latent cache per head) keeps that layer in its dtype: its code could not read packed rows."""
+    modules = getattr(model, "_moestream_attention_modules", {})
+    found = []
+    for index, layer in enumerate(getattr(cache, "layers", ())):
+        module = modules.get(index)
+        if module is None or not getattr(layer, "is_initialized", False):
+            continue
+        if module.__dict__.get(_READ) == (layer.keys.data_ptr(), layer.values.data_ptr()):
+            found.append(index)
+    return found
 
 
 def _covered(query, key, value, mask, dropout: float, kwargs: dict) -> bool:
@@ -109,13 +135,19 @@ def install(model, choice: str | None, on_gpu: bool, kv_cache_dtype: str = "auto
                 "drop --kv-cache-dtype int8 (or --attention sdpa) to run it"
             )
         model._moestream_kv_cache_dtype = "int8"
-        note += "; 8-bit KV cache"
+        model._moestream_attention_modules = {
+            m.layer_idx: m
+            for m in model.modules()
+            if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)
+        }
+        note += "; 8-bit KV cache for the layers whose attention reads the cached rows as they are"
     return note
 
 
 def quantizes_kv(model) -> bool:
-    """Whether the model was loaded with an 8-bit KV cache: its caches' full-attention layers are to hold
-    packed rows (frontends/kv_layer.py) once a forward pass has made them."""
+    """Whether the model was loaded with an 8-bit KV cache: its caches' full-attention layers whose tensors
+    reach the attention as they are (`packable_layers`) are to hold packed rows (frontends/kv_layer.py) once
+    a forward pass has made them."""
     return getattr(model, "_moestream_kv_cache_dtype", None) == "int8"
 
 

@@ -608,6 +608,7 @@ def _fused_attention(
         return fallback(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
     q, k, v = step.qkv(hidden_states.reshape(1, -1).contiguous(), *position_embeddings)  # the kernel takes one row
     k, v = cache.update(k, v, step.module.layer_idx, kwargs=kwargs)  # as the module's own forward calls it
+    attention.mark_read(step.module, k, v)  # (the keys and values went to the attention as they are)
     return step.out(q, k, v), None
 
 

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..core.attention import quantizes_kv
+from ..core.attention import packable_layers, quantizes_kv
 from ..core.loading import engine_of
 from ..errors import MoestreamError
 from .constraints import Constraint, Grammar, Vocabulary
@@ -267,7 +267,7 @@ class Forward:
             ) from None
         self.cache = getattr(out, self.cache_name)
         if self.int8_kv:  # the layers a forward pass made hold packed rows from now on (kv_layer.Int8Layer)
-            grow_in_place(self.cache, int8=True)
+            grow_in_place(self.cache, packed=packable_layers(self.model, self.cache))
         return out.logits
 
 

@@ -19,6 +19,8 @@ so through `replace`, which also lets the old buffers go at once.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -148,15 +150,15 @@ class Int8Layer(GrowingLayer):
         return self._append(pack_int8(key_states), pack_int8(value_states))
 
 
-def grow_in_place(cache, int8: bool = False) -> None:
-    """Make each plain DynamicLayer of `cache` (a transformers Cache) a GrowingLayer, or with `int8` an
-    Int8Layer (a growing one too); other kinds of layers (sliding windows, compressed or quantized caches)
-    keep their own update."""
+def grow_in_place(cache, packed: Collection[int] = ()) -> None:
+    """Make each plain DynamicLayer of `cache` (a transformers Cache) a GrowingLayer, or an Int8Layer (a
+    growing one too) where its index is in `packed`; other kinds of layers (sliding windows, compressed or
+    quantized caches) keep their own update."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         return
     for i, layer in enumerate(layers):
-        if int8 and type(layer) in (DynamicLayer, GrowingLayer):
+        if i in packed and type(layer) in (DynamicLayer, GrowingLayer):
             layers[i] = Int8Layer.adopt(layer)
         elif type(layer) is DynamicLayer:
             layers[i] = GrowingLayer.adopt(layer)
