@@ -10,7 +10,8 @@ on. Decode steps are teacher-forced from the same ids (a step costs the same wha
 both engines then hold the same sequence). Every expert is in memory before anything is timed: moestream
 prefills a 512-token warm-up prompt first (it routes to every expert) with a budget that holds them all,
 llama.cpp evaluates the same warm-up (faulting its mmap'd file in). llama.cpp runs with flash attention
-(its long-context setting, and what its quantized V cache needs) and a prefill batch of 512.
+(its long-context setting, and what its quantized V cache needs) and a prefill batch of 512; the engine
+`llama.cpp-nofa` runs it without (llama-cpp-python's default).
 
 Needs llama-cpp-python (a benchmark tool, not a dependency). Prints a table per context and the ratios;
 `--json FILE` writes them with the machine's record.
@@ -50,6 +51,7 @@ def run_moestream(store: str, memory: str, contexts: list[int], steps: int, thre
 
     import moestream
     from moestream.frontends.generate import Forward
+    from moestream.frontends.kv_layer import grow_in_place
 
     torch.set_num_threads(threads)
     model, _ = moestream.load(store, memory, kv_cache_dtype=kv, prefetch="off")
@@ -62,6 +64,7 @@ def run_moestream(store: str, memory: str, contexts: list[int], steps: int, thre
         for start, end in plan(contexts, steps):
             begin = time.perf_counter()
             forward(torch.tensor([ids[start:end]]))
+            grow_in_place(forward.cache)  # after a prefill, as generate_step does: decode appends into room
             prefill = time.perf_counter() - begin
             begin = time.perf_counter()
             for t in range(end, end + steps):
@@ -74,7 +77,7 @@ def run_moestream(store: str, memory: str, contexts: list[int], steps: int, thre
     return {"points": out, "note": note, "misses": stats["misses"]}
 
 
-def run_llama_cpp(gguf: str, contexts: list[int], steps: int, threads: int, kv: str) -> dict:
+def run_llama_cpp(gguf: str, contexts: list[int], steps: int, threads: int, kv: str, flash: bool = True) -> dict:
     from llama_cpp import Llama
 
     q8 = 8  # GGML_TYPE_Q8_0
@@ -85,7 +88,7 @@ def run_llama_cpp(gguf: str, contexts: list[int], steps: int, threads: int, kv: 
         n_batch=512,
         n_threads=threads,
         n_threads_batch=threads,
-        flash_attn=True,
+        flash_attn=flash,
         use_mmap=True,
         verbose=False,
         **extra,
@@ -104,7 +107,7 @@ def run_llama_cpp(gguf: str, contexts: list[int], steps: int, threads: int, kv: 
             llm.eval([ids[t]])
         decode = time.perf_counter() - begin
         out.append({"context": end, "prefill_tokens": end - start, "prefill_seconds": prefill, "decode_seconds": decode})
-    return {"points": out, "note": f"flash attention, KV {kv}"}
+    return {"points": out, "note": f"{'flash attention' if flash else 'no flash attention'}, KV {kv}"}
 
 
 def worker(kind: str, argv: list[str]) -> dict:
@@ -131,7 +134,7 @@ def main() -> None:
             result = run_moestream(args.store, args.memory, contexts, steps, threads, kv)
         else:
             kv = "q8_0" if args.worker.endswith("q8_0") else "f16"
-            result = run_llama_cpp(args.gguf, contexts, steps, threads, kv)
+            result = run_llama_cpp(args.gguf, contexts, steps, threads, kv, flash=not args.worker.endswith("nofa"))
         print(json.dumps(result))
         return
     sys.path.insert(0, str(HERE))
@@ -145,7 +148,9 @@ def main() -> None:
     for engine in args.engines.split(","):
         print(f"running {engine} ...", flush=True)
         results[engine] = worker(engine, common)
-        print(f"  {results[engine]['note']}", flush=True)
+        print(
+            f"  {results[engine]['note']}\n  {json.dumps(results[engine]['points'])}", flush=True
+        )  # (kept if a later one fails)
     engines = list(results)
     print(f"\n{'context':>8} " + " ".join(f"{e:>16}" for e in engines) + "   (decode tok/s; prefill tok/s of each stretch)")
     for i, context in enumerate(args.contexts):

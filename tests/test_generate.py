@@ -80,3 +80,29 @@ def test_teacher_forced_feeds_prefill_then_one_token_per_pass(model):
     finally:
         hook.remove()
     assert calls == [3, 1, 1, 1]
+
+
+@pytest.mark.parametrize("length", [16, 17, 45])
+def test_a_long_prompt_goes_in_pieces_with_the_logits_of_one_pass(model, monkeypatch, length):
+    """Past PREFILL_PIECE tokens a prompt is fed in pieces (each attending to the cache of the ones before):
+    the last position's logits of one pass within float32 rounding, the same greedy tokens after it, and no
+    forward pass longer than a piece."""
+    from moestream.frontends import generate
+
+    prompt = torch.randint(3, 250, (1, length), generator=torch.Generator().manual_seed(length))
+    with torch.inference_mode():
+        whole = model(prompt).logits[:, -1]
+        expected = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)[0, length:]
+    monkeypatch.setattr(generate, "PREFILL_PIECE", 8)
+    fed = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        with torch.inference_mode():
+            pieces = generate.Forward(model)(prompt)[:, -1]
+    finally:
+        hook.remove()
+    assert fed == [8] * ((length - 1) // 8) + [length - (length - 1) // 8 * 8] and max(fed) <= 8
+    assert torch.allclose(pieces, whole, atol=1e-5, rtol=0)
+    assert timed(model, prompt[0].tolist(), 8).token_ids == expected.tolist()

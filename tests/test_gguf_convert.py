@@ -27,7 +27,7 @@ from moestream.conversion.gguf_source import GGUFCheckpoint
 from moestream.conversion.quant import QuantFormat, Quantized, reference_dequantize, stored_codes, unpack_nibbles
 from moestream.conversion.skeleton import config_from_dict
 from moestream.conversion.store import DTYPES, Store
-from moestream.conversion.synthetic import make_model
+from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core import fused_build
 from moestream.errors import SourceError
 
@@ -565,6 +565,28 @@ def test_a_tokenizer_that_cannot_be_built_stops_the_import_at_once(qwen3_gguf, t
     assert last.startswith("moestream: error:") and "cannot build a tokenizer" in last and "Traceback" not in err, err
     assert len(reads) < len(gguf_source.GGUFCheckpoint(path).tensors)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_convert_takes_the_tokenizer_of_a_directory(qwen3_gguf, tmp_path, capsys, monkeypatch):
+    """`--tokenizer DIR`: the store gets DIR's tokenizer files and the GGUF's is not rebuilt (a file whose
+    tokenizer transformers cannot build converts); a DIR without tokenizer files is refused at once."""
+    from moestream.conversion import gguf_source
+
+    model, path, _ = qwen3_gguf
+    checkpoint = save_checkpoint(model, tmp_path / "hf")  # (with the synthetic models' tokenizer files)
+    capsys.readouterr()  # (its progress bar)
+
+    def cannot(path, arch):
+        raise SourceError("not to be called")
+
+    monkeypatch.setattr(gguf_source, "_build_tokenizer", cannot)
+    assert main(["convert", str(path), str(tmp_path / "empty"), "--tokenizer", str(tmp_path)]) == 2
+    assert "holds no tokenizer files" in _one_line_error(capsys)
+    assert main(["convert", str(path), str(tmp_path / "store"), "--tokenizer", str(checkpoint)]) == 0
+    assert (tmp_path / "store" / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
+    streamed, tokenizer = moestream.load(tmp_path / "store", "1GiB")
+    assert tokenizer is not None and tokenizer("hi")["input_ids"]
+    moestream.close(streamed)
 
 
 def test_eval_takes_a_gguf_as_its_reference(qwen3_gguf, tmp_path):

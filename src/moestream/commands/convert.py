@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "6-8: int8, float: float). "
         "They are read for every token, so fewer bits decode faster and leave more memory to the expert cache",
     )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="take the tokenizer (tokenizer.json, tokenizer_config.json, chat template, ...) from this directory "
+        "instead of the source's: for a GGUF whose tokenizer transformers cannot rebuild from its metadata, or a "
+        "checkpoint without tokenizer files",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow a config that names custom modeling code")
 
@@ -86,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         dense_dtype=args.dense_dtype,
         overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code,
+        tokenizer=args.tokenizer,
     )
     return print_inspect(dst, None)
 

@@ -67,6 +67,7 @@ EXTRA_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+TOKENIZER_FILES = tuple(name for name in EXTRA_FILES if name != "generation_config.json")  # what --tokenizer gives
 RESIDENT_SHARD_BYTES = 512 * 1024**2  # resident tensors per file (about)
 RESIDENT_SLICE_BYTES = 32 * 1024**2  # float32 rows decoded at a time of a matrix the source reads by rows (per worker)
 
@@ -482,6 +483,7 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
     trust_remote_code: bool = False,
+    tokenizer: str | os.PathLike | None = None,
 ) -> Path:
     """Convert the Hugging Face checkpoint directory `src` (or a llama.cpp GGUF file, gguf_source.py) into a
     moestream store at `dst`.
@@ -496,8 +498,15 @@ def convert(
         (attention projections, shared experts, dense MLPs, an untied LM head at int8 at least; not the
         routers); default for a GGUF: each at the bits of its blocks. A layer whose shape the int4 kernel
         cannot take is stored int8, one neither kernel can take stays float.
+    tokenizer: a directory whose tokenizer files (EXTRA_FILES) the store gets instead of the source's (a
+        GGUF's tokenizer is then not rebuilt from its metadata).
     """
     src, dst = Path(src), Path(dst)
+    if tokenizer is not None and not any((Path(tokenizer) / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(
+            f"--tokenizer {tokenizer} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); pass the directory of "
+            "the model's Hugging Face checkpoint or tokenizer"
+        )
     # Checked before any work; the rules' syntax and layer numbers are checked once the model is known.
     for choice in [experts_dtype] + [rule.rpartition("=")[2] for rule in layer_dtypes if "=" in rule]:
         if choice is not None and choice not in EXPERT_FORMATS:
@@ -510,7 +519,7 @@ def convert(
     if src.is_file():  # a llama.cpp GGUF file: its metadata is the config, its tensors are decoded to float
         from .gguf_source import GGUFCheckpoint
 
-        gguf = GGUFCheckpoint(src)
+        gguf = GGUFCheckpoint(src, build_tokenizer=tokenizer is None)
         config = gguf.config
     else:
         config = load_source_config(src, trust_remote_code)
@@ -547,7 +556,7 @@ def convert(
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, threads // (2 * RECORD_WORKERS)))
         try:
-            manifest = _write_store(tmp, src, model, ckpt, plan, formats, dense, progress)
+            manifest = _write_store(tmp, src, model, ckpt, plan, formats, dense, progress, tokenizer)
             manifest.write(tmp)
             _move_into_place(tmp, dst)
         except BaseException:
@@ -696,7 +705,7 @@ def _spec_bytes(specs) -> int:
     return sum(spec_bytes(spec) for spec in specs)
 
 
-def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, formats, dense, progress) -> Manifest:
+def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, formats, dense, progress, tokenizer=None) -> Manifest:
     layouts = [
         _layer_layout(name, module, sources, ckpt, storage) for (name, module, sources), storage in zip(plan.experts, formats)
     ]
@@ -727,11 +736,13 @@ def _write_store(tmp: Path, src: Path, model, ckpt, plan: ConversionPlan, format
     finally:
         bar.close()  # (on an error too: its message then starts a line of its own, not the bar's)
 
-    # A GGUF source writes the tokenizer it rebuilt from its metadata; a checkpoint directory has the files.
-    extra = ckpt.write_extra_files(tmp) if hasattr(ckpt, "write_extra_files") else []
+    # A GGUF source writes the tokenizer it rebuilt from its metadata; a checkpoint directory has the files;
+    # --tokenizer's directory replaces either (its generation defaults come from the source all the same).
+    extra = ckpt.write_extra_files(tmp) if hasattr(ckpt, "write_extra_files") and tokenizer is None else []
     for name in EXTRA_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, tmp / name)
+        origin = Path(tokenizer) if tokenizer is not None and name in TOKENIZER_FILES else src
+        if (origin / name).is_file() and name not in extra:
+            shutil.copyfile(origin / name, tmp / name)
             extra.append(name)
     if plan.unused:
         print(f"note: {len(plan.unused)} checkpoint tensors are not used by the model and were skipped, e.g. {plan.unused[:3]}")

@@ -180,7 +180,9 @@ _EXPERT_KEY = re.compile(r"^model\.layers\.(?P<layer>\d+)\..*\.experts\.(?:\d+\.
 class GGUFCheckpoint:
     """A GGUF file (or a split set of them) as a `DecodedCheckpoint`: HF names, float tensors, one at a time."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, build_tokenizer: bool = True):
+        """build_tokenizer: rebuild transformers' tokenizer from the metadata (False: the store takes
+        another directory's, `convert --tokenizer`)."""
         self.path = Path(path)
         files = _split_files(self.path)
         self.metadata, tables = {}, []
@@ -209,7 +211,8 @@ class GGUFCheckpoint:
         # model's skeleton is built and the store written, which waits on the disk. A failure stops the import
         # at its next read (`_read_bytes`), not after hours of tensors.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="moestream-tokenizer")
-        self._tokenizer = self._tokenizer_thread.submit(_build_tokenizer, files[0], self.architecture)
+        build = _build_tokenizer if build_tokenizer else _no_tokenizer
+        self._tokenizer = self._tokenizer_thread.submit(build, files[0], self.architecture)
         self._files = OpenFiles()
 
     # ---- the DecodedCheckpoint interface
@@ -875,5 +878,11 @@ def _build_tokenizer(path: Path, arch: str):
         return cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # transformers' GGUF tokenizer builders raise ValueError, KeyError, ...
         raise SourceError(
-            f"{path}: transformers cannot build a tokenizer from this GGUF's metadata ({type(e).__name__}: {e})"
+            f"{path}: transformers cannot build a tokenizer from this GGUF's metadata ({type(e).__name__}: {e}); "
+            "pass --tokenizer DIR with the model's Hugging Face tokenizer files"
         ) from None
+
+
+def _no_tokenizer(path: Path, arch: str) -> None:
+    """What `convert --tokenizer DIR` builds from the GGUF: nothing (the store gets DIR's files)."""
+    return None

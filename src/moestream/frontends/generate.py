@@ -237,6 +237,14 @@ def make_sampler(
     return sample
 
 
+# A prompt longer than this goes through the model in pieces of it, each attending to the KV cache of the
+# ones before: the activations of one forward pass (the experts' inputs and outputs, q/k/v, the MLPs')
+# grow with its tokens, several GB for a 32k-token prompt in one pass at the Qwen3-30B-A3B shape, and the
+# pieces bound them; the sums are the same, in other matmul shapes (docs/BENCHMARKS.md, "Long context").
+# With experts streamed from disk each piece reads the experts the cache lacks again.
+PREFILL_PIECE = 4096
+
+
 class Forward:
     """A causal LM's forward pass with its KV cache, across transformers versions: the cache argument is
     `cache` since 5.24 and `past_key_values` before; only the last position's logits are asked for where
@@ -253,7 +261,11 @@ class Forward:
     def __call__(self, ids: torch.Tensor, *, every_position: bool = False, **inputs) -> torch.Tensor:
         """Logits [rows, positions, vocab] of the ids fed after everything fed so far (`inputs`: an
         attention mask and position ids for a padded batch), on the model's device: of the last position
-        only, unless `every_position`."""
+        only, unless `every_position`. A long prompt of one sequence goes in pieces of PREFILL_PIECE tokens."""
+        if ids.shape[0] == 1 and ids.shape[1] > PREFILL_PIECE and not every_position and not inputs:
+            for begin in range(0, ids.shape[1] - PREFILL_PIECE, PREFILL_PIECE):
+                self(ids[:, begin : begin + PREFILL_PIECE])
+            ids = ids[:, (ids.shape[1] - 1) // PREFILL_PIECE * PREFILL_PIECE :]
         extra = {} if every_position else self.extra
         device = self.model.device
         if device.type == "cuda":  # (a model offloaded by accelerate may name another device: its hooks move inputs)
