@@ -7,6 +7,8 @@ import itertools
 
 import pytest
 import torch
+from test_kv_layer import _batched_logits
+from test_kv_layer import _decode_logits as _decode
 from tiny import tiny_checkpoint
 
 import moestream
@@ -14,8 +16,7 @@ from moestream.cli import main
 from moestream.core import attention, fused, fused_build
 from moestream.core.loading import stats
 from moestream.errors import UsageError
-from moestream.frontends.batching import BatchGenerator
-from moestream.frontends.generate import Decoding, generate_step
+from moestream.frontends.generate import generate_step
 from moestream.frontends.kv_cache import PrefixCache, kv_bytes
 from moestream.frontends.kv_layer import Int8Layer
 
@@ -43,21 +44,6 @@ def store(tmp_path_factory):
     _, checkpoint = tiny_checkpoint("qwen3_moe", root / "hf", seed=5)
     assert main(["convert", str(checkpoint), str(root / "store"), "--experts-dtype", "fp32"]) == 0
     return root / "store"
-
-
-def _decode(model, prompt, n: int, prefix_cache=None) -> list[torch.Tensor]:
-    """Each step's logits of greedy decoding after `prompt`."""
-    seen = []
-
-    def greedy(logits):
-        seen.append(logits.clone())
-        return logits.argmax(dim=-1)
-
-    steps = generate_step(model, prompt, greedy, prefix_cache=prefix_cache)
-    for _ in range(n):
-        next(steps)
-    steps.close()
-    return seen
 
 
 def test_decoding_stays_within_the_stated_error_of_the_float_cache(store):
@@ -94,19 +80,7 @@ def test_a_batch_of_int8_rows_computes_what_each_row_does_alone(store):
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (7, 30)]
     news = [24, 8]
     alone = [_decode(model, p, n) for p, n in zip(prompts, news)]
-    seen = [[] for _ in prompts]
-    decodings = [Decoding(model, None, p, n, greedy=True) for p, n in zip(prompts, news)]
-    for d, out in zip(decodings, seen):
-        d.sampler = lambda logits, out=out: (out.append(logits.clone()), logits.argmax(dim=-1))[1]
-    batch = BatchGenerator(model, max_batch=2)
-    batch.admit(decodings[0])
-    for step in range(60):
-        if step == 5:
-            batch.admit(decodings[1])
-            batch.prefill_step()
-        if not batch.running:
-            break
-        batch.decode()
+    batch, seen = _batched_logits(model, prompts, news, join_after=5)
     assert [len(x) for x in seen] == news
     assert all(type(layer) is Int8Layer for layer in (batch.kv.cache.layers if batch.kv.cache else []))
     for ours, theirs in zip(seen, alone):  # (float32 rows: a batch's matmuls round as alone's within 1e-7)

@@ -134,9 +134,9 @@ def test_grow_in_place_leaves_other_layer_kinds_alone():
     assert type(cache.layers[0]) is GrowingLayer and type(cache.layers[1]) is Other
 
 
-def _batched_logits(model, prompts, news, join_after: int) -> list[list[torch.Tensor]]:
+def _batched_logits(model, prompts, news, join_after: int) -> tuple[BatchGenerator, list[list[torch.Tensor]]]:
     """Greedy decoding of prompts[0] in a BatchGenerator, prompts[1] joining after `join_after` steps;
-    every row's logits at every step."""
+    the batch, and every row's logits at every step."""
     seen = [[] for _ in prompts]
     decodings = [Decoding(model, None, p, n, greedy=True) for p, n in zip(prompts, news)]
     for d, out in zip(decodings, seen):
@@ -150,7 +150,7 @@ def _batched_logits(model, prompts, news, join_after: int) -> list[list[torch.Te
         if not batch.running:
             break
         batch.decode()
-    return seen
+    return batch, seen
 
 
 def test_a_batch_grows_in_place_and_computes_what_concatenation_does(qwen_store, monkeypatch):
@@ -171,10 +171,10 @@ def test_a_batch_grows_in_place_and_computes_what_concatenation_does(qwen_store,
     assert layer.keys.shape[-2] == len(prompts[0]) + 21
 
     monkeypatch.setattr(kv_layer, "ROOM", 5)  # reallocations too, besides the joins and the leave
-    grown = _batched_logits(model, prompts, [30, 10], join_after=6)
+    _, grown = _batched_logits(model, prompts, [30, 10], join_after=6)
     with monkeypatch.context() as m:
         m.setattr(kv_cache, "grow_in_place", lambda cache: None)
-        concatenated = _batched_logits(model, prompts, [30, 10], join_after=6)
+        _, concatenated = _batched_logits(model, prompts, [30, 10], join_after=6)
     assert [len(x) for x in grown] == [30, 10]
     for ours, theirs in zip(grown, concatenated):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs)) and len(ours) == len(theirs)
