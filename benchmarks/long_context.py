@@ -3,7 +3,8 @@
     python benchmarks/long_context.py STORE GGUF [--contexts 8192 16384 32768] [--steps 16] [--threads 2]
 
 Each engine runs in a fresh process, one after another (moestream, llama.cpp, moestream with an 8-bit KV
-cache, llama.cpp with q8_0 keys and values), and feeds the same token ids: a prompt of the first context's
+cache, llama.cpp with q8_0 keys and values), and feeds the same token ids (random ones, or with `--text FILE`
+a real text's, through the store's tokenizer, so that calibrated routers route as on text): a prompt of the first context's
 length in one prefill (timed: the prefill figure), then `--steps` single-token decode steps (timed), then
 the next stretch of ids as one more prefill up to the next context, `--steps` decode steps there, and so
 on. Decode steps are teacher-forced from the same ids (a step costs the same whatever its token is, and
@@ -11,7 +12,14 @@ both engines then hold the same sequence). Every expert is in memory before anyt
 prefills a 512-token warm-up prompt first (it routes to every expert) with a budget that holds them all,
 llama.cpp evaluates the same warm-up (faulting its mmap'd file in). llama.cpp runs with flash attention
 (its long-context setting, and what its quantized V cache needs) and a prefill batch of 512; the engine
-`llama.cpp-nofa` runs it without (llama-cpp-python's default).
+`llama.cpp-nofa` runs it without (llama-cpp-python's default). llama.cpp uses its mmap'd file; an engine
+name with `-copy` (`llama.cpp-nofa-copy`) loads it with `use_mmap=False` instead: its own copy of the weights,
+repacked for this CPU (its fastest decode where the file fits in RAM twice over).
+
+A full-depth model (48 layers, `gguf_more_layers.py`, every expert in RAM):
+
+    python benchmarks/long_context.py STORE GGUF --text TEXT --contexts 32 4096 --steps 32 --memory 17GiB \
+        --engines moestream,llama.cpp-nofa-copy,llama.cpp-nofa
 
 Needs llama-cpp-python (a benchmark tool, not a dependency). Prints a table per context and the ratios;
 `--json FILE` writes them with the machine's record.
@@ -31,10 +39,27 @@ WARMUP = 512
 SEED = 1234
 
 
-def token_ids(n: int, vocab: int) -> list[int]:
+def token_ids(n: int, vocab: int, text: str | None = None, store: str | None = None, skip: int = 0) -> list[int]:
+    """n ids: random ones (below `vocab`), or the text's from its token `skip` on, tokenized as the store does."""
     import torch
 
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(SEED)).tolist()
+    if text is None:
+        return torch.randint(3, vocab, (skip + n,), generator=torch.Generator().manual_seed(SEED)).tolist()[skip:]
+    from moestream.core.loading import load_tokenizer
+
+    ids = load_tokenizer(store)(Path(text).read_text()).input_ids[skip : skip + n]
+    if len(ids) < n:
+        sys.exit(f"long_context: {text} has fewer than {skip + n} tokens")
+    return ids
+
+
+def warmup_and_measured_ids(
+    args_text: str | None, store: str, vocab: int, warmup: int, total: int
+) -> tuple[list[int], list[int]]:
+    """The warm-up prompt's ids and the measured ones: with a text, the warm-up is the text after the measured span."""
+    if args_text is None:
+        return token_ids(warmup, vocab, skip=7), token_ids(total, vocab)
+    return token_ids(warmup, vocab, args_text, store, skip=total), token_ids(total, vocab, args_text, store)
 
 
 def plan(contexts: list[int], steps: int) -> list[tuple[int, int]]:
@@ -46,7 +71,9 @@ def plan(contexts: list[int], steps: int) -> list[tuple[int, int]]:
     return stretches
 
 
-def run_moestream(store: str, memory: str, contexts: list[int], steps: int, threads: int, kv: str) -> dict:
+def run_moestream(
+    store: str, memory: str, contexts: list[int], steps: int, threads: int, kv: str, text: str | None, warmup: int
+) -> dict:
     import torch
 
     import moestream
@@ -55,10 +82,9 @@ def run_moestream(store: str, memory: str, contexts: list[int], steps: int, thre
 
     torch.set_num_threads(threads)
     model, _ = moestream.load(store, memory, kv_cache_dtype=kv, prefetch="off")
-    vocab = model.config.vocab_size
-    ids = token_ids(contexts[-1] + steps, vocab)
+    warm, ids = warmup_and_measured_ids(text, store, model.config.vocab_size, warmup, contexts[-1] + steps)
     with torch.inference_mode():
-        Forward(model)(torch.tensor([token_ids(WARMUP + 7, vocab)[7:]]))  # every expert read in
+        Forward(model)(torch.tensor([warm]))  # every expert read in
         forward = Forward(model)
         out = []
         for start, end in plan(contexts, steps):
@@ -77,7 +103,18 @@ def run_moestream(store: str, memory: str, contexts: list[int], steps: int, thre
     return {"points": out, "note": note, "misses": stats["misses"]}
 
 
-def run_llama_cpp(gguf: str, contexts: list[int], steps: int, threads: int, kv: str, flash: bool = True) -> dict:
+def run_llama_cpp(
+    gguf: str,
+    store: str,
+    contexts: list[int],
+    steps: int,
+    threads: int,
+    kv: str,
+    flash: bool,
+    copy: bool,
+    text: str | None,
+    warmup: int,
+) -> dict:
     from llama_cpp import Llama
 
     q8 = 8  # GGML_TYPE_Q8_0
@@ -89,13 +126,12 @@ def run_llama_cpp(gguf: str, contexts: list[int], steps: int, threads: int, kv: 
         n_threads=threads,
         n_threads_batch=threads,
         flash_attn=flash,
-        use_mmap=True,
+        use_mmap=not copy,
         verbose=False,
         **extra,
     )
-    vocab = llm.n_vocab()
-    ids = token_ids(contexts[-1] + steps, vocab)
-    llm.eval(token_ids(WARMUP + 7, vocab)[7:])  # the whole file faulted in
+    warm, ids = warmup_and_measured_ids(text, store, llm.n_vocab(), warmup, contexts[-1] + steps)
+    llm.eval(warm)  # the whole file faulted in
     llm.reset()
     out = []
     for start, end in plan(contexts, steps):
@@ -107,7 +143,8 @@ def run_llama_cpp(gguf: str, contexts: list[int], steps: int, threads: int, kv: 
             llm.eval([ids[t]])
         decode = time.perf_counter() - begin
         out.append({"context": end, "prefill_tokens": end - start, "prefill_seconds": prefill, "decode_seconds": decode})
-    return {"points": out, "note": f"{'flash attention' if flash else 'no flash attention'}, KV {kv}"}
+    weights = "its own repacked copy (use_mmap=False)" if copy else "mmap"
+    return {"points": out, "note": f"{'flash attention' if flash else 'no flash attention'}, KV {kv}, weights: {weights}"}
 
 
 def worker(kind: str, argv: list[str]) -> dict:
@@ -124,17 +161,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--memory", default="6GiB", help="moestream's expert budget (holds every expert)")
     parser.add_argument("--engines", default="moestream,llama.cpp,moestream-int8,llama.cpp-q8_0")
+    parser.add_argument("--text", help="feed this text's tokens (teacher-forced) instead of random ids")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="tokens of the untimed warm-up prompt")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        contexts, steps, threads = args.contexts, args.steps, args.threads
-        if args.worker.startswith("moestream"):
-            kv = "int8" if args.worker.endswith("int8") else "auto"
-            result = run_moestream(args.store, args.memory, contexts, steps, threads, kv)
+        contexts, steps, threads, flags = args.contexts, args.steps, args.threads, args.worker.split("-")
+        if flags[0] == "moestream":
+            kv = "int8" if "int8" in flags else "auto"
+            result = run_moestream(args.store, args.memory, contexts, steps, threads, kv, args.text, args.warmup)
         else:
-            kv = "q8_0" if args.worker.endswith("q8_0") else "f16"
-            result = run_llama_cpp(args.gguf, contexts, steps, threads, kv, flash=not args.worker.endswith("nofa"))
+            kv = "q8_0" if "q8_0" in flags else "f16"
+            flash, copy = "nofa" not in flags, "copy" in flags
+            result = run_llama_cpp(args.gguf, args.store, contexts, steps, threads, kv, flash, copy, args.text, args.warmup)
         print(json.dumps(result))
         return
     sys.path.insert(0, str(HERE))
@@ -143,7 +183,9 @@ def main() -> None:
     print(machine.line(), flush=True)
 
     common = [args.store, args.gguf, "--contexts", *map(str, args.contexts), "--steps", str(args.steps),
-              "--threads", str(args.threads), "--memory", args.memory]  # fmt: skip
+              "--threads", str(args.threads), "--memory", args.memory, "--warmup", str(args.warmup)]  # fmt: skip
+    if args.text:
+        common += ["--text", args.text]
     results = {}
     for engine in args.engines.split(","):
         print(f"running {engine} ...", flush=True)
@@ -158,14 +200,16 @@ def main() -> None:
         prefill = [results[e]["points"][i]["prefill_tokens"] / results[e]["points"][i]["prefill_seconds"] for e in engines]
         print(f"{context:>8} " + " ".join(f"{d:>16.2f}" for d in decode) + "   decode")
         print(f"{'':>8} " + " ".join(f"{p:>16.1f}" for p in prefill) + "   prefill")
-    for ours, theirs in (("moestream", "llama.cpp"), ("moestream-int8", "llama.cpp-q8_0"), ("moestream-int8", "llama.cpp")):
-        if ours in results and theirs in results:
-            for i, context in enumerate(args.contexts):
-                a, b = results[ours]["points"][i], results[theirs]["points"][i]
-                print(
-                    f"{ours} / {theirs} at {context}: decode {b['decode_seconds'] / a['decode_seconds']:.2f}x, "
-                    f"prefill of {a['prefill_tokens']} tokens {b['prefill_seconds'] / a['prefill_seconds']:.2f}x"
-                )
+    pairs = [
+        (ours, theirs) for ours in engines if ours.startswith("moestream") for theirs in engines if theirs.startswith("llama.cpp")
+    ]
+    for ours, theirs in pairs:
+        for i, context in enumerate(args.contexts):
+            a, b = results[ours]["points"][i], results[theirs]["points"][i]
+            print(
+                f"{ours} / {theirs} at {context}: decode {b['decode_seconds'] / a['decode_seconds']:.2f}x, "
+                f"prefill of {a['prefill_tokens']} tokens {b['prefill_seconds'] / a['prefill_seconds']:.2f}x"
+            )
     if args.json:
         machine.write_json(args.json, {"args": vars(args), "results": results})
 

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import moestream
 from moestream.conversion.quant import QuantFormat, pack, quantize, reference_dequantize, torch_int4_packing
+from moestream.conversion.skeleton import expert_parameters, experts_modules
 from moestream.conversion.store import MANIFEST, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core.dense import QuantizedLinear, align_weights, prepare_for_cpu
@@ -18,7 +19,7 @@ from moestream.errors import StoreError, UsageError
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])
-@pytest.mark.parametrize("name,group", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("name,group", [("int8", None), ("int6", 64), ("int4", 32), ("int4", 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_matches_the_float64_definition(name, group, dtype, int8_activations):
     fmt = QuantFormat.make(name, group or 32)
@@ -96,6 +97,32 @@ def test_int4_dense_falls_back_to_int8_where_the_int4_kernel_cannot_take_the_sha
     assert ((got - expected).norm() / expected.norm()).item() <= 2e-2
 
 
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_an_int6_model_and_head_equal_transformers_on_dequantized_weights(tmp_path, activations):
+    """int6 experts and dense layers, the LM head int6 too (a GGUF's Q6_K head at its bits), in groups of 64
+    by default; int8 activations run the kernels, float ones dequantize each matrix per call."""
+    config = dict(TINY["qwen3_moe"], hidden_size=128, moe_intermediate_size=128, head_dim=32, vocab_size=256)  # rows in 16s
+    model = make_model("qwen3_moe", seed=9, **config)
+    ckpt = save_checkpoint(model, tmp_path / "hf")
+    store = moestream.convert(ckpt, tmp_path / "store", "int6", dense_dtype="int6", progress=False)
+    manifest = Store(store).manifest
+    six = QuantFormat.make("int6", 64)
+    assert manifest.dense["lm_head"] == six and manifest.dense["model.layers.0.self_attn.q_proj"] == six
+    assert all(layer.quantization == six for layer in manifest.layers)
+    reference = _dequantized_reference(ckpt, manifest.dense)
+    with torch.no_grad():  # the experts' matrices too
+        for _, module in experts_modules(reference):
+            for _, param in expert_parameters(module):
+                for e in range(param.shape[0] if param.dim() == 3 else 0):
+                    param[e] = reference_dequantize(quantize(param[e], six), six).to(param.dtype)
+    streamed, _ = moestream.load(store, "64MiB", activations=activations)
+    ids = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, streamed(ids).logits
+    relative = ((got - expected).norm() / expected.norm()).item()
+    assert relative <= (1e-4 if activations == "float" else 2e-2), relative
+
+
 def test_tokens_never_depend_on_the_budget_with_quantized_dense_layers(tmp_path):
     config = dict(TINY["qwen3_moe"], hidden_size=128, moe_intermediate_size=128, head_dim=32)  # int4 experts' shapes
     ckpt = save_checkpoint(make_model("qwen3_moe", seed=6, **config), tmp_path / "hf")
@@ -140,7 +167,7 @@ def test_a_store_quantizing_a_module_the_model_lacks_is_refused(tmp_path):
 
 
 def test_an_unknown_dense_dtype_is_a_usage_error(tmp_path):
-    with pytest.raises(UsageError, match="unknown dense dtype 'int3'.*float, int8, int4"):
+    with pytest.raises(UsageError, match="unknown dense dtype 'int3'.*float, int8, int6, int4"):
         moestream.convert(tmp_path, tmp_path / "store", dense_dtype="int3")
 
 

@@ -731,9 +731,10 @@ def test_compiled_q6_k_rows_become_the_int4_torch_makes_of_them(monkeypatch):
 
 def test_a_q4_k_m_file_is_the_same_store_with_compiled_kernels(tmp_path, monkeypatch):
     """A file of Q4_K_M's types (a Q6_K LM head, Q4_K gate and up, Q6_K down: an int4 layer) converts to the
-    same bytes with the compiled kernels handed over (the head's rows made int8 and the downs int4 in one
-    pass each, the 4-bit codes re-paired in C++) as with torch and numpy alone: identical manifests,
-    checksums of every file and record included."""
+    same bytes with the compiled kernels handed over (the downs made int4 in one pass, the 4-bit codes
+    re-paired in C++; the head at its blocks' 6 bits: int6, or int8 where its rows are not a multiple of
+    16, as here) as with torch and numpy alone: identical manifests, checksums of every file and record
+    included."""
     from moestream.conversion import gguf_blocks
 
     ext = fused_build.extension()
@@ -761,10 +762,43 @@ def test_a_q4_k_m_file_is_the_same_store_with_compiled_kernels(tmp_path, monkeyp
     for kernels in (None, Counting()):
         monkeypatch.setattr(gguf_blocks, "_compiled", kernels)
         store = moestream.convert(tmp_path / "m.gguf", tmp_path / f"store-{len(manifests)}", progress=False)
-        assert Store(store).manifest.dense["lm_head"].name == "int8"
+        assert Store(store).manifest.dense["lm_head"] == quant.QuantFormat.make("int6" if VOCAB % 16 == 0 else "int8", 64)
         assert all(layer.quantization.name == "int4" for layer in Store(store).manifest.layers)
         manifests.append((store / "manifest.json").read_text().replace("store-1", "store-0"))
-    assert manifests[0] == manifests[1] and {"repair", "q6_k", "q6_k int4"} <= set(calls)
+    assert manifests[0] == manifests[1] and {"repair", "q6_k int4"} <= set(calls)
+
+
+def test_six_bit_blocks_become_int6_in_groups_of_64(tmp_path):
+    """Q6_K experts and Q5_0 attention (5 and 6 bits: nearer int6 than int4 or int8) are stored int6 in
+    groups of 64 (6.5 bits a weight), re-quantized from the file's values: the model computes what
+    transformers computes on those int6 values, with float activations (each matrix dequantized) and with
+    int8 ones (the kernels)."""
+    model = make_model("qwen3_moe", seed=23, **WIDE)
+    six_bits = {"ffn_gate_exps": Q.Q6_K, "ffn_up_exps": Q.Q6_K, "ffn_down_exps": Q.Q6_K, "attn_q": Q.Q5_0}
+    floats = {"attn_k": Q.F16, "token_embd": Q.F16, "output": Q.F16}  # the rest float: a random model amplifies any rounding
+    types = {**TYPES, **six_bits, **floats}
+    decoded = write_gguf(model, tmp_path / "m.gguf", types=types)
+    store = moestream.convert(tmp_path / "m.gguf", tmp_path / "store", progress=False)
+    manifest = Store(store).manifest
+    six = quant.QuantFormat.make("int6", 64)
+    assert all(layer.quantization == six for layer in manifest.layers)
+    assert manifest.dense["model.layers.0.self_attn.q_proj"] == six
+    def as_int6(value):  # groups run along each row's inputs, so an experts tensor can be taken as rows
+        w = torch.from_numpy(np.ascontiguousarray(value))
+        return quant.reference_dequantize(quant.quantize(w.reshape(-1, w.shape[-1]), six), six).float().view(w.shape).numpy()
+
+    six_values = {name: as_int6(v) for name, v in decoded.items() if ".experts." in name or name.endswith("q_proj.weight")}
+    reference = _reference("qwen3_moe", decoded, torch.bfloat16, WIDE)
+    with torch.no_grad():  # the int6 values as they are (_reference rounds resident float weights to bf16)
+        for name, value in six_values.items():
+            reference.state_dict()[name].copy_(torch.from_numpy(value))
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        for activations, tolerance in (("float", 1e-4), ("int8", 5e-2)):
+            streamed, _ = moestream.load(store, "64MiB", compute_dtype="fp32", activations=activations)
+            got = streamed(ids).logits
+            assert ((got - expected).norm() / expected.norm()).item() <= tolerance, activations
 
 
 @pytest.mark.parametrize("qtype", [Q.MXFP4, Q.IQ4_NL, Q.IQ4_XS])

@@ -55,7 +55,8 @@ def _activations(m: int, k: int, dtype: torch.dtype, g: torch.Generator) -> torc
     return x.to(dtype)
 
 
-FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int3", 64), ("int2", 32), ("int8", None), ("mxfp4", 32), ("iq4nl", 32)]
+FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int3", 64), ("int2", 32), ("int6", 32), ("int6", 64), ("int6", 128), ("int8", None),
+           ("mxfp4", 32), ("iq4nl", 32)]  # fmt: skip
 
 
 @pytest.mark.parametrize("name,group", FORMATS)

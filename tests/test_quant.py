@@ -17,10 +17,12 @@ from moestream.conversion.quant import (
     legacy_codes,
     pack,
     pack_nibbles,
+    pack_six,
     quantize,
     reference_dequantize,
     torch_int4_packing,
     unpack_nibbles,
+    unpack_six,
 )
 from moestream.conversion.skeleton import expert_parameters, experts_modules
 from moestream.conversion.store import Store
@@ -29,7 +31,17 @@ from moestream.core import repack
 from moestream.core.kernels import cpu_record, expert_linear
 from moestream.errors import StoreError, UsageError
 
-FORMATS = [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("int3", 32), ("int2", 32), ("int2", 64)]
+FORMATS = [
+    ("int8", None),
+    ("int6", 32),
+    ("int6", 64),
+    ("int4", 32),
+    ("int4", 64),
+    ("int4", 128),
+    ("int3", 32),
+    ("int2", 32),
+    ("int2", 64),
+]
 
 
 @pytest.mark.parametrize("shape", [(16, 32), (48, 64), (96, 256), (256, 128), (80, 192)])
@@ -76,6 +88,22 @@ def test_dense_int2_int3_bytes_expand_to_the_int4_bytes(bits):
         dense = compress_int4_bytes(int4_bytes, bits)
         assert dense.shape == (48, 256 * bits // 8) and dense.dtype == torch.uint8
         assert torch.equal(expand_int4_bytes(dense, bits), int4_bytes)
+
+
+def test_int6_bytes_hold_each_codes_low_nibble_and_top_bits_where_the_kernels_read_them():
+    codes = torch.randint(0, 64, (24, 320), generator=torch.Generator().manual_seed(6), dtype=torch.uint8)
+    stored = pack_six(codes)
+    assert stored.shape == (24, 320 // 64 * 48) and stored.dtype == torch.uint8
+    assert torch.equal(unpack_six(stored), codes)
+    chunk = stored[:, 48:96]  # the second 64 inputs: their nibbles, then their tops
+    assert torch.equal(unpack_nibbles(chunk[:, :32].contiguous()), codes[:, 64:128] & 15)
+    tops = chunk[:, 32:].long()
+    # byte u: the tops of inputs 2u, 2u + 1 (bits 0-3), then of inputs 32 + 2u, 33 + 2u (bits 4-7)
+    for u, shift, first in ((0, 0, 0), (5, 0, 10), (3, 4, 38), (15, 4, 62)):
+        assert torch.equal((tops[:, u] >> shift) & 3, codes[:, 64 + first].long() >> 4)
+        assert torch.equal((tops[:, u] >> (shift + 2)) & 3, codes[:, 65 + first].long() >> 4)
+    with pytest.raises(UsageError, match="int6 stores them in 64s"):
+        QuantFormat.make("int6", 32).check_shape(16, 96, "w")
 
 
 def test_table_formats_take_the_nearest_table_value():
@@ -144,10 +172,10 @@ def _dequantized_reference(ckpt, fmt):
     return model
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("name", ["int8", "int6", "int4", "int2"])
 def test_quantized_model_equals_transformers_on_dequantized_weights(checkpoint, tmp_path, name):
     family, ckpt = checkpoint
-    fmt = QuantFormat.make(name)
+    fmt = QuantFormat.make(name, 64 if name == "int6" else 32)  # convert's default group sizes
     store = moestream.convert(ckpt, tmp_path / "store", name, progress=False)
     streamed, _ = moestream.load(store, Store(store).manifest.max_record_stride * 2)  # two experts: evicts all the time
     reference = _dequantized_reference(ckpt, fmt)

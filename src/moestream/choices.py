@@ -10,8 +10,8 @@ drift apart (tests/test_cli.py checks each list against its implementation's tab
 
 #: Expert weights kept as floats (conversion/convert.py maps each to its torch dtype).
 FLOAT_FORMATS = ("bf16", "fp16", "fp32")
-#: Low-bit formats (conversion/quant.py): int8 per output channel, int4/int3/int2 per group, affine.
-QUANT_FORMATS = ("int8", "int4", "int3", "int2")
+#: Low-bit formats (conversion/quant.py): int8 per output channel, int6/int4/int3/int2 per group, affine.
+QUANT_FORMATS = ("int8", "int6", "int4", "int3", "int2")
 #: 4-bit codes into a fixed table of 16 values, a scale per 32 (conversion/quant.py): what a GGUF's MXFP4
 #: (gpt-oss) and IQ4_NL/IQ4_XS blocks hold, kept exactly. Chosen by the converter for such blocks, not asked for.
 TABLE_FORMATS = ("mxfp4", "iq4nl")
@@ -19,8 +19,8 @@ TABLE_FORMATS = ("mxfp4", "iq4nl")
 EXPERT_FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 #: `convert --dense-dtype`: resident linear layers (attention, shared experts, dense MLPs) in the model's
 #: float dtype, or quantized into these kernel formats (core/dense.py runs them).
-DENSE_FORMATS = ("float", "int8", "int4")
-#: Weights per scale of int4/int3/int2.
+DENSE_FORMATS = ("float", "int8", "int6", "int4")
+#: Weights per scale of int6/int4/int3/int2.
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 

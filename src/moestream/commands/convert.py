@@ -26,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--experts-dtype",
         choices=EXPERT_FORMATS,
         default=None,
-        help="how expert weights are stored: bf16/fp16/fp32, or int8 (per channel), int4, int3, int2 (per "
+        help="how expert weights are stored: bf16/fp16/fp32, or int8 (per channel), int6, int4, int3, int2 (per "
         "group, affine); default: the checkpoint's float dtype (bf16 for FP8/MXFP4 sources), and for a GGUF "
-        "each layer at the bits of its blocks (Q4_x: int4, keeping the codes; Q5_x: int4; Q6_K, Q8_0: int8; "
+        "each layer at the bits of its blocks (Q4_x: int4, keeping the codes; Q5_x, Q6_K: int6; Q8_0: int8; "
         "Q3_K: int3; Q2_K: int2). Fewer bits read less from disk and cache more experts; `moestream eval` "
         "shows what they cost in quality",
     )
@@ -45,17 +45,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         choices=GROUP_SIZES,
-        help=f"weights per scale for int4/int3/int2 (default {DEFAULT_GROUP_SIZE}; for a GGUF 32, its blocks' size, "
-        "which keeps the codes of its 4-bit blocks)",
+        help=f"weights per scale for int6/int4/int3/int2 (default {DEFAULT_GROUP_SIZE}, int6 64; for a GGUF 32, its "
+        "blocks' size, which keeps the codes of its 4-bit blocks)",
     )
     parser.add_argument(
         "--dense-dtype",
         choices=DENSE_FORMATS,
         default=None,
         help="how the resident linear layers (attention, shared experts, dense MLPs, an untied LM head; not the "
-        "routers) are stored: float (the model's dtype, default), int8 (per channel) or int4 (per group, "
-        "--group-size; the LM head int8); default for a GGUF: each at the bits of its blocks (4-5 bits: int4, "
-        "6-8: int8, float: float). "
+        "routers) are stored: float (the model's dtype, default), int8 (per channel), int6 or int4 (per group, "
+        "--group-size; int6 64 by default), the LM head never below int6 (llama.cpp's Q4 files keep it Q6_K); "
+        "default for a GGUF: each at the bits of its blocks (4 bits: int4, 5-6: int6, 7-8: int8, float: float). "
         "They are read for every token, so fewer bits decode faster and leave more memory to the expert cache",
     )
     parser.add_argument(

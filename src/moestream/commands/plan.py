@@ -37,21 +37,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bits",
         type=int,
         default=16,
-        choices=[16, 8, 4, 3, 2],
-        help="expert format: 16 = bf16, 8 = int8, 4/3/2 = int4/int3/int2 (default 16)",
+        choices=[16, 8, 6, 4, 3, 2],
+        help="expert format: 16 = bf16, 8 = int8, 6/4/3/2 = int6/int4/int3/int2 (default 16)",
     )
     parser.add_argument(
         "--group-size",
         type=int,
-        default=DEFAULT_GROUP_SIZE,
+        default=None,
         choices=GROUP_SIZES,
-        help=f"weights per scale for 4/3/2 bits (default {DEFAULT_GROUP_SIZE})",
+        help=f"weights per scale for 6/4/3/2 bits (default {DEFAULT_GROUP_SIZE}, 6 bits 64: as `convert`)",
     )
     parser.add_argument(
         "--dense-dtype",
         choices=DENSE_FORMATS,
         default="float",
-        help="resident linear layers as `convert --dense-dtype` stores them: float (default), int8 or int4; "
+        help="resident linear layers as `convert --dense-dtype` stores them: float (default), int8, int6 or int4; "
         "fewer resident bytes leave more of --memory to the expert cache",
     )
     parser.add_argument(

@@ -42,6 +42,7 @@ from .quant import (
     Quantized,
     dense_formats,
     expert_record_specs,
+    group_for,
     int4_parts,
     pack,
     parse_layer_rules,
@@ -488,15 +489,15 @@ def convert(
     """Convert the Hugging Face checkpoint directory `src` (or a llama.cpp GGUF file, gguf_source.py) into a
     moestream store at `dst`.
 
-    experts_dtype: "bf16", "fp16", "fp32" (floats) or "int8", "int4", "int3", "int2" (quant.py); default:
+    experts_dtype: "bf16", "fp16", "fp32" (floats) or "int8", "int6", "int4", "int3", "int2" (quant.py); default:
         the checkpoint's own float dtype (bf16 for FP8/MXFP4 sources); for a GGUF, each layer at the bits
         of its blocks (`_gguf_bits_format`).
     layer_dtypes: per-layer overrides such as ["0-3=int3", "-1=int4"], counted over the MoE layers.
-    group_size: inputs per scale of the int4/int3/int2 formats (32, 64 or 128); default 64, or 32 for a
-        GGUF (its blocks' size, so that 4-bit blocks keep their codes).
-    dense_dtype: "float" (the model's dtype; the default), "int8" or "int4": the resident linear layers
-        (attention projections, shared experts, dense MLPs, an untied LM head at int8 at least; not the
-        routers); default for a GGUF: each at the bits of its blocks. A layer whose shape the int4 kernel
+    group_size: inputs per scale of the int6/int4/int3/int2 formats (32, 64 or 128); default 32 (its blocks'
+        size for a GGUF, so that 4-bit blocks keep their codes), 64 for int6.
+    dense_dtype: "float" (the model's dtype; the default), "int8", "int6" or "int4": the resident linear layers
+        (attention projections, shared experts, dense MLPs, an untied LM head at 6 bits at least: int6 in
+        groups of 64 unless asked otherwise; not the routers); default for a GGUF: each at the bits of its blocks. A layer whose shape the int4 kernel
         cannot take is stored int8, one neither kernel can take stays float.
     tokenizer: a directory whose tokenizer files (EXTRA_FILES) the store gets instead of the source's (a
         GGUF's tokenizer is then not rebuilt from its metadata).
@@ -532,18 +533,25 @@ def convert(
     try:
         plan = plan_conversion(model, ckpt)
         rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
+        asked_group = group_size
         if group_size is None:
             group_size = BLOCK_GROUP if gguf is not None else DEFAULT_GROUP_SIZE
+
+        def group_of(choice: str | None) -> int:
+            return group_for(choice, asked_group, group_size)
+
         if gguf is not None and experts_dtype is None:  # each layer at its blocks' bits, unless a rule says
             rules = {
                 i: rules.get(i, _gguf_expert_choice(gguf, sources, module)) for i, (_, module, sources) in enumerate(plan.experts)
             }
-        formats = [_layer_format(rules.get(i, experts_dtype), group_size) for i in range(len(plan.experts))]
+        formats = [
+            _layer_format(rules.get(i, experts_dtype), group_of(rules.get(i, experts_dtype))) for i in range(len(plan.experts))
+        ]
         linears = [(n, m.out_features, m.in_features, head) for n, m, head in dense_linears(model)]
         if gguf is not None and dense_dtype is None:
-            dense = _gguf_dense_formats(gguf, plan, linears, group_size)
+            dense = _gguf_dense_formats(gguf, plan, linears, group_of)
         else:
-            dense = dense_formats(linears, dense_dtype or "float", group_size)
+            dense = dense_formats(linears, dense_dtype or "float", group_of(dense_dtype), group_of("int6"))
         if gguf is not None and dense_dtype != "float":  # its quantized token embedding kept quantized
             dense.update(_gguf_embedding_format(gguf, model, plan, group_size))
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -571,13 +579,14 @@ def convert(
 
 # The store formats a GGUF block type's bits map to by default (None: the checkpoint's float dtype), for
 # experts and for resident linear layers (which have no int3/int2 kernels).
-_EXPERT_BITS = {2: "int2", 3: "int3", 4: "int4", 8: "int8", 16: None}
-_DENSE_BITS = {4: "int4", 8: "int8", 16: "float"}
+_EXPERT_BITS = {2: "int2", 3: "int3", 4: "int4", 6: "int6", 8: "int8", 16: None}
+_DENSE_BITS = {4: "int4", 6: "int6", 8: "int8", 16: "float"}
 
 
 def _gguf_bits_format(bits: float, table: dict[int, str | None]) -> str | None:
-    """The format of `table` at the bits nearest a tensor's code bits (Q4_K: 4 -> int4, Q5_K: 5 -> int4,
-    Q6_K: 6 -> int8, Q3_K: 3 -> int3; float: 16); a tie goes to the wider one, which loses nothing."""
+    """The format of `table` at the bits nearest a tensor's code bits (Q4_K: 4 -> int4, Q5_K: 5 -> int6,
+    Q6_K: 6 -> int6, Q8_0: 8 -> int8, Q3_K: 3 -> int3; float: 16); a tie goes to the wider one, which loses
+    nothing."""
     return table[min(table, key=lambda b: (abs(b - bits), -b))]
 
 
@@ -604,10 +613,10 @@ def _gguf_expert_choice(gguf, sources: dict[str, _ExpertSource], module) -> str 
     return _gguf_bits_format(total / weights, _EXPERT_BITS)
 
 
-def _gguf_dense_formats(gguf, plan: ConversionPlan, linears, group_size: int) -> dict[str, QuantFormat]:
+def _gguf_dense_formats(gguf, plan: ConversionPlan, linears, group_of) -> dict[str, QuantFormat]:
     """Each resident linear layer's default format from a GGUF: the table format its MXFP4/IQ4 blocks are codes
     of (kept exactly); else the bits of its blocks (dense_formats then widens where a kernel cannot take the
-    shape, and keeps the LM head at int8 at least)."""
+    shape, and keeps the LM head at 6 bits at least)."""
     by_choice: dict[str, list] = {}
     dense = {}
     for linear in linears:
@@ -620,7 +629,7 @@ def _gguf_dense_formats(gguf, plan: ConversionPlan, linears, group_size: int) ->
         bits = gguf.code_bits(_first_key(source)) if source is not None else None
         by_choice.setdefault(_gguf_bits_format(bits or 16, _DENSE_BITS), []).append(linear)
     for choice, group in by_choice.items():
-        dense.update(dense_formats(group, choice, group_size))
+        dense.update(dense_formats(group, choice, group_of(choice), group_of("int6")))
     return dense
 
 

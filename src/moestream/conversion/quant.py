@@ -16,6 +16,12 @@ tensors a kernel consumes directly (kernels.py), so a record goes from disk to t
   doubled with s = 2^(e - 128) (llama.cpp's kvalues_mxfp4), IQ4_NL's 16 levels with its block scale: a GGUF's
   MXFP4, IQ4_NL and IQ4_XS blocks are kept exactly (z = 0), up to IQ4's scales rounded to bf16. Their int8
   values run through the same int8-activation kernels as int8 weights (a table lookup per 32 codes).
+- int6: the int4 formula with codes 0..63 (W = (q - 8) * s + z, z = m + 8 s as for int3/int2), for what a
+  GGUF's Q6_K holds (its LM heads and down projections) at about its size: `qweight` uint8 [N, K/64 * 48],
+  per 64 inputs the 32 portable nibble bytes of the codes' low 4 bits, then 16 bytes of their top 2 bits
+  (byte u: the tops of nibble byte u's two codes in bits 0-3, those of nibble byte u + 16's in bits 4-7;
+  `pack_six`). The kernels read both parts as they are (core/lowbit_dot.h); it runs with int8 activations,
+  elsewhere (float activations, a GPU) dequantized for each call. K must be a multiple of 64.
 - int3, int2: the int4 format restricted to codes 0..2^b-1 (so W = (q - 8) * s + z = q * s + m with
   z = m + 8 s), with the int4 bytes compressed densely: int2 keeps the 2 used bits of every nibble (two
   int4 bytes in one), int3 the 3 used bits (four int4 bytes in three). Expanding back is a handful of
@@ -50,6 +56,13 @@ TABLES = {
     "iq4nl": (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
 }
 TABLE_GROUP = 32  # a table format's weights per scale: the blocks it holds
+#: int6's weights per scale where none is asked for: 6.5 bits a weight, about a GGUF's Q6_K (6.56).
+SIX_GROUP = 64
+
+
+def group_for(name: str | None, asked: int | None, default: int = DEFAULT_GROUP_SIZE) -> int:
+    """The group size of format `name`: the one asked for, else int6's SIX_GROUP, else `default`."""
+    return asked or (SIX_GROUP if name == "int6" else default)
 
 
 def torch_int4_packing() -> str:
@@ -109,6 +122,8 @@ class QuantFormat:
             raise UsageError(f"{what} has {k} inputs, not a multiple of the group size {self.group_size}; {hint}")
         if self.group_size and n % 16:
             raise UsageError(f"{what} has {n} outputs; the int4 kernel needs a multiple of 16: use int8 for it")
+        if self.bits == 6 and k % 64:
+            raise UsageError(f"{what} has {k} inputs; int6 stores them in 64s: use int8 for it")
 
     def record_specs(self, name: str, n: int, k: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """The record tensors that store one [N, K] matrix called `name`."""
@@ -181,6 +196,8 @@ def pack(q: Quantized, fmt: QuantFormat, name: str) -> dict[str, torch.Tensor]:
     """The record tensors of `record_specs`, in the portable layout."""
     if fmt.name == "int8":
         return {f"{name}.qweight": q.codes, f"{name}.scales": q.scales.to(torch.float32)}
+    if fmt.bits == 6:
+        return int4_parts(name, pack_six(q.codes), q.scales, q.offsets)
     nibbles = pack_nibbles(q.codes)
     return int4_parts(name, nibbles if fmt.bits == 4 else compress_int4_bytes(nibbles, fmt.bits), q.scales, q.offsets)
 
@@ -209,8 +226,33 @@ def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
     return torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(nibbles.shape[0], -1)
 
 
+def pack_six(codes: torch.Tensor) -> torch.Tensor:
+    """int6 codes [N, K] (0..63) -> the stored bytes [N, K/64 * 48]: per 64 inputs their low 4 bits as
+    portable nibbles (32 bytes), then their top 2 bits (16 bytes; the format's layout, module docstring)."""
+    codes = codes.to(torch.uint8)
+    n = codes.shape[0]
+    nibbles = pack_nibbles(codes & 15).view(n, -1, 32)  # [N, K/64, 32]
+    top = (codes >> 4).view(n, -1, 32, 2)  # [N, K/64, nibble byte, low/high code]
+    pairs = top[..., 0] | (top[..., 1] << 2)  # each nibble byte's two tops, 4 bits
+    tops = pairs[..., :16] | (pairs[..., 16:] << 4)
+    return torch.cat([nibbles, tops], dim=2).view(n, -1).contiguous()
+
+
+def unpack_six(stored: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_six: codes [N, K] (uint8, 0..63), on the bytes' device."""
+    n = stored.shape[0]
+    chunks = stored.view(n, -1, 48)
+    low = unpack_nibbles(chunks[..., :32].reshape(n, -1)).view(n, -1, 32, 2)
+    tops = chunks[..., 32:]
+    pairs = torch.cat([tops & 15, tops >> 4], dim=2)  # [N, K/64, 32]: nibble byte u's two tops
+    top = torch.stack([pairs & 3, pairs >> 2], dim=-1)
+    return (low | (top << 4)).view(n, -1)
+
+
 def stored_codes(qweight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """The [N, K] codes of a stored int4/int3/int2 matrix in the portable layout."""
+    """The [N, K] codes of a stored int6/int4/int3/int2 matrix in the portable layout."""
+    if fmt.bits == 6:
+        return unpack_six(qweight)
     return unpack_nibbles(qweight if fmt.bits == 4 else expand_int4_bytes(qweight, fmt.bits))
 
 
@@ -327,10 +369,13 @@ def expert_record_specs(
     return specs
 
 
-def dense_formats(linears: list[tuple[str, int, int, bool]], dense_dtype: str, group_size: int) -> dict[str, QuantFormat]:
+def dense_formats(
+    linears: list[tuple[str, int, int, bool]], dense_dtype: str, group_size: int, head_group: int = SIX_GROUP
+) -> dict[str, QuantFormat]:
     """The format of each resident linear layer (name, out features, in features, is the LM head) to
     quantize: the one asked for where its shape fits the kernel, else the next wider one (int4 -> int8
-    -> float); the LM head never below int8."""
+    -> float). The LM head never goes below 6 bits: int6 in groups of `head_group` (what llama.cpp's Q4
+    files keep theirs in: Q6_K, 6.56 bits), or int8 where asked for or where int6 cannot take its shape."""
     if dense_dtype not in DENSE_FORMATS:
         raise UsageError(f"unknown dense dtype {dense_dtype!r}; choose one of {', '.join(DENSE_FORMATS)}")
     if dense_dtype == "float":
@@ -338,7 +383,11 @@ def dense_formats(linears: list[tuple[str, int, int, bool]], dense_dtype: str, g
     int8 = QuantFormat.make("int8")
     chosen = {}
     for name, n, k, head in linears:
-        for fmt in [int8] if head or dense_dtype == "int8" else [QuantFormat.make("int4", group_size), int8]:
+        if dense_dtype == "int8":
+            narrow = []
+        else:
+            narrow = [QuantFormat.make("int6", head_group) if head else QuantFormat.make(dense_dtype, group_size)]
+        for fmt in narrow + [int8]:
             try:
                 fmt.check_shape(n, k, name)
             except UsageError:

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from ..errors import UsageError
-from .quant import DEFAULT_GROUP_SIZE, QuantFormat, dense_formats, expert_record_specs
+from .quant import DEFAULT_GROUP_SIZE, QuantFormat, dense_formats, expert_record_specs, group_for
 from .store import Manifest, RecordLayout
 
-BITS = (16, 8, 4, 3, 2)  # `plan --bits`: bf16 experts, int8, int4, int3, int2
+BITS = (16, 8, 6, 4, 3, 2)  # `plan --bits`: bf16 experts, int8, int6, int4, int3, int2
 
 # Family names of the number of routed experts one token uses per MoE layer, first match wins.
 # hunyuan_v1_moe and longcat_flash say moe_topk (hunyuan's may be a per-layer list), dbrx moe_top_k,
@@ -161,13 +161,13 @@ class ModelSizes:
         )
 
     @staticmethod
-    def of_config(config, bits: int = 16, group_size: int = DEFAULT_GROUP_SIZE, dense_dtype: str = "float") -> "ModelSizes":
+    def of_config(config, bits: int = 16, group_size: int | None = None, dense_dtype: str = "float") -> "ModelSizes":
         """Exact sizes from a transformers config: the model built on the meta device (no memory), each
         record laid out by the converter's own code at the format `bits` gives (expert_format), and the
         resident linears quantized as `convert --dense-dtype` would."""
         from .skeleton import build_skeleton, dense_linears, expert_parameters, experts_modules, model_dtype
 
-        fmt, float_dtype, name = expert_format(bits, group_size)
+        fmt, float_dtype, name = expert_format(bits, group_for(f"int{bits}", group_size))
         dtype = model_dtype(config)
         model = build_skeleton(config, dtype)
         expert_names, strides, payloads, counts, weights = set(), [], [], [], 0
@@ -183,7 +183,12 @@ class ModelSizes:
             weights = max(weights, sum(int(np.prod(s)) for s in shapes.values() if len(s) == 2))
         tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
         linears = dense_linears(model)
-        dense = dense_formats([(n, m.out_features, m.in_features, head) for n, m, head in linears], dense_dtype, group_size)
+        dense = dense_formats(
+            [(n, m.out_features, m.in_features, head) for n, m, head in linears],
+            dense_dtype,
+            group_for(dense_dtype, group_size),
+            group_for("int6", group_size),
+        )
         resident = sum(
             t.numel() * t.element_size()
             for n, t in model.state_dict().items()
@@ -273,7 +278,9 @@ class ModelSizes:
 def expert_format(bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[QuantFormat | None, torch.dtype | None, str]:
     """--bits -> (quantized format or None, float dtype or None, name as `inspect` shows it)."""
     if bits not in BITS:
-        raise UsageError(f"--bits must be one of {', '.join(map(str, BITS))} (16: bf16 experts, 8: int8, 4/3/2: int4/int3/int2)")
+        raise UsageError(
+            f"--bits must be one of {', '.join(map(str, BITS))} (16: bf16 experts, 8: int8, 6/4/3/2: int6/int4/int3/int2)"
+        )
     if bits == 16:
         return None, torch.bfloat16, "bfloat16"
     fmt = QuantFormat.make(f"int{bits}", group_size)

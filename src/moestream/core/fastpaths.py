@@ -112,11 +112,16 @@ def _records(engine, on_gpu: bool) -> FastPath | None:
     layers = [engine.layers[i] for i in indices]
     if on_gpu:
         return FastPath("int4 records", len(layers), len(layers), "read by the GPU kernels as stored")
-    # int8-activation kernels, and the table formats' float path, read records as stored
-    as_stored = sum(engine.int8_activations[i] or engine.layers[i].quantization.table is not None for i in indices)
+
+    # int8-activation kernels, and the float paths of the table formats and int6, read records as stored
+    def read_as_stored(i: int) -> bool:
+        fmt = engine.layers[i].quantization
+        return engine.int8_activations[i] or fmt.table is not None or fmt.name == "int6"
+
+    as_stored = sum(map(read_as_stored, indices))
     if as_stored == len(layers):
         return FastPath("int4 records", len(layers), len(layers), "read as stored by the int8-activation kernels")
-    portable = [layer for layer in layers if layer.quantization.portable]
+    portable = [engine.layers[i] for i in indices if engine.layers[i].quantization.portable and not read_as_stored(i)]
     if not portable:
         return FastPath("int4 records", len(layers), len(layers), "stored in this machine's kernel layout (format 3)")
     fast = sum(all(repack.in_cpp(n, k) for n, k in layer.quantized_matrices) for layer in portable)

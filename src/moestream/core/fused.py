@@ -326,8 +326,8 @@ def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activat
     """The fused kernel for one token through a layer's experts (`experts_decode`) with the
     record tensors' names it takes, its bits, group size, whether it takes int8 activations (the
     layer's `int8_activations`, whose records are then as stored) and a table format's values (else None);
-    or None where it does not apply: a device tier, float or int3/int2 records, a table format's in float
-    activations, int8 in bf16 at widths torch's kernel gets wrong (kernels.py's `_int8`), or a
+    or None where it does not apply: a device tier, float or int3/int2 records, a table format's or int6's in
+    float activations, int8 in bf16 at widths torch's kernel gets wrong (kernels.py's `_int8`), or a
     module whose gate differs from the kernel's. int4 with float32 activations casts them to bf16 and back,
     as kernels.py's `_int4` does, so both compute the same numbers."""
     fmt = layer.quantization
@@ -338,7 +338,7 @@ def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activat
         if not int8_activations:
             return None
         table = kernels.table_values(fmt.name)
-    elif fmt.name not in ("int4", "int8"):
+    elif fmt.name not in ("int4", "int8") and not (fmt.name == "int6" and int8_activations):
         return None
     first = "gate_up_proj" if module.has_gate else "up_proj"
     shapes = {t.name: t.shape for t in layer.layout.tensors}
@@ -376,7 +376,7 @@ def _projection(linear: nn.Module) -> tuple | None:
     if isinstance(linear, dense.QuantizedLinear) and linear.bias is None:
         fmt = linear.fmt
         params = linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, linear.int8_activations
-        if fmt.name in ("int8", "int4"):
+        if fmt.name in ("int8", "int4") or (fmt.name == "int6" and linear.int8_activations):
             return *params, _NO_TABLE
         if fmt.table is not None and linear.int8_activations:
             return *params, kernels.table_values(fmt.name)

@@ -172,19 +172,21 @@ static torch::Tensor over_rows(const lowbit::Activations& a, int64_t n, int64_t 
   return dtype == at::kFloat ? y : y.to(dtype);
 }
 
-// int4 codes in the store's portable nibbles, w [N, K/2] uint8, with scales and zeros [K/G, N, 2] bf16.
+// The int4 family's codes in the store's portable bytes, w [N, K/2] uint8 (int6: [N, K/64*48], lowbit::row_bytes),
+// with scales and zeros [K/G, N, 2] bf16.
 static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& sz, int64_t bits, at::ScalarType dtype,
                                const int8_t* table = nullptr) {
-  TORCH_CHECK(bits >= 2 && bits <= 4, "int4 x int8: 2, 3 or 4 bits");
+  TORCH_CHECK((bits >= 2 && bits <= 4) || bits == 6, "int4 x int8: 2, 3, 4 or 6 bits");
   const int64_t n = w.size(0);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) * 2 == a.k && n % 8 == 0,
-              "int4 x int8: the codes must be contiguous uint8 [N, K/2], N a multiple of 8");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == lowbit::row_bytes(static_cast<int>(bits), a.k) &&
+                  n % 8 == 0,
+              "int4 x int8: the codes must be contiguous uint8 [N, K/2] (int6: [N, 3K/4]), N a multiple of 8");
   TORCH_CHECK(sz.dim() == 3 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.size(0) * a.group == a.k && sz.size(1) == n &&
                   sz.size(2) == 2,
               "int4 x int8: scales and zeros must be contiguous bf16 [K/G, N, 2]");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
-  return over_rows(a, n, 8, a.k / 2, dtype,
+  return over_rows(a, n, 8, w.size(1), dtype,
                    [&](int64_t b, int64_t e, float* y) { lowbit::int4_rows(a, wp, sp, static_cast<int>(bits), n, b, e, y, table); });
 }
 
@@ -228,10 +230,10 @@ static const int8_t* table_values(const c10::optional<torch::Tensor>& table) {
 }
 
 // x [M, K] @ W.T for an int4 (portable nibbles) or int8 matrix, in int8 activations -> [M, N] in x's dtype.
-// int3/int2 come as their int4 bytes (quant.expand_int4_bytes) with their `bits`.
+// int3/int2 come as their int4 bytes (quant.expand_int4_bytes) with their `bits`; int6 as stored.
 torch::Tensor int4_matmul(torch::Tensor x, torch::Tensor w, torch::Tensor scales_zeros, int64_t group, int64_t bits) {
   TORCH_CHECK(group > 0 && group % lowbit::kBlock == 0, "int4_matmul: the group size must be a multiple of 32");
-  TORCH_CHECK(bits >= 2 && bits <= 4, "int4_matmul: 2, 3 or 4 bits");
+  TORCH_CHECK((bits >= 2 && bits <= 4) || bits == 6, "int4_matmul: 2, 3, 4 or 6 bits");
   return integer_matmul(x, w, scales_zeros, bits, group);
 }
 
@@ -540,7 +542,7 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   TORCH_CHECK(n > 0 && first_params.size() == first.size() && second.size() == first.size() && second_params.size() == first.size(),
               "experts_decode: one first and one second matrix per expert");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "experts_decode: x must be one contiguous row [1, H]");
-  TORCH_CHECK(bits == 4 || bits == 8, "experts_decode: 4 or 8 bits");
+  TORCH_CHECK(bits == 4 || bits == 8 || (bits == 6 && integer), "experts_decode: 4 or 8 bits (6 with int8 activations)");
   const int8_t* values = table_values(table);  // a 4-bit table format (int8 activations only), or null
   TORCH_CHECK(values == nullptr || (integer && bits == 4 && group == lowbit::kBlock), "experts_decode: a table format takes int8 activations");
   thread_local lowbit::Activations shared;  // with `integer`: x quantized once for every expert's first matrix
@@ -607,7 +609,7 @@ std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weigh
   torch::Tensor states[3];
   // With int8 activations and one format for all three, x is quantized once for them (as each would).
   const bool shared = integer[0] && integer[1] && integer[2] && bits[0] == bits[1] && bits[1] == bits[2] && groups[0] == groups[1] &&
-                      groups[1] == groups[2] && (bits[0] == 4 || bits[0] == 8) && same_table(1) && same_table(2);
+                      groups[1] == groups[2] && (bits[0] == 4 || bits[0] == 6 || bits[0] == 8) && same_table(1) && same_table(2);
   thread_local lowbit::Activations xq;
   if (shared) quantize_for(x, bits[0], groups[0], xq);
   for (int i = 0; i < 3; ++i) {

@@ -35,7 +35,16 @@ import torch.nn.functional as F
 
 from .. import choices
 from ..choices import ACTIVATIONS
-from ..conversion.quant import TABLES, QuantFormat, expand_int4_bytes, pack, quantize, torch_int4_packing, unpack_nibbles
+from ..conversion.quant import (
+    TABLES,
+    QuantFormat,
+    expand_int4_bytes,
+    pack,
+    quantize,
+    stored_codes,
+    torch_int4_packing,
+    unpack_nibbles,
+)
 from ..errors import StoreError, UsageError
 from . import fused_build
 from .repack import RecordPreparer
@@ -57,6 +66,13 @@ def _int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fm
     if x.dtype == torch.bfloat16:
         return torch._weight_int4pack_mm_for_cpu(x, qweight, fmt.group_size, scales_zeros)
     return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qweight, fmt.group_size, scales_zeros).to(x.dtype)
+
+
+def _int6(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """int6 in float activations, on any device: torch has no kernel for its codes, so the matrix is
+    dequantized to the activations' dtype for this call, then one matmul (slow: on the CPU the
+    int8-activation kernel is the fast path, `choose_activations`)."""
+    return _affine_dequantized(x, stored_codes(qweight, fmt), scales_zeros, fmt)
 
 
 def _table(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -115,7 +131,11 @@ def int4_dequantized(x: torch.Tensor, nibbles: torch.Tensor, scales_zeros: torch
     """int4 on a device without torch's CPU int4 kernel (CUDA): the codes of the portable layout as stored
     (`quant.unpack_nibbles`), dequantized to the activations' dtype for this call (W = (q - 8) * s + z per
     group), then one matmul."""
-    codes = unpack_nibbles(nibbles)
+    return _affine_dequantized(x, unpack_nibbles(nibbles), scales_zeros, fmt)
+
+
+def _affine_dequantized(x: torch.Tensor, codes: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """x @ W.T for codes [N, K] of the int4 formula (W = (q - 8) * s + z per group), dequantized in x's dtype."""
     n, k = codes.shape
     groups = codes.view(n, k // fmt.group_size, fmt.group_size).to(x.dtype)
     scales = scales_zeros[..., 0].t().to(x.dtype)[:, :, None]  # [N, K/G, 1]
@@ -135,7 +155,14 @@ def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_act
     with the record's tensors), or None where they take them as stored: float and int8 records, a GPU,
     int8-activation kernels, and a version 3 store's records (already in this machine's kernel layout,
     `check_packing`)."""
-    if fmt is None or fmt.name == "int8" or fmt.table is not None or not cpu_kernels or int8_activations or not fmt.portable:
+    if (
+        fmt is None
+        or fmt.name in ("int8", "int6")
+        or fmt.table is not None
+        or not cpu_kernels
+        or int8_activations
+        or not fmt.portable
+    ):
         return None
     return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
 
@@ -144,7 +171,7 @@ def cpu_record(record: dict[str, torch.Tensor], fmt: QuantFormat | None) -> dict
     """A portable record's tensors as torch's CPU kernels take them (a copy; what the engine does in place
     where a record lands), for callers that compute with records outside the engine."""
     record = {name: t.clone() for name, t in record.items()}
-    if fmt is not None and fmt.name != "int8" and fmt.table is None:
+    if fmt is not None and fmt.name not in ("int8", "int6") and fmt.table is None:
         RecordPreparer(fmt, [name for name in record if name.endswith(".qweight")])(record)
     return record
 
@@ -163,9 +190,10 @@ def check_packing(fmt: QuantFormat | None, where: str, on_gpu: bool) -> None:
         )
 
 
-_KERNELS = {"int8": _int8, "int4": _int4, "int3": _int4, "int2": _int4, "mxfp4": _table, "iq4nl": _table}
-_INT8_ACTIVATION_KERNELS = {"int8": _int8_activations_int8, "int4": _int8_activations_int4, "int3": _int8_activations_int4,
-                            "int2": _int8_activations_int4, "mxfp4": _int8_activations_table, "iq4nl": _int8_activations_table}  # fmt: skip
+_KERNELS = {"int8": _int8, "int6": _int6, "int4": _int4, "int3": _int4, "int2": _int4, "mxfp4": _table, "iq4nl": _table}
+_INT8_ACTIVATION_KERNELS = {"int8": _int8_activations_int8, "int6": _int8_activations_int4, "int4": _int8_activations_int4,
+                            "int3": _int8_activations_int4, "int2": _int8_activations_int4, "mxfp4": _int8_activations_table,
+                            "iq4nl": _int8_activations_table}  # fmt: skip
 
 
 def quantized_matmul(
@@ -250,7 +278,8 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
         return False, "float activations: the model runs on a GPU"
     if not fitting:
         return False, "float activations: no quantized matrix here that the int8-activation kernels take"
-    tables = sorted({fmt.name for fmt, _, _ in fitting if fmt.table is not None})
+    # formats torch has no kernel for: their float path dequantizes each matrix at every matmul
+    tables = sorted({fmt.name for fmt, _, _ in fitting if fmt.table is not None or fmt.name == "int6"})
     if _compiled() is None:
         if choice == "int8":
             why = fused_build.unavailable_reason() or "turned off in this process"
@@ -294,7 +323,7 @@ def int8_activations_reference(x: torch.Tensor, qweight: torch.Tensor, params: t
         middle, codes = 8, torch.tensor(fmt.table, dtype=torch.float64)[unpack_nibbles(qweight).long()]
     else:
         middle = 2 ** (fmt.bits - 1)  # W = (c - C) s + (z - (8 - C) s): codes centred on C
-        codes = unpack_nibbles(qweight if fmt.bits == 4 else expand_int4_bytes(qweight, fmt.bits)).double() - middle
+        codes = stored_codes(qweight, fmt).double() - middle
     n, g = codes.shape[0], fmt.group_size
     per_block = torch.einsum("mbi,nbi->mnb", q, codes.view(n, k // 32, 32)) * d[:, None, :]
     per_group = per_block.view(m, n, k // g, g // 32).sum(-1)

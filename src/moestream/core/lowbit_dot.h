@@ -13,6 +13,7 @@
 //   (the second term takes the float activations: it costs nothing and drops that term's rounding; centred
 //   codes keep the first term's small, so int2 and int3 lose no more to the activations' rounding than int4)
 //   int8, W = c s per output channel: y = s sum_b d_b sum_{i in b} c_i q_i
+//   int6 is the same formula with b = 6 (codes 0..63, C = 32); its bytes differ (below, `row_bytes`)
 //   a 4-bit table format (quant.py: MXFP4's e2m1 values, IQ4_NL's levels), W = T[c] s_g + z_g with T 16 int8
 //   values: y = sum_g [ s_g sum_{b in g} d_b sum_{i in b} T[c_i] q_i  +  z_g sum_{i in g} x_i ]
 // Sums over a block are exact integers; the sums over blocks and groups are float32, as is the result.
@@ -42,6 +43,13 @@ constexpr int64_t kPrefetchRows = 4;        // weight rows ahead of the one bein
 constexpr int64_t kPrefetchScaleRows = 32;  // rows ahead in the scales, two cache lines of each group
 
 constexpr float kRound = 12582912.f;  // 1.5 * 2^23
+
+// Bytes of one weight row of K inputs. The int4 family's are nibbles, byte j holding inputs 2j (low) and 2j+1
+// (high); int3/int2 come expanded to them. int6 keeps those nibbles as each code's low 4 bits, and after each
+// 64 inputs' 32 nibble bytes adds 16 bytes of their top 2 bits: byte u holds, from bit 0, the tops of nibble
+// byte u's low and high code, then those of nibble byte u + 16's. A chunk of 64 inputs is then 32 or 48 bytes.
+inline int64_t chunk_bytes(int bits) { return bits == 6 ? 48 : 32; }
+inline int64_t row_bytes(int bits, int64_t k) { return k / kSuper * chunk_bytes(bits); }
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -125,15 +133,15 @@ void quantize_blocks(const T* x, int64_t rows, int64_t k, int64_t group, Activat
 
 // ---- the portable loops (any CPU) ----------------------------------------------------------------------
 
-// int4-family codes of `bits` bits (int3/int2 expanded to int4 bytes), portable nibbles w [N, K/2]; scales and
+// int4-family codes of `bits` bits (int3/int2 expanded to int4 bytes, int6 as `row_bytes` says), w [N, row_bytes]; scales and
 // zeros bf16 [K/G, N, 2]; rows n0..n1 of y [rows, N]. With a `table` (16 int8 values), code c stands for T[c].
 inline void int4_rows_portable(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
                                float* y, const int8_t* table = nullptr) {
   const float middle = static_cast<float>(1 << (bits - 1));
-  const int64_t k = a.k, groups = k / a.group, supers = k / kSuper;
+  const int64_t k = a.k, groups = k / a.group, supers = k / kSuper, chunk = chunk_bytes(bits);
   for (int64_t r = 0; r < a.rows; ++r)
     for (int64_t o = n0; o < n1; ++o) {
-      const uint8_t* row = w + o * (k / 2);
+      const uint8_t* row = w + o * row_bytes(bits, k);
       float total = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
         const float s = bf16_to_float(sz[(g * n + o) * 2]), z = bf16_to_float(sz[(g * n + o) * 2 + 1]);
@@ -143,8 +151,12 @@ inline void int4_rows_portable(const Activations& a, const uint8_t* w, const uin
           const int8_t* q = a.q.data() + r * k + j * kSuper;
           int32_t dot = 0;
           for (int64_t t = half * 16; t < half * 16 + 16; ++t) {  // 16 bytes: 32 inputs of this block
-            const uint8_t byte = row[j * 32 + t];
-            const int32_t even = table ? table[byte & 0x0F] : byte & 0x0F, odd = table ? table[byte >> 4] : byte >> 4;
+            const uint8_t byte = row[j * chunk + t];
+            int32_t even = table ? table[byte & 0x0F] : byte & 0x0F, odd = table ? table[byte >> 4] : byte >> 4;
+            if (bits == 6) {  // the two codes' top bits
+              const int top = row[j * chunk + 32 + t % 16] >> (t < 16 ? 0 : 4);
+              even |= (top & 3) << 4, odd |= (top & 12) << 2;
+            }
             dot += even * q[t] + odd * q[kBlock + t];
           }
           in_group += a.scale[(r * supers + j) * 8 + half * 4] * static_cast<float>(dot);
@@ -212,14 +224,23 @@ LOWBIT_AVX2 inline float horizontal_sum(__m256 v) {
 // no saturation), madd into eight int32 (four per block), then scaled by d * s into a float accumulator.
 // The codes' -C and the second term are applied once per group at the end (Activations::centre, sums).
 // 64 inputs of one weight row (32 bytes) against kTile activation rows, their weight scale(s) in sv.
-template <int64_t kTile>
+// int6 (kSix): the 16 bytes of top bits after the nibbles or'ed in as bits 4-5 (codes up to 63: a maddubs
+// pair at most 2 * 63 * 127, the two pairs' sum 32,004, still no saturation).
+template <int64_t kTile, bool kSix>
 __attribute__((target("avx2,fma"), always_inline)) inline void int4_chunk(const uint8_t* row, const int8_t* q0, const float* d0, int64_t k,
                                                                          int64_t supers, int64_t j, __m256 sv, __m256* acc) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 32));
-  const __m256i lo = _mm256_and_si256(bytes, low);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  const uint8_t* chunk = row + j * (kSix ? 48 : 32);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  __m256i lo = _mm256_and_si256(bytes, low);
+  __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+  if constexpr (kSix) {
+    const __m128i tops = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 32));
+    const __m256i top = _mm256_set_m128i(_mm_srli_epi16(tops, 4), tops);  // lanes 16-31: nibble bytes 16-31's, bits 4-7
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(0x03)), 4));
+    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(0x0C)), 2));
+  }
   for (int64_t t = 0; t < kTile; ++t) {
     const int8_t* q = q0 + t * k + j * kSuper;
     const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -289,7 +310,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void group_terms(const
 }
 
 // Weight rows n0..n1 (multiples of 8) against activation rows r0..r0+kTile.
-template <int64_t kTile>  // activation rows per pass, a constant so that the accumulators stay in registers
+template <int64_t kTile, bool kSix>  // activation rows per pass, a constant so that the accumulators stay in registers
 LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int bits, int64_t n,
                                        int64_t n0, int64_t n1, float* scales, float* y, const int8_t* table) {
   const int64_t k = a.k, group = a.group, groups = k / group, supers = k / kSuper;
@@ -303,20 +324,21 @@ LOWBIT_AVX2 inline void int4_tile_avx2(const Activations& a, int64_t r0, const u
       const float* s = scales + i;  // s[8 g]: this row's scale of group g
       __m256 acc[kTile];
       for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm256_setzero_ps();
-      const uint8_t* row = w + (o8 + i) * (k / 2);
-      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * (k / 2));
-      for (int64_t at = 0; at < k / 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+      const int64_t stride = row_bytes(kSix ? 6 : 4, k);
+      const uint8_t* row = w + (o8 + i) * stride;
+      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * stride);
+      for (int64_t at = 0; at < stride; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
       if (table) {  // table formats come in groups of 32 (quant.py)
         for (int64_t j = 0; j < supers; ++j)
           table_chunk<kTile>(row, q0, d0, k, supers, j, _mm256_set_m128(_mm_set1_ps(s[8 * (2 * j + 1)]), _mm_set1_ps(s[8 * 2 * j])), lookup, acc);
       } else if (group == kBlock) {  // two groups per 64 inputs
         for (int64_t j = 0; j < supers; ++j)
-          int4_chunk<kTile>(row, q0, d0, k, supers, j, _mm256_set_m128(_mm_set1_ps(s[8 * (2 * j + 1)]), _mm_set1_ps(s[8 * 2 * j])), acc);
+          int4_chunk<kTile, kSix>(row, q0, d0, k, supers, j, _mm256_set_m128(_mm_set1_ps(s[8 * (2 * j + 1)]), _mm_set1_ps(s[8 * 2 * j])), acc);
       } else {
         const int64_t per = group / kSuper;
         for (int64_t g = 0; g < groups; ++g) {
           const __m256 sv = _mm256_set1_ps(s[8 * g]);
-          for (int64_t j = g * per; j < (g + 1) * per; ++j) int4_chunk<kTile>(row, q0, d0, k, supers, j, sv, acc);
+          for (int64_t j = g * per; j < (g + 1) * per; ++j) int4_chunk<kTile, kSix>(row, q0, d0, k, supers, j, sv, acc);
         }
       }
       for (int64_t t = 0; t < kTile; ++t) y[(r0 + t) * n + o8 + i] = horizontal_sum(acc[t]) + rest[t][i];
@@ -329,7 +351,10 @@ LOWBIT_AVX2 inline void int4_rows_avx2(const Activations& a, const uint8_t* w, c
                                        float* y, const int8_t* table) {
   std::vector<float> s(a.k / a.group * 8);  // 8 rows' scales per group, as float
   over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
-    int4_tile_avx2<decltype(tile)::value>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
+    if (bits == 6)
+      int4_tile_avx2<decltype(tile)::value, true>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
+    else
+      int4_tile_avx2<decltype(tile)::value, false>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
   });
 }
 
@@ -438,15 +463,24 @@ inline bool has_avx512_vnni() {
 #define LOWBIT_JOIN(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), (hi), 1)
 #define LOWBIT_LOAD256(p) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
 
-// As int4_chunk, for chunks j and j + 1 of one weight row (64 bytes); sv: their weight scales per lane.
-template <int64_t kTile>
+// As int4_chunk, for chunks j and j + 1 of one weight row (64 bytes of nibbles); sv: their weight scales per lane.
+template <int64_t kTile, bool kSix>
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"), always_inline)) inline void int4_pair_vnni(
     const uint8_t* row, const int8_t* q0, const float* d0, int64_t k, int64_t supers, int64_t j, __m512 sv, const __m512i* table,
     __m512* acc) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i bytes = _mm512_loadu_si512(row + j * 32);
+  const uint8_t* chunk = row + j * (kSix ? 48 : 32);
+  const __m512i bytes = kSix ? LOWBIT_JOIN(LOWBIT_LOAD256(chunk), LOWBIT_LOAD256(chunk + 48)) : _mm512_loadu_si512(chunk);
   __m512i lo = _mm512_and_si512(bytes, low);
   __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+  if constexpr (kSix) {  // each chunk's tops as int4_chunk places them, the second chunk's in the upper 256 bits
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 32));
+    const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 80));
+    __m512i top = _mm512_inserti32x4(_mm512_castsi128_si512(first), _mm_srli_epi16(first, 4), 1);
+    top = _mm512_inserti32x4(_mm512_inserti32x4(top, second, 2), _mm_srli_epi16(second, 4), 3);
+    lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(top, _mm512_set1_epi8(0x03)), 4));
+    hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(top, _mm512_set1_epi8(0x0C)), 2));
+  }
   __m512i lo_sign = lo, hi_sign = hi;
   if (table) {  // signed table values: |T[c]| against q with T[c]'s sign, as table_chunk
     lo_sign = _mm512_shuffle_epi8(*table, lo), hi_sign = _mm512_shuffle_epi8(*table, hi);
@@ -470,7 +504,7 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"),
 }
 
 // As int4_tile_avx2, two chunks per step (`supers` even: K a multiple of 128).
-template <int64_t kTile>
+template <int64_t kTile, bool kSix>
 LOWBIT_VNNI inline void int4_tile_vnni(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0,
                                        int64_t n1, float* scales, float* y, const int8_t* table) {
   const int64_t k = a.k, group = a.group, supers = k / kSuper;
@@ -484,9 +518,10 @@ LOWBIT_VNNI inline void int4_tile_vnni(const Activations& a, int64_t r0, const u
       const float* s = scales + i;  // s[8 g]: this row's scale of group g
       __m512 acc[kTile];
       for (int64_t t = 0; t < kTile; ++t) acc[t] = _mm512_setzero_ps();
-      const uint8_t* row = w + (o8 + i) * (k / 2);
-      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * (k / 2));
-      for (int64_t at = 0; at < k / 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+      const int64_t stride = row_bytes(kSix ? 6 : 4, k);
+      const uint8_t* row = w + (o8 + i) * stride;
+      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * stride);
+      for (int64_t at = 0; at < stride; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
       // The scale of each lane's group: 4 lanes a group at 32, 8 at 64, all 16 from 128 on. scales keeps
       // the 8 rows' scales of a group side by side, so this row's are 8 floats apart: one permute picks them.
       const __m512i every_fourth = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
@@ -499,7 +534,7 @@ LOWBIT_VNNI inline void int4_tile_vnni(const Activations& a, int64_t r0, const u
           sv = _mm512_permutexvar_ps(every_eighth, _mm512_loadu_ps(s + 8 * j));
         else
           sv = _mm512_set1_ps(s[8 * (j * kSuper / group)]);
-        int4_pair_vnni<kTile>(row, q0, d0, k, supers, j, sv, table ? &lookup : nullptr, acc);
+        int4_pair_vnni<kTile, kSix>(row, q0, d0, k, supers, j, sv, table ? &lookup : nullptr, acc);
       }
       for (int64_t t = 0; t < kTile; ++t) y[(r0 + t) * n + o8 + i] = _mm512_reduce_add_ps(acc[t]) + rest[t][i];
     }
@@ -510,7 +545,10 @@ LOWBIT_VNNI inline void int4_rows_vnni(const Activations& a, const uint8_t* w, c
                                        float* y, const int8_t* table) {
   std::vector<float> s(a.k / a.group * 8);
   over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
-    int4_tile_vnni<decltype(tile)::value>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
+    if (bits == 6)
+      int4_tile_vnni<decltype(tile)::value, true>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
+    else
+      int4_tile_vnni<decltype(tile)::value, false>(a, r0, w, sz, bits, n, b, e, s.data(), y, table);
   });
 }
 

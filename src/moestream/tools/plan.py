@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..choices import DEFAULT_GROUP_SIZE, GPU_HEADROOM, PLAN_OVERHEAD
+from ..choices import GPU_HEADROOM, PLAN_OVERHEAD
+from ..conversion.quant import group_for
 from ..conversion.sizes import ModelSizes, expert_format
 from ..conversion.skeleton import build_skeleton, experts_modules, model_dtype
 from ..core.policies import DEFAULT_POLICY
@@ -183,7 +184,7 @@ def _reduced_config(config, moe_layers: int):
 
 
 def measure_compute(
-    config, bits: int, group_size: int = DEFAULT_GROUP_SIZE, tokens: int = 24, workdir=None, dense_dtype: str = "float"
+    config, bits: int, group_size: int | None = None, tokens: int = 24, workdir=None, dense_dtype: str = "float"
 ) -> dict:
     """Seconds per decoded token with every expert cached, for the whole model, measured on this machine.
 
@@ -204,7 +205,7 @@ def measure_compute(
     from ..core.loading import close, load
     from ..frontends.generate import timed
 
-    _, _, name = expert_format(bits, group_size)
+    _, _, name = expert_format(bits, group_for(f"int{bits}", group_size))
     _, total_moe = _reduced_config(config, 1)
     depths = sorted({1, min(4, total_moe)})
     seconds = {}
@@ -516,7 +517,7 @@ def plan_from_args(
     *,
     cache: str | None = None,
     bits: int = 16,
-    group_size: int = DEFAULT_GROUP_SIZE,
+    group_size: int | None = None,
     dense_dtype: str = "float",
     overhead: str = PLAN_OVERHEAD,
     trace_path: str | None = None,
