@@ -93,11 +93,10 @@ def test_dense_int2_int3_bytes_expand_to_the_int4_bytes(bits):
 def test_int6_bytes_hold_each_codes_low_nibble_and_top_bits_where_the_kernels_read_them():
     codes = torch.randint(0, 64, (24, 320), generator=torch.Generator().manual_seed(6), dtype=torch.uint8)
     stored = pack_six(codes)
-    assert stored.shape == (24, 320 // 64 * 48) and stored.dtype == torch.uint8
+    assert stored.shape == (24, 320 * 3 // 4) and stored.dtype == torch.uint8
     assert torch.equal(unpack_six(stored), codes)
-    chunk = stored[:, 48:96]  # the second 64 inputs: their nibbles, then their tops
-    assert torch.equal(unpack_nibbles(chunk[:, :32].contiguous()), codes[:, 64:128] & 15)
-    tops = chunk[:, 32:].long()
+    assert torch.equal(unpack_nibbles(stored[:, :160].contiguous()), codes & 15)  # the low bits: int4's bytes
+    tops = stored[:, 160 + 16 : 160 + 32].long()  # the top bits of the second 64 inputs
     # byte u: the tops of inputs 2u, 2u + 1 (bits 0-3), then of inputs 32 + 2u, 33 + 2u (bits 4-7)
     for u, shift, first in ((0, 0, 0), (5, 0, 10), (3, 4, 38), (15, 4, 62)):
         assert torch.equal((tops[:, u] >> shift) & 3, codes[:, 64 + first].long() >> 4)

@@ -186,7 +186,7 @@ def add_activations_argument(parser: argparse.ArgumentParser) -> None:
         "--activations",
         choices=ACTIVATIONS,
         default=ACTIVATIONS[0],
-        help="what the CPU's low-bit (int8/int4/int3/int2) matmuls take: auto (default: int8 where the compiled "
+        help="what the CPU's low-bit (int8/int6/int4/int3/int2) matmuls take: auto (default: int8 where the compiled "
         "kernels are measured faster on the model's shapes, as the fast-paths line says), int8 (each "
         "activation row quantized to int8 and the dot products kept in integers, as llama.cpp does: a little "
         "rounding, priced by `moestream eval STORE --reference STORE --activations int8`) or float (the "

@@ -17,10 +17,10 @@ tensors a kernel consumes directly (kernels.py), so a record goes from disk to t
   MXFP4, IQ4_NL and IQ4_XS blocks are kept exactly (z = 0), up to IQ4's scales rounded to bf16. Their int8
   values run through the same int8-activation kernels as int8 weights (a table lookup per 32 codes).
 - int6: the int4 formula with codes 0..63 (W = (q - 8) * s + z, z = m + 8 s as for int3/int2), for what a
-  GGUF's Q6_K holds (its LM heads and down projections) at about its size: `qweight` uint8 [N, K/64 * 48],
-  per 64 inputs the 32 portable nibble bytes of the codes' low 4 bits, then 16 bytes of their top 2 bits
-  (byte u: the tops of nibble byte u's two codes in bits 0-3, those of nibble byte u + 16's in bits 4-7;
-  `pack_six`). The kernels read both parts as they are (core/lowbit_dot.h); it runs with int8 activations,
+  GGUF's Q6_K holds (its LM heads and down projections) at about its size: `qweight` uint8 [N, 3K/4], each
+  row the portable nibbles of its codes' low 4 bits (K/2 bytes, as int4), then a plane of their top 2 bits:
+  per 64 inputs 16 bytes, byte u holding the tops of nibble byte u's two codes in bits 0-3 and those of
+  nibble byte u + 16's in bits 4-7 (`pack_six`). The kernels read both parts as they are (core/lowbit_dot.h); it runs with int8 activations,
   elsewhere (float activations, a GPU) dequantized for each call. K must be a multiple of 64.
 - int3, int2: the int4 format restricted to codes 0..2^b-1 (so W = (q - 8) * s + z = q * s + m with
   z = m + 8 s), with the int4 bytes compressed densely: int2 keeps the 2 used bits of every nibble (two
@@ -227,23 +227,21 @@ def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
 
 
 def pack_six(codes: torch.Tensor) -> torch.Tensor:
-    """int6 codes [N, K] (0..63) -> the stored bytes [N, K/64 * 48]: per 64 inputs their low 4 bits as
-    portable nibbles (32 bytes), then their top 2 bits (16 bytes; the format's layout, module docstring)."""
+    """int6 codes [N, K] (0..63) -> the stored bytes [N, 3K/4]: each row's low 4 bits as portable nibbles
+    (K/2 bytes), then a plane of their top 2 bits (K/4 bytes; the layout in the module docstring)."""
     codes = codes.to(torch.uint8)
     n = codes.shape[0]
-    nibbles = pack_nibbles(codes & 15).view(n, -1, 32)  # [N, K/64, 32]
     top = (codes >> 4).view(n, -1, 32, 2)  # [N, K/64, nibble byte, low/high code]
     pairs = top[..., 0] | (top[..., 1] << 2)  # each nibble byte's two tops, 4 bits
-    tops = pairs[..., :16] | (pairs[..., 16:] << 4)
-    return torch.cat([nibbles, tops], dim=2).view(n, -1).contiguous()
+    tops = (pairs[..., :16] | (pairs[..., 16:] << 4)).reshape(n, -1)
+    return torch.cat([pack_nibbles(codes & 15), tops], dim=1).contiguous()
 
 
 def unpack_six(stored: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_six: codes [N, K] (uint8, 0..63), on the bytes' device."""
-    n = stored.shape[0]
-    chunks = stored.view(n, -1, 48)
-    low = unpack_nibbles(chunks[..., :32].reshape(n, -1)).view(n, -1, 32, 2)
-    tops = chunks[..., 32:]
+    n, k = stored.shape[0], stored.shape[1] * 4 // 3
+    low = unpack_nibbles(stored[:, : k // 2].contiguous()).view(n, -1, 32, 2)
+    tops = stored[:, k // 2 :].reshape(n, -1, 16)
     pairs = torch.cat([tops & 15, tops >> 4], dim=2)  # [N, K/64, 32]: nibble byte u's two tops
     top = torch.stack([pairs & 3, pairs >> 2], dim=-1)
     return (low | (top << 4)).view(n, -1)
