@@ -57,7 +57,7 @@ def timed_rounds(matrices: dict, k: int, rounds: int) -> dict[str, float]:
 def report(title: str, matrices: dict, seconds: dict, bandwidth: float) -> list[dict]:
     print(title)
     rows = []
-    for name, (fmt, mats) in matrices.items():
+    for name, (_, mats) in matrices.items():
         nbytes = sum(t.numel() * t.element_size() for t in mats[0])
         rate = nbytes / seconds[name] / 1e9
         print(
@@ -85,7 +85,9 @@ def main() -> None:
     formats = {label[name]: QuantFormat.make(name, group or 32) for name, group in FORMATS}
     head = {name: (fmt, records(fmt, args.vocab, 2048, 1)) for name, fmt in formats.items()}
     results = {"threads": args.threads, "bandwidth_gbs": bandwidth, "vocab": args.vocab}
-    results["lm_head"] = report(f"LM head [{args.vocab}, 2048], one token:", head, timed_rounds(head, 2048, args.rounds), bandwidth)
+    results["lm_head"] = report(
+        f"LM head [{args.vocab}, 2048], one token:", head, timed_rounds(head, 2048, args.rounds), bandwidth
+    )
     del head
     downs = {name: (fmt, records(fmt, 2048, 768, 64)) for name, fmt in formats.items()}
     results["down"] = report(

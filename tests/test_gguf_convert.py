@@ -783,6 +783,7 @@ def test_six_bit_blocks_become_int6_in_groups_of_64(tmp_path):
     six = quant.QuantFormat.make("int6", 64)
     assert all(layer.quantization == six for layer in manifest.layers)
     assert manifest.dense["model.layers.0.self_attn.q_proj"] == six
+
     def as_int6(value):  # groups run along each row's inputs, so an experts tensor can be taken as rows
         w = torch.from_numpy(np.ascontiguousarray(value))
         return quant.reference_dequantize(quant.quantize(w.reshape(-1, w.shape[-1]), six), six).float().view(w.shape).numpy()
