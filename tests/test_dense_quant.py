@@ -13,6 +13,7 @@ from moestream.conversion.quant import QuantFormat, pack, quantize, reference_de
 from moestream.conversion.skeleton import expert_parameters, experts_modules
 from moestream.conversion.store import MANIFEST, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
+from moestream.core import fused_build
 from moestream.core.dense import QuantizedLinear, align_weights, prepare_for_cpu
 from moestream.core.kernels import int8_activations_reference
 from moestream.errors import StoreError, UsageError
@@ -121,6 +122,17 @@ def test_an_int6_model_and_head_equal_transformers_on_dequantized_weights(tmp_pa
         expected, got = reference(ids).logits, streamed(ids).logits
     relative = ((got - expected).norm() / expected.norm()).item()
     assert relative <= (1e-4 if activations == "float" else 2e-2), relative
+    if activations == "int8" and fused_build.extension() is not None:
+        # one token at a time: the fused experts and attention kernels take int6 (int8 activations)
+        paths = {p["name"]: p for p in moestream.stats(streamed)["fast_paths"]}
+        for name in ("experts (one token)", "attention (one token)"):
+            assert paths[name]["on"] == paths[name]["of"] > 0, paths[name]
+        with torch.no_grad():
+            past = streamed(ids[:1, :5], use_cache=True).past_key_values
+            for t in range(5, 11):
+                out = streamed(ids[:1, t : t + 1], past_key_values=past, use_cache=True)
+                past, step = out.past_key_values, out.logits[0, -1]
+                assert ((step - got[0, t]).norm() / got[0, t].norm()).item() <= 1e-3, t
 
 
 def test_tokens_never_depend_on_the_budget_with_quantized_dense_layers(tmp_path):
