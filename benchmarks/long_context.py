@@ -10,7 +10,8 @@ the next stretch of ids as one more prefill up to the next context, `--steps` de
 on. Decode steps are teacher-forced from the same ids (a step costs the same whatever its token is, and
 both engines then hold the same sequence). Every expert is in memory before anything is timed: moestream
 prefills a 512-token warm-up prompt first (it routes to every expert) with a budget that holds them all,
-llama.cpp evaluates the same warm-up (faulting its mmap'd file in). llama.cpp runs with flash attention
+and decodes its last 4 tokens one at a time (a first one-token step checks the fused kernels once per
+layer); llama.cpp evaluates the same warm-up the same way (faulting its mmap'd file in). llama.cpp runs with flash attention
 (its long-context setting, and what its quantized V cache needs) and a prefill batch of 512; the engine
 `llama.cpp-nofa` runs it without (llama-cpp-python's default). llama.cpp uses its mmap'd file; an engine
 name with `-copy` (`llama.cpp-nofa-copy`) loads it with `use_mmap=False` instead: its own copy of the weights,
@@ -36,6 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WARMUP = 512
+WARM_STEPS = 4  # single-token steps at the warm-up's end: a first decode step's one-time work is not timed
 SEED = 1234
 
 
@@ -84,7 +86,10 @@ def run_moestream(
     model, _ = moestream.load(store, memory, kv_cache_dtype=kv, prefetch="off")
     warm, ids = warmup_and_measured_ids(text, store, model.config.vocab_size, warmup, contexts[-1] + steps)
     with torch.inference_mode():
-        Forward(model)(torch.tensor([warm]))  # every expert read in
+        warmup = Forward(model)
+        warmup(torch.tensor([warm[:-WARM_STEPS]]))  # every expert read in
+        for token in warm[-WARM_STEPS:]:  # and the one-token kernels' first-call checks done
+            warmup(torch.tensor([[token]]))
         forward = Forward(model)
         out = []
         for start, end in plan(contexts, steps):
@@ -131,7 +136,9 @@ def run_llama_cpp(
         **extra,
     )
     warm, ids = warmup_and_measured_ids(text, store, llm.n_vocab(), warmup, contexts[-1] + steps)
-    llm.eval(warm)  # the whole file faulted in
+    llm.eval(warm[:-WARM_STEPS])  # the whole file faulted in
+    for token in warm[-WARM_STEPS:]:  # and single-token steps run, as moestream's warm-up does
+        llm.eval([token])
     llm.reset()
     out = []
     for start, end in plan(contexts, steps):
