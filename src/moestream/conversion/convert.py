@@ -497,8 +497,9 @@ def convert(
         size for a GGUF, so that 4-bit blocks keep their codes), 64 for int6.
     dense_dtype: "float" (the model's dtype; the default), "int8", "int6" or "int4": the resident linear layers
         (attention projections, shared experts, dense MLPs, an untied LM head at 6 bits at least: int6 in
-        groups of 64 unless asked otherwise; not the routers); default for a GGUF: each at the bits of its blocks. A layer whose shape the int4 kernel
-        cannot take is stored int8, one neither kernel can take stays float.
+        groups of 64 unless asked otherwise; not the routers); default for a GGUF: each at the bits of its
+        blocks. A layer whose shape the int4 kernel cannot take is stored int8, one neither kernel can take
+        stays float.
     tokenizer: a directory whose tokenizer files (EXTRA_FILES) the store gets instead of the source's (a
         GGUF's tokenizer is then not rebuilt from its metadata).
     """
@@ -544,9 +545,8 @@ def convert(
             rules = {
                 i: rules.get(i, _gguf_expert_choice(gguf, sources, module)) for i, (_, module, sources) in enumerate(plan.experts)
             }
-        formats = [
-            _layer_format(rules.get(i, experts_dtype), group_of(rules.get(i, experts_dtype))) for i in range(len(plan.experts))
-        ]
+        chosen = [rules.get(i, experts_dtype) for i in range(len(plan.experts))]
+        formats = [_layer_format(choice, group_of(choice)) for choice in chosen]
         linears = [(n, m.out_features, m.in_features, head) for n, m, head in dense_linears(model)]
         if gguf is not None and dense_dtype is None:
             dense = _gguf_dense_formats(gguf, plan, linears, group_of)

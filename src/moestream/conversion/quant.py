@@ -20,8 +20,9 @@ tensors a kernel consumes directly (kernels.py), so a record goes from disk to t
   GGUF's Q6_K holds (its LM heads and down projections) at about its size: `qweight` uint8 [N, 3K/4], each
   row the portable nibbles of its codes' low 4 bits (K/2 bytes, as int4), then a plane of their top 2 bits:
   per 64 inputs 16 bytes, byte u holding the tops of nibble byte u's two codes in bits 0-3 and those of
-  nibble byte u + 16's in bits 4-7 (`pack_six`). The kernels read both parts as they are (core/lowbit_dot.h); it runs with int8 activations,
-  elsewhere (float activations, a GPU) dequantized for each call. K must be a multiple of 64.
+  nibble byte u + 16's in bits 4-7 (`pack_six`). The int8-activation kernels read both parts as they are
+  (core/lowbit_dot.h); elsewhere (float activations, a GPU) each matrix is dequantized for each call. K must
+  be a multiple of 64.
 - int3, int2: the int4 format restricted to codes 0..2^b-1 (so W = (q - 8) * s + z = q * s + m with
   z = m + 8 s), with the int4 bytes compressed densely: int2 keeps the 2 used bits of every nibble (two
   int4 bytes in one), int3 the 3 used bits (four int4 bytes in three). Expanding back is a handful of
@@ -93,6 +94,13 @@ class QuantFormat:
         """The name of the tensor beside `qweight`: int8's per-channel scales, or the int4 family's
         interleaved scales and zeros."""
         return "scales" if self.name == "int8" else "scales_zeros"
+
+    @property
+    def torch_kernel(self) -> bool:
+        """Whether torch has a CPU kernel for it in float activations: int8, and int4/int3/int2 (its int4
+        kernel, on records repacked into its layout). The table formats and int6 have none: in float
+        activations each matrix is dequantized per matmul, and their records are read as stored."""
+        return self.name in ("int8", "int4", "int3", "int2")
 
     @property
     def portable(self) -> bool:

@@ -113,10 +113,9 @@ def _records(engine, on_gpu: bool) -> FastPath | None:
     if on_gpu:
         return FastPath("int4 records", len(layers), len(layers), "read by the GPU kernels as stored")
 
-    # int8-activation kernels, and the float paths of the table formats and int6, read records as stored
+    # int8-activation kernels, and the float paths of formats torch has no kernel for, read records as stored
     def read_as_stored(i: int) -> bool:
-        fmt = engine.layers[i].quantization
-        return engine.int8_activations[i] or fmt.table is not None or fmt.name == "int6"
+        return engine.int8_activations[i] or not engine.layers[i].quantization.torch_kernel
 
     as_stored = sum(map(read_as_stored, indices))
     if as_stored == len(layers):

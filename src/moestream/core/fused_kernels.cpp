@@ -172,7 +172,7 @@ static torch::Tensor over_rows(const lowbit::Activations& a, int64_t n, int64_t 
   return dtype == at::kFloat ? y : y.to(dtype);
 }
 
-// The int4 family's codes in the store's portable bytes, w [N, K/2] uint8 (int6: [N, K/64*48], lowbit::row_bytes),
+// The int4 family's codes in the store's portable bytes, w [N, K/2] uint8 (int6: [N, 3K/4], lowbit::row_bytes),
 // with scales and zeros [K/G, N, 2] bf16.
 static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor& w, const torch::Tensor& sz, int64_t bits, at::ScalarType dtype,
                                const int8_t* table = nullptr) {

@@ -152,17 +152,10 @@ def takes_int8_activations(layer) -> bool:
 
 def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_activations: bool = False):
     """What makes a layer's records, as read, into the bytes its kernels take (called on the I/O thread
-    with the record's tensors), or None where they take them as stored: float and int8 records, a GPU,
-    int8-activation kernels, and a version 3 store's records (already in this machine's kernel layout,
-    `check_packing`)."""
-    if (
-        fmt is None
-        or fmt.name in ("int8", "int6")
-        or fmt.table is not None
-        or not cpu_kernels
-        or int8_activations
-        or not fmt.portable
-    ):
+    with the record's tensors), or None where they take them as stored: float and int8 records, the formats
+    torch has no kernel for (`QuantFormat.torch_kernel`), a GPU, int8-activation kernels, and a version 3
+    store's records (already in this machine's kernel layout, `check_packing`)."""
+    if fmt is None or fmt.name == "int8" or not fmt.torch_kernel or not cpu_kernels or int8_activations or not fmt.portable:
         return None
     return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
 
@@ -171,7 +164,7 @@ def cpu_record(record: dict[str, torch.Tensor], fmt: QuantFormat | None) -> dict
     """A portable record's tensors as torch's CPU kernels take them (a copy; what the engine does in place
     where a record lands), for callers that compute with records outside the engine."""
     record = {name: t.clone() for name, t in record.items()}
-    if fmt is not None and fmt.name not in ("int8", "int6") and fmt.table is None:
+    if fmt is not None and fmt.name != "int8" and fmt.torch_kernel:
         RecordPreparer(fmt, [name for name in record if name.endswith(".qweight")])(record)
     return record
 
@@ -279,22 +272,22 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
     if not fitting:
         return False, "float activations: no quantized matrix here that the int8-activation kernels take"
     # formats torch has no kernel for: their float path dequantizes each matrix at every matmul
-    tables = sorted({fmt.name for fmt, _, _ in fitting if fmt.table is not None or fmt.name == "int6"})
+    kernelless = sorted({fmt.name for fmt, _, _ in fitting if not fmt.torch_kernel})
     if _compiled() is None:
         if choice == "int8":
             why = fused_build.unavailable_reason() or "turned off in this process"
             raise UsageError(f"--activations int8 needs the compiled kernels, which are off: {why}")
-        if tables:  # a cliff worth naming: each of their matrices is dequantized per call
+        if kernelless:  # a cliff worth naming: each of their matrices is dequantized per call
             return False, (
-                f"float activations: no compiled kernels, so the {', '.join(tables)} weights are dequantized at every "
+                f"float activations: no compiled kernels, so the {', '.join(kernelless)} weights are dequantized at every "
                 "matmul (about 100x slower); install a C++ compiler, or convert with --experts-dtype int4"
             )
         return False, "float activations: no compiled kernels"
     loops = f"; {_compiled().lowbit_isa('')} loops"  # the variant this CPU runs (lowbit_dot.h)
     if choice == "int8":
         return True, "int8 activations, as chosen" + loops
-    if tables:  # their float path dequantizes every matrix it multiplies: several times slower than either
-        return True, f"int8 activations: the only fast kernel for {', '.join(tables)} weights" + loops
+    if kernelless:  # their float path dequantizes every matrix it multiplies: several times slower than either
+        return True, f"int8 activations: the only fast kernel for {', '.join(kernelless)} weights" + loops
     fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
     # At most 4096 x 8192 (32 MiB of float32 to quantize from): an LM head of 129k rows would take
     # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
