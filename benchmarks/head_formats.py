@@ -20,10 +20,10 @@ import time
 
 import machine
 import torch
-from int8_activations import read_bandwidth
+from int8_activations import start_benchmark
 
 from moestream.conversion.quant import QuantFormat, pack, quantize
-from moestream.core import fused_build, kernels
+from moestream.core import kernels
 
 FORMATS = [("int8", None), ("int6", 64), ("int4", 64)]
 
@@ -75,12 +75,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
-    if fused_build.extension() is None:
-        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
-    torch.set_num_threads(args.threads)
-    print(f"machine: {machine.line()}; {args.threads} threads; {fused_build.extension().lowbit_isa('')} loops")
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth (float32 sum over 512 MiB): {bandwidth:.1f} GB/s\n")
+    bandwidth = start_benchmark(args.threads)
     label = {name: f"{name}-g{group}" if group else name for name, group in FORMATS}
     formats = {label[name]: QuantFormat.make(name, group or 32) for name, group in FORMATS}
     head = {name: (fmt, records(fmt, args.vocab, 2048, 1)) for name, fmt in formats.items()}

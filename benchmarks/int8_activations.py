@@ -35,6 +35,18 @@ def read_bandwidth() -> float:
     return data.numel() * 4 / (kernels.fastest_ms(data.sum, 5) / 1e3) / 1e9
 
 
+def start_benchmark(threads: int) -> float:
+    """A kernel benchmark's start: the compiled kernels (or exit), `threads` torch threads, the machine and
+    the loops' variant printed; returns the machine's read bandwidth in GB/s (printed too)."""
+    if fused_build.extension() is None:
+        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
+    torch.set_num_threads(threads)
+    print(f"machine: {machine.line()}; {threads} threads; {fused_build.extension().lowbit_isa('')} loops")
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth (float32 sum over 512 MiB): {bandwidth:.1f} GB/s\n")
+    return bandwidth
+
+
 def matrix(fmt: QuantFormat, n: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     record = pack(quantize(torch.randn(n, k, generator=g), fmt), fmt, "w")
@@ -48,12 +60,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
-    if fused_build.extension() is None:
-        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
-    torch.set_num_threads(args.threads)
-    print(f"machine: {machine.line()}; {args.threads} threads")
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth (float32 sum over 512 MiB): {bandwidth:.1f} GB/s\n")
+    bandwidth = start_benchmark(args.threads)
     results: dict = {"threads": args.threads, "bandwidth_gbs": bandwidth}
     rows = []
     print(f"{'shape':<16} {'format':<9} {'rows':>4} {'int8 act ms':>11} {'float act ms':>12} {'speed-up':>8}")
