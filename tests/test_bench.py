@@ -9,6 +9,7 @@ from tiny import tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.conversion.store import Store
+from moestream.errors import UsageError
 from moestream.tools.bench import bench, replay_reads, run_moestream
 
 
@@ -32,6 +33,46 @@ def test_report_is_consistent_with_its_own_measurements(store):
     floor = report.bytes_missed_per_token / report.disk_bandwidth_bytes_per_second + report.all_hits_seconds_per_token
     assert report.floor_seconds_per_token == pytest.approx(floor)
     assert report.efficiency == pytest.approx(floor * run.decode_tokens_per_second)
+    reading = report.bytes_missed_per_token / report.disk_bandwidth_bytes_per_second
+    assert report.overlapped_floor_seconds_per_token == pytest.approx(max(reading, report.all_hits_seconds_per_token))
+    assert report.overlapped_efficiency == pytest.approx(report.overlapped_floor_seconds_per_token * run.decode_tokens_per_second)
+    assert not report.teacher_forced and "greedy after random prompt ids" in report.table()
+
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it keeps running through the field. " * 2
+
+
+def test_text_decode_is_teacher_forced_on_the_texts_tokens(store, monkeypatch):
+    from moestream.core.loading import load_tokenizer
+    from moestream.tools import bench as bench_module
+
+    text_ids = load_tokenizer(store)(TEXT, add_special_tokens=False)["input_ids"]
+    fed = []
+    real_timed = bench_module.timed
+
+    def recording_timed(model, ids, new_tokens, **options):
+        result = real_timed(model, ids, new_tokens, **options)
+        fed.append((ids[0].tolist(), result.token_ids))
+        return result
+
+    monkeypatch.setattr(bench_module, "timed", recording_timed)
+    report = bench(store, Store(store).manifest.max_record_stride * 4, prompt_tokens=8, new_tokens=6, text=TEXT)
+    assert report.teacher_forced and "teacher-forced through --text" in report.table()
+    assert fed and all(run == (text_ids[:8], text_ids[8:14]) for run in fed)  # the measured run and the all-hits one
+    with pytest.raises(UsageError, match="--text has only"):
+        bench(store, "1MiB", prompt_tokens=8, new_tokens=len(text_ids), text=TEXT)
+
+
+def test_all_hits_compute_is_measured_on_steps_that_hit_everything_when_experts_do_not_fit(store, monkeypatch):
+    from moestream.tools import bench as bench_module
+
+    monkeypatch.setattr(bench_module, "_memory_available", lambda: 1)  # as if the experts were twice the RAM
+    stride = Store(store).manifest.max_record_stride
+    roomy = bench(store, stride * 64, prompt_tokens=8, new_tokens=4, text=TEXT)  # the probe's experts all fit
+    assert roomy.all_hits_measured and "steps that hit every expert" in roomy.all_hits_how
+    assert 0 < roomy.all_hits_seconds_per_token < 1
+    tight = bench(store, stride * 2, prompt_tokens=8, new_tokens=4, text=TEXT)  # two records: every step misses
+    assert not tight.all_hits_measured and tight.all_hits_how.startswith("estimated")
 
 
 def test_bandwidth_is_timed_on_the_runs_own_decode_reads(store):

@@ -106,3 +106,19 @@ def test_a_long_prompt_goes_in_pieces_with_the_logits_of_one_pass(model, monkeyp
     assert fed == [8] * ((length - 1) // 8) + [length - (length - 1) // 8 * 8] and max(fed) <= 8
     assert torch.allclose(pieces, whole, atol=1e-5, rtol=0)
     assert timed(model, prompt[0].tolist(), 8).token_ids == expected.tolist()
+
+
+def test_forced_tokens_are_fed_as_given_whatever_the_model_says(model):
+    torch.manual_seed(11)
+    forced = torch.randint(0, model.config.vocab_size, (7,)).tolist()  # not what the model would choose
+    result = stream(model, None, PROMPT, 6, forced=forced, ignore_eos=True, logprobs=0)
+    assert result.token_ids == forced[:6]
+    # Each chosen token's log-probability is the model's after exactly the tokens before it: the ones fed
+    # were the forced ones (the full sequence in one forward pass as the reference).
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT + forced[:5]])).logits[0].float()
+    expected = torch.log_softmax(logits[len(PROMPT) - 1 :], dim=-1)
+    got = [entry.logprob for entry in result.logprobs]
+    assert got == pytest.approx([float(expected[i, t]) for i, t in enumerate(forced[:6])], abs=1e-4)
+    with pytest.raises(ValueError, match="forced tokens"):
+        stream(model, None, PROMPT, 6, forced=forced[:3])

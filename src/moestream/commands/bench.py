@@ -11,8 +11,10 @@ from ..options import add_store_arguments, engine_options, existing_file, positi
 DESCRIPTION = (
     "Measure decode tokens/s, time to first token, hit rate and expert bytes read per token, "
     "the disk bandwidth on this run's own decode reads (replayed with O_DIRECT through the engine's reader, in "
-    "the engine's batches), the I/O floor (bytes missed per token / bandwidth + all-hits compute) and "
-    "efficiency = floor / measured time."
+    "the engine's batches), all-hits compute per token, two floors (reads then compute: bytes missed per token / "
+    "bandwidth + all-hits compute; reads hidden behind compute: the larger of the two) and efficiency = floor / "
+    "measured time against each. With --text the decode follows the text (teacher forcing), so routing is a "
+    "text's and not a random model's looping output."
 )
 
 
@@ -20,7 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
     parser.add_argument("--prompt-tokens", type=int, default=32, metavar="N", help="prompt length in tokens (default 32)")
     parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens to decode, at least 2 (default 32)")
-    parser.add_argument("--text", default=None, metavar="FILE", help="take the prompt from this text (default: random token ids)")
+    parser.add_argument(
+        "--text",
+        default=None,
+        metavar="FILE",
+        help="take the prompt from this text and decode through the tokens after it, whatever the model says "
+        "(teacher forcing; the peers too); default: random prompt ids, greedy decoding",
+    )
     parser.add_argument(
         "--squeeze",
         default="0",

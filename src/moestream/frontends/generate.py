@@ -237,6 +237,13 @@ def make_sampler(
     return sample
 
 
+def forced_sampler(tokens: Sequence[int]) -> Sampler:
+    """Chooses `tokens` in order whatever the logits say (teacher forcing): a benchmark's decode then goes
+    where a real text goes, and its routing with it, where a random model's own output loops."""
+    upcoming = iter(list(tokens))
+    return lambda logits: torch.tensor([next(upcoming)], dtype=torch.long)
+
+
 # A prompt longer than this goes through the model in pieces of it, each attending to the KV cache of the
 # ones before: the activations of one forward pass (the experts' inputs and outputs, q/k/v, the MLPs')
 # grow with its tokens, several GB for a 32k-token prompt in one pass at the Qwen3-30B-A3B shape, and the
@@ -364,7 +371,8 @@ class Decoding:
     ("cancelled"), the deadline (time.monotonic(), "timeout"), or `max_new_tokens` ("length").
     `ignore_eos`: exactly `max_new_tokens` tokens, end-of-sequence never chosen (benchmarks time a fixed
     length). `on_first_token` runs as soon as the first new token exists, before the next forward pass.
-    `tokenizer` may be None (token ids only: no text, no stop sequences)."""
+    `tokenizer` may be None (token ids only: no text, no stop sequences). `forced`: the new tokens to
+    take whatever the model says (`forced_sampler`), for benchmarks that follow a text."""
 
     def __init__(
         self,
@@ -390,13 +398,16 @@ class Decoding:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         special_tokens: bool = False,
+        forced: Sequence[int] | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        if forced is not None and len(forced) < max_new_tokens:
+            raise ValueError(f"{len(forced)} forced tokens for {max_new_tokens} new ones")
         self.prompt_ids = _token_list(prompt_ids)
         self.max_new_tokens = max_new_tokens
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.sampler = make_sampler(greedy, temperature, top_p, generator)
+        self.sampler = forced_sampler(forced) if forced is not None else make_sampler(greedy, temperature, top_p, generator)
         self.eos = eos_ids(model, tokenizer)
         self.ignore_eos = ignore_eos
         self.suppress = sorted(self.eos) if ignore_eos else []
@@ -551,10 +562,12 @@ def stream(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, *, 
     return decoding.result()
 
 
-def timed(model, prompt_ids, new_tokens: int, *, on_first_token: Callable[[], None] | None = None) -> GenerationResult:
-    """Greedy, exactly `new_tokens` tokens, no text: the run that `bench` (and its peers), `plan
-    --compute measure` and the benchmarks time."""
-    return stream(model, None, prompt_ids, new_tokens, greedy=True, ignore_eos=True, on_first_token=on_first_token)
+def timed(
+    model, prompt_ids, new_tokens: int, *, forced: Sequence[int] | None = None, on_first_token: Callable[[], None] | None = None
+) -> GenerationResult:
+    """Greedy (or the `forced` tokens: teacher forcing), exactly `new_tokens` tokens, no text: the run that
+    `bench` (and its peers), `plan --compute measure` and the benchmarks time."""
+    return stream(model, None, prompt_ids, new_tokens, greedy=True, ignore_eos=True, forced=forced, on_first_token=on_first_token)
 
 
 def _token_list(ids) -> list[int]:

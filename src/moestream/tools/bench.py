@@ -7,10 +7,17 @@ sides in the same run and on the same files, and reports their ratio:
 - disk bandwidth: the run's own decode reads replayed right after it (same records, same order, the
   same batches of one layer call's misses, O_DIRECT, the engine's reader and thread count), so the floor
   is what this disk gives for exactly these bytes, not a datasheet or a deep-queue probe;
-- the I/O floor per token: decode bytes missed per token / that bandwidth + all-hits compute per
-  token (measured with a budget that holds every expert when the experts fit in memory, otherwise
-  estimated as decode time minus the time the model thread waited for reads);
-- efficiency = floor / measured time per token (1.0 = at the limit).
+- all-hits compute per token, measured: with a budget that holds every expert when the experts fit in
+  memory; otherwise on the steps of a short pass under the run's own budget that missed nothing (the
+  same text fed twice, the second time timed step by step); only where no step hit everything,
+  estimated as decode time minus the time the model thread waited for reads (and said so);
+- two floors per token: serial, missed bytes / that bandwidth + all-hits compute (no read hidden), and
+  overlapped, the larger of the two (every read hidden behind compute, or the reverse);
+- efficiency = floor / measured time per token, against each (1.0 = at that limit).
+
+With `--text` the decode follows the text (teacher forcing: the tokens after the prompt are the text's,
+whatever the model says), on moestream and the peers alike, so a synthetic model routes as text does;
+without it, random prompt ids and greedy tokens.
 
 `--squeeze` makes the machine behave like a smaller one: a helper process allocates and touches that
 much anonymous memory for the duration (there is no swap, so the pages stay resident). `--compare`
@@ -89,9 +96,13 @@ class BenchReport:
     moestream: RunResult
     all_hits_seconds_per_token: float
     all_hits_measured: bool  # False: estimated as decode time minus read waits
+    all_hits_how: str  # how it was measured (or estimated), in words
     bytes_missed_per_token: float
-    floor_seconds_per_token: float
-    efficiency: float
+    floor_seconds_per_token: float  # serial: missed bytes / bandwidth + all-hits compute
+    efficiency: float  # floor / measured
+    overlapped_floor_seconds_per_token: float  # the larger of the two parts: every read hidden
+    overlapped_efficiency: float
+    teacher_forced: bool  # the decode followed --text
     store_page_cache_bytes: int
     peers: list[RunResult] = field(default_factory=list)
 
@@ -105,16 +116,12 @@ class BenchReport:
             + (f", squeeze {format_bytes(self.squeeze_bytes)}" if self.squeeze_bytes else ""),
             "disk bandwidth (this run's decode reads replayed, O_DIRECT, in the engine's batches): "
             + (f"{self.disk_bandwidth_bytes_per_second / 1e9:.2f} GB/s" if self.disk_bandwidth_bytes_per_second else "none read"),
+            f"decode: {'teacher-forced through --text' if self.teacher_forced else 'greedy after random prompt ids'}",
             f"expert bytes missed per decoded token: {self.bytes_missed_per_token / 1e6:.2f} MB; hit rate {r.hit_rate:.1%}",
-            f"all-hits compute per token: {self.all_hits_seconds_per_token * 1e3:.1f} ms "
-            f"({'measured, every expert cached' if self.all_hits_measured else 'estimated: decode time minus read waits'})",
-            f"I/O floor per token: {self.floor_seconds_per_token * 1e3:.1f} ms; measured {r.seconds_per_token * 1e3:.1f} ms; "
-            f"efficiency {self.efficiency:.2f}"
-            + (
-                " (above 1: compute ran while reads were in flight, which the floor's sum does not credit)"
-                if self.efficiency > 1
-                else ""
-            ),
+            f"all-hits compute per token: {self.all_hits_seconds_per_token * 1e3:.1f} ms ({self.all_hits_how})",
+            f"floor per token, reads then compute: {self.floor_seconds_per_token * 1e3:.1f} ms (efficiency {self.efficiency:.2f}); "
+            f"reads hidden behind compute: {self.overlapped_floor_seconds_per_token * 1e3:.1f} ms "
+            f"(efficiency {self.overlapped_efficiency:.2f}); measured {r.seconds_per_token * 1e3:.1f} ms",
             f"page cache held by the store after the run: {format_bytes(self.store_page_cache_bytes)}",
             r.fast_paths,
             "",
@@ -196,18 +203,23 @@ class Squeeze:
             self.process.wait()
 
 
-def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, text: str | None) -> torch.Tensor:
+def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, new_tokens: int, text: str | None) -> tuple[torch.Tensor, list | None]:
+    """(prompt ids [1, P], the decode's forced tokens or None): a text's first P tokens and the
+    `new_tokens` after them, or random ids and greedy decoding."""
     if text:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens]
-        if len(ids) < prompt_tokens:
-            raise UsageError(f"--text has only {len(ids)} tokens; pass a longer text or fewer --prompt-tokens")
-        return torch.tensor([ids])
-    return torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: prompt_tokens + new_tokens]
+        if len(ids) < prompt_tokens + new_tokens:
+            raise UsageError(
+                f"--text has only {len(ids)} tokens, and --prompt-tokens {prompt_tokens} with --new-tokens {new_tokens} "
+                f"follow {prompt_tokens + new_tokens}; pass a longer text or fewer tokens"
+            )
+        return torch.tensor([ids[:prompt_tokens]]), ids[prompt_tokens:]
+    return torch.randint(0, vocab, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)), None
 
 
-def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, **load_kwargs):
-    """Load the store under `memory` and time one greedy generation of exactly `new_tokens` after `ids`
-    (generate.timed); returns (RunResult with the decode part's hit rate, bytes read and read waits, the
+def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, forced=None, **load_kwargs):
+    """Load the store under `memory` and time one generation of exactly `new_tokens` after `ids`
+    (generate.timed: greedy, or the `forced` tokens); returns (RunResult with the decode part's hit rate, bytes read and read waits, the
     (file, offset, length) of every decode read). `load_kwargs` go to moestream.load."""
     from ..core.fastpaths import describe
     from ..core.loading import close, engine_of, load
@@ -223,7 +235,7 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
         engine.supply.reader.log = []  # from here on the reads are decode's
 
     recorder = start_recording(model) if trace_out else None  # this run's routing, for simulate/plan --trace
-    result = timed(model, ids, new_tokens, on_first_token=first_token)
+    result = timed(model, ids, new_tokens, forced=forced, on_first_token=first_token)
     reads = engine.supply.reader.log or []
     if recorder is not None:
         stop_recording(model)
@@ -245,30 +257,35 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
     return run, reads
 
 
-def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int) -> Timing:
-    """llama.cpp (llama-cpp-python) on a GGUF file, mmap'd, greedy from the same prompt ids. Its own loop
-    (llama.cpp is not a transformers model), timed by the same definition as generate.stream."""
+def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int, forced: list | None = None) -> Timing:
+    """llama.cpp (llama-cpp-python) on a GGUF file, mmap'd, from the same prompt ids, greedy or taking the
+    `forced` tokens. Its own loop (llama.cpp is not a transformers model), timed by the same definition as
+    generate.stream."""
     from llama_cpp import Llama
 
     llm = Llama(
         model_path=gguf_path, n_ctx=len(ids[0]) + new_tokens + 8, n_threads=torch.get_num_threads(), use_mmap=True, verbose=False
     )
+
+    def choose(i: int) -> int:
+        return forced[i] if forced is not None else llm.sample(temp=0.0)
+
     start = time.perf_counter()
     llm.eval(ids[0])
-    token = llm.sample(temp=0.0)
+    token = choose(0)
     first = time.perf_counter()
-    for _ in range(new_tokens - 1):
+    for i in range(1, new_tokens):
         llm.eval([token])
-        token = llm.sample(temp=0.0)
+        token = choose(i)
     return Timing(start, first, time.perf_counter(), new_tokens)
 
 
-def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, queue) -> None:
+def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, forced: list | None, queue) -> None:
     """A peer in its own process (its own peak RSS, no memory shared with the others)."""
     try:
         reset_peak_rss()
         if kind == "llama.cpp":
-            timing = _llama_cpp_decode(checkpoint, ids, new_tokens)
+            timing = _llama_cpp_decode(checkpoint, ids, new_tokens, forced)
             queue.put({"timing": timing, "rss": peak_rss_bytes()})
             return
         from transformers import AutoModelForCausalLM
@@ -280,15 +297,15 @@ def _peer(kind: str, checkpoint: str, memory: int, ids: list, new_tokens: int, q
             model = AutoModelForCausalLM.from_pretrained(
                 checkpoint, local_files_only=True, device_map="auto", max_memory={"cpu": memory}, offload_folder=offload
             ).eval()
-        queue.put({"timing": timed(model, ids, new_tokens).timing, "rss": peak_rss_bytes()})
+        queue.put({"timing": timed(model, ids, new_tokens, forced=forced).timing, "rss": peak_rss_bytes()})
     except Exception as e:  # a peer that cannot run is reported, not fatal
         queue.put({"error": f"{type(e).__name__}: {e}"})
 
 
-def _run_peer(kind: str, checkpoint: str, memory: int, ids: torch.Tensor, new_tokens: int) -> RunResult:
+def _run_peer(kind: str, checkpoint: str, memory: int, ids: torch.Tensor, new_tokens: int, forced: list | None) -> RunResult:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=_peer, args=(kind, checkpoint, memory, ids.tolist(), new_tokens, queue))
+    process = context.Process(target=_peer, args=(kind, checkpoint, memory, ids.tolist(), new_tokens, forced, queue))
     process.start()
     result = None
     while result is None:
@@ -337,26 +354,30 @@ def bench(
         raise UsageError("--new-tokens must be at least 2: decode speed is measured after the first token")
     with Squeeze(squeeze_bytes):
         tokenizer = load_tokenizer(store.directory) if text else None
-        ids = _prompt_ids(tokenizer, int(store.manifest.model_config["vocab_size"]), prompt_tokens, text)
-        run, reads = run_moestream(store_dir, budget, ids, new_tokens, "moestream", trace_out, **load_kwargs)
+        ids, forced = _prompt_ids(tokenizer, int(store.manifest.model_config["vocab_size"]), prompt_tokens, new_tokens, text)
+        run, reads = run_moestream(store_dir, budget, ids, new_tokens, "moestream", trace_out, forced, **load_kwargs)
         bandwidth = replay_reads(store, reads, load_kwargs.get("io_threads", 4))
         missed_per_token = run.decode_bytes_read / max(1, new_tokens - 1)
-        # All-hits compute: measured with every expert cached when that fits comfortably, else estimated.
+        # All-hits compute: with every expert cached when that fits comfortably, else on the steps that hit
+        # everything under the run's budget, else (no such step) estimated.
         sizes = ModelSizes.of_store(store.manifest)
         if sizes.expert_stride_bytes < 0.5 * _memory_available():
-            all_hits_budget = sizes.all_experts_budget
-            warm = _run_all_hits(store_dir, all_hits_budget, ids, new_tokens)
-            all_hits, measured = warm.seconds_per_token, True
+            warm = _run_all_hits(store_dir, sizes.all_experts_budget, ids, new_tokens, forced)
+            all_hits, how = warm.seconds_per_token, "measured, every expert cached"
         else:
+            all_hits, how = _all_hit_steps(store_dir, budget, ids, forced, load_kwargs)
+        measured = all_hits is not None
+        if not measured:
             all_hits = max(0.0, run.seconds_per_token - run.decode_wait_seconds / max(1, new_tokens - 1))
-            measured = False
-        floor = (missed_per_token / bandwidth if bandwidth else 0.0) + all_hits
+            how = "estimated: decode time minus read waits; " + how
+        reading = missed_per_token / bandwidth if bandwidth else 0.0
+        floor, overlapped = reading + all_hits, max(reading, all_hits)
         cached = sum(page_cache_bytes(store.path(layer.file)) for layer in store.manifest.layers)
         peers = []
         if compare:
             ckpt_bytes = sum(p.stat().st_size for p in Path(compare).glob("*.safetensors"))
             if ckpt_bytes < 0.8 * _memory_available():
-                peers.append(_run_peer("transformers", compare, budget, ids, new_tokens))
+                peers.append(_run_peer("transformers", compare, budget, ids, new_tokens, forced))
             else:
                 peers.append(
                     RunResult(
@@ -369,9 +390,9 @@ def bench(
                         note=f"skipped: {format_bytes(ckpt_bytes)} does not fit in available memory",
                     )
                 )
-            peers.append(_run_peer("accelerate", compare, budget, ids, new_tokens))
+            peers.append(_run_peer("accelerate", compare, budget, ids, new_tokens, forced))
         if compare_gguf:
-            peers.append(_run_peer("llama.cpp", compare_gguf, budget, ids, new_tokens))
+            peers.append(_run_peer("llama.cpp", compare_gguf, budget, ids, new_tokens, forced))
     return BenchReport(
         store=str(store_dir),
         memory_bytes=budget,
@@ -380,23 +401,65 @@ def bench(
         moestream=run,
         all_hits_seconds_per_token=all_hits,
         all_hits_measured=measured,
+        all_hits_how=how,
         bytes_missed_per_token=missed_per_token,
         floor_seconds_per_token=floor,
         efficiency=floor / run.seconds_per_token if run.seconds_per_token else 0.0,
+        overlapped_floor_seconds_per_token=overlapped,
+        overlapped_efficiency=overlapped / run.seconds_per_token if run.seconds_per_token else 0.0,
+        teacher_forced=forced is not None,
         store_page_cache_bytes=cached,
         peers=peers,
     )
 
 
-def _run_all_hits(store_dir, budget: int, ids, new_tokens: int) -> RunResult:
+def _run_all_hits(store_dir, budget: int, ids, new_tokens: int, forced=None) -> RunResult:
     """All-hits decode: one load, a pass that fills the cache, then the timed pass on the same prompt."""
     from ..core.loading import close, load
 
     model, _ = load(store_dir, budget)
-    timed(model, ids, new_tokens)  # fills the cache with every expert this prompt and decode need
-    result = timed(model, ids, new_tokens)
+    timed(model, ids, new_tokens, forced=forced)  # fills the cache with every expert this prompt and decode need
+    result = timed(model, ids, new_tokens, forced=forced)
     close(model)
     return RunResult.of("all hits", int(ids.shape[1]), result.timing, peak_rss_bytes())
+
+
+# Decode steps of the short pass that measures all-hits compute when the experts do not all fit: few, so
+# that the experts of all of them fit in a small budget together.
+ALL_HIT_PROBE_STEPS = 8
+
+
+def _all_hit_steps(store_dir, budget: int, ids, forced, load_kwargs: dict) -> tuple[float | None, str]:
+    """All-hits compute per token when not every expert fits: a one-token prompt and the ALL_HIT_PROBE_STEPS
+    tokens after it (the run's own: its prompt's, then its decode's) fed twice under `budget`; the second
+    time each step is timed alone, and the steps that missed no expert are the measurement (their median).
+    -> (seconds, how), or (None, why not) where no step hit everything."""
+    from ..core.loading import close, engine_of, load
+    from ..frontends.generate import Forward
+
+    tokens = ids[0].tolist() + list(forced or [])
+    probe = tokens[: 1 + ALL_HIT_PROBE_STEPS]
+    model, _ = load(store_dir, budget, **load_kwargs)
+    engine = engine_of(model)
+    seconds = []
+    try:
+        with torch.inference_mode():
+            for timed_pass in (False, True):
+                forward = Forward(model)
+                for step, token in enumerate(probe):
+                    before = engine.stats()["misses"]
+                    start = time.perf_counter()
+                    forward(torch.tensor([[token]]))
+                    took = time.perf_counter() - start
+                    if timed_pass and step and engine.stats()["misses"] == before:  # (step 0: an empty KV cache)
+                        seconds.append(took)
+    finally:
+        close(model)
+    if not seconds:
+        return None, f"no step of a {len(probe)}-token pass fed twice under --memory hit every expert"
+    seconds.sort()
+    how = f"measured on the {len(seconds)} of {len(probe) - 1} steps that hit every expert, fed twice under --memory"
+    return seconds[len(seconds) // 2], how
 
 
 def write_json(report: BenchReport, path: str) -> None:
