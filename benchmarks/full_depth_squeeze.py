@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per run")
     parser.add_argument("--rounds", type=int, default=2, help="squeeze_text.py rounds (the engines alternate)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prefetch", default="auto", help="moestream's --prefetch (auto, the default, probes it after 16 steps)")
     args = parser.parse_args()
 
     from moestream.units import format_bytes, parse_bytes
@@ -95,14 +96,14 @@ def main() -> None:
         squeeze_text = [
             python, str(HERE / "squeeze_text.py"), "--store", str(store), "--gguf", str(gguf), "--text", args.text,
             "--available", available, "--memory", memory, "--tokens", str(args.tokens), "--prefill", "32",
-            "--rounds", str(args.rounds), "--json", str(results / f"squeeze-{name}.json"), *threads,
+            "--rounds", str(args.rounds), "--prefetch", args.prefetch, "--json", str(results / f"squeeze-{name}.json"), *threads,
         ]  # fmt: skip
         print("$ " + " ".join(shlex.quote(part) for part in squeeze_text), flush=True)
         subprocess.run(squeeze_text, check=True)
         squeeze = max(0, memory_available() - parse_bytes(available))
         bench = [
             "moestream", "bench", str(store), "--memory", memory, "--squeeze", str(squeeze), "--text", args.text,
-            "--prompt-tokens", "32", "--new-tokens", str(args.tokens), "--json", str(results / f"bench-{name}.json"), *threads,
+            "--prompt-tokens", "32", "--new-tokens", str(args.tokens), "--prefetch", args.prefetch, "--json", str(results / f"bench-{name}.json"), *threads,
         ]  # fmt: skip
         print(f"$ {' '.join(shlex.quote(part) for part in bench)}   # squeeze {format_bytes(squeeze)}", flush=True)
         subprocess.run(bench, check=True)

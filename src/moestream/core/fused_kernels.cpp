@@ -857,22 +857,26 @@ void repack_int4(torch::Tensor w, torch::Tensor lo, torch::Tensor hi, torch::Ten
   }
 }
 
+// Every kernel runs without the GIL (it touches no Python object): the model's thread computing a layer
+// must not hold up the I/O threads, which need the GIL to finish a read and start the next one
+// (docs/DECISIONS.md, "Kernels without the GIL").
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("rotary", &rotary);
-  m.def("silu_gate", &silu_gate);
-  m.def("experts_decode", &experts_decode);
-  m.def("softmax_topk_router", &softmax_topk_router);
-  m.def("attention_decode_qkv", &attention_decode_qkv);
-  m.def("attention_decode_out", &attention_decode_out);
-  m.def("int4_matmul", &int4_matmul);
-  m.def("int8_matmul", &int8_matmul);
-  m.def("table_matmul", &table_matmul);
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, no_gil);
+  m.def("rotary", &rotary, no_gil);
+  m.def("silu_gate", &silu_gate, no_gil);
+  m.def("experts_decode", &experts_decode, no_gil);
+  m.def("softmax_topk_router", &softmax_topk_router, no_gil);
+  m.def("attention_decode_qkv", &attention_decode_qkv, no_gil);
+  m.def("attention_decode_out", &attention_decode_out, no_gil);
+  m.def("int4_matmul", &int4_matmul, no_gil);
+  m.def("int8_matmul", &int8_matmul, no_gil);
+  m.def("table_matmul", &table_matmul, no_gil);
   m.def("lowbit_isa", &lowbit_isa);
-  m.def("decode_attention", &decode_attention);
+  m.def("decode_attention", &decode_attention, no_gil);
   m.def("decode_attention_simd", &decode_attention_simd);
-  m.def("repack_int4", &repack_int4, py::call_guard<py::gil_scoped_release>());
-  m.def("repair_nibbles", &repair_nibbles, py::call_guard<py::gil_scoped_release>());
-  m.def("q6_k_int8", &q6_k_int8, py::call_guard<py::gil_scoped_release>());
-  m.def("q6_k_int4", &q6_k_int4, py::call_guard<py::gil_scoped_release>());
+  m.def("repack_int4", &repack_int4, no_gil);
+  m.def("repair_nibbles", &repair_nibbles, no_gil);
+  m.def("q6_k_int8", &q6_k_int8, no_gil);
+  m.def("q6_k_int4", &q6_k_int4, no_gil);
 }
