@@ -103,3 +103,17 @@ def test_a_peer_that_cannot_run_is_reported_not_fatal(store, tmp_path):
     assert peer.name == "llama.cpp (GGUF, mmap)" and peer.decode_tokens_per_second == 0
     assert peer.note.startswith("did not run:")
     assert "llama.cpp (GGUF, mmap)" in report.table() and report.moestream.decode_tokens_per_second > 0
+
+
+def test_the_decodes_read_ahead_is_reported(store):
+    from moestream.tools.bench import _read_ahead_line
+
+    ids = torch.randint(0, 200, (1, 8), generator=torch.Generator().manual_seed(5))
+    budget = Store(store).manifest.max_record_stride * 4
+    run, _ = run_moestream(store, budget, ids, 8, "moestream", prefetch="on")
+    ahead = run.read_ahead
+    assert ahead["mode"] == "on" and ahead["speculating"] and ahead["issued"] > 0
+    assert ahead["useful"] + ahead["wasted"] <= ahead["issued"] and 0 <= ahead["precision"] <= 1
+    assert _read_ahead_line(ahead).startswith("read-ahead (--prefetch on, on at the end): in the decode")
+    off, _ = run_moestream(store, budget, ids, 8, "moestream", prefetch="off")
+    assert off.read_ahead["issued"] == 0 and _read_ahead_line(off.read_ahead) == "read-ahead: off"

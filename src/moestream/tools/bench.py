@@ -68,6 +68,7 @@ class RunResult:
     decode_wait_seconds: float | None = None
     note: str = ""
     fast_paths: str = ""  # moestream's: which fast paths ran and why others did not (core/fastpaths.py)
+    read_ahead: dict | None = None  # moestream's: the decode's speculative reads (`read_ahead_of`)
 
     @property
     def seconds_per_token(self) -> float:
@@ -123,6 +124,7 @@ class BenchReport:
             f"reads hidden behind compute: {self.overlapped_floor_seconds_per_token * 1e3:.1f} ms "
             f"(efficiency {self.overlapped_efficiency:.2f}); measured {r.seconds_per_token * 1e3:.1f} ms",
             f"page cache held by the store after the run: {format_bytes(self.store_page_cache_bytes)}",
+            _read_ahead_line(r.read_ahead),
             r.fast_paths,
             "",
             f"{'engine':<34} {'decode tok/s':>12} {'TTFT s':>8} {'peak RSS':>10}  note",
@@ -138,6 +140,18 @@ class BenchReport:
                     f"moestream / {peer.name}: {r.decode_tokens_per_second / peer.decode_tokens_per_second:.2f}x decode tokens/s"
                 )
         return "\n".join(lines)
+
+
+def _read_ahead_line(read_ahead: dict | None) -> str:
+    if read_ahead is None or read_ahead["mode"] == "off":
+        return "read-ahead: off"
+    r = read_ahead
+    wasted = f"{r['wasted'] / r['useful']:.2f}" if r["useful"] else "-"
+    return (
+        f"read-ahead (--prefetch {r['mode']}, {'on' if r['speculating'] else 'off'} at the end): in the decode "
+        f"{r['issued']} reads issued, {r['useful']} used, {r['wasted']} wasted ({wasted} per used one); "
+        f"its guesses' precision {r['precision']:.0%}, recall {r['recall']:.0%}"
+    )
 
 
 def replay_reads(store: Store, reads: list[tuple[int, int, int]], threads: int = 4) -> float:
@@ -253,8 +267,25 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
         decode_bytes_read=stats["bytes_read"] - at_first.get("bytes_read", 0),
         decode_wait_seconds=stats["wait_seconds"] - at_first.get("wait_seconds", 0.0),
         fast_paths=describe(engine.fast_paths),
+        read_ahead=read_ahead_of(at_first.get("prefetch"), stats["prefetch"]),
     )
     return run, reads
+
+
+def read_ahead_of(before: dict | None, after: dict | None) -> dict | None:
+    """The read-ahead of the decode, from the prefetcher's reports at its first token and at its end: its
+    mode, whether it was speculating at the end, reads issued, used and wasted during the decode, and its
+    guesses' precision and recall over the run. None without a prefetcher."""
+    if after is None:
+        return None
+    counts = {name: after[name] - (before or {}).get(name, 0) for name in ("issued", "useful", "wasted")}
+    return {
+        "mode": after["mode"],
+        "speculating": after["speculating"],
+        **counts,
+        "precision": after["precision"],
+        "recall": after["recall"],
+    }
 
 
 def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int, forced: list | None = None) -> Timing:
