@@ -1,5 +1,8 @@
 """Speculative prefetch changes what is read, never the numbers; auto keeps whichever mode decodes faster."""
 
+import errno
+import threading
+
 import pytest
 import torch
 from tiny import TINY, tiny_checkpoint
@@ -7,6 +10,8 @@ from tiny import TINY, tiny_checkpoint
 import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint, skew_router
+from moestream.core.cache import State
+from moestream.core.loading import engine_of
 from moestream.core.prefetch import (
     AUTO_HOLD_STEPS,
     AUTO_MARGIN,
@@ -15,6 +20,7 @@ from moestream.core.prefetch import (
     AUTO_WARMUP_STEPS,
     Prefetcher,
 )
+from moestream.core.reader import RecordFile
 
 
 def test_prefetch_changes_no_tokens_and_is_accounted(tmp_path):
@@ -124,3 +130,32 @@ def test_hash_routed_layers_are_read_exactly_before_they_run(tmp_path):
     assert decode_misses == 0  # every decode step found the hash layer's experts read or in flight
     assert books["precision"] == books["recall"] == 1.0 and books["issued"] > 0
     assert layer0["off"][0] > 0  # without it the same steps miss
+
+
+def test_a_failed_speculative_read_never_fails_a_token(tmp_path, monkeypatch):
+    config = dict(TINY["qwen3_moe"], num_hidden_layers=4, num_experts=16, num_experts_per_tok=2)
+    model = make_model("qwen3_moe", seed=17, **config)
+    skew_router(model, 1.0)
+    store = moestream.convert(save_checkpoint(model, tmp_path / "hf"), tmp_path / "store", experts_dtype="fp32", progress=False)
+    stride = Store(store).manifest.max_record_stride
+    prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(1))
+    loaded, _ = moestream.load(store, 8 * stride, prefetch="off")
+    with torch.no_grad():
+        expected = loaded.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    real = RecordFile.read_at
+
+    def failing_ahead(self, buffer, offset):  # every read on the speculative thread fails, demand reads work
+        if threading.current_thread().name.startswith("moestream-prefetch"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, buffer, offset)
+
+    monkeypatch.setattr(RecordFile, "read_at", failing_ahead)
+    monkeypatch.setattr("moestream.core.reader.RETRY_BACKOFF_SECONDS", 0.0)
+    loaded, _ = moestream.load(store, 8 * stride, prefetch="on")
+    with torch.no_grad():
+        got = loaded.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert torch.equal(got, expected)
+    assert moestream.stats(loaded)["prefetch"]["issued"] > 0  # speculative reads were tried (and failed)
+    cache = engine_of(loaded).supply.cache  # none of the failed guesses left a slot pinned or a ready one empty
+    assert all(e.pins == 0 for e in cache.entries())
+    assert all(e.tensors for e in cache.entries() if e.state is State.READY)

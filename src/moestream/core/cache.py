@@ -41,7 +41,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import UsageError
+from ..errors import ExpertReadError, UsageError
 from .policies import LRUPolicy
 
 Key = Hashable  # (layer, expert) in the engine
@@ -238,7 +238,16 @@ class Call:
                 for entry in io.landed(in_flight, oldest_only=bool(waiting)):
                     in_flight.remove(entry)
                     ready.append(entry)  # unpinned below, or by `finally` if its read or compute fails
-                    io.finish_read(entry)
+                    try:
+                        io.finish_read(entry)
+                    except ExpertReadError:
+                        if entry not in self.used_ahead:
+                            raise
+                        # A read made ahead of need failed (finish_read discarded it): its expert is read
+                        # again on demand, and a guess never fails a token.
+                        cache.unpin(ready.pop())
+                        waiting.append(entry.key[1])
+                        continue
                     compute([entry])
                     cache.unpin(ready.pop())
                 self._issue(io)  # slots freed by the experts just computed take the reads that did not fit
