@@ -159,3 +159,41 @@ def test_a_failed_speculative_read_never_fails_a_token(tmp_path, monkeypatch):
     cache = engine_of(loaded).supply.cache  # none of the failed guesses left a slot pinned or a ready one empty
     assert all(e.pins == 0 for e in cache.entries())
     assert all(e.tensors for e in cache.entries() if e.state is State.READY)
+
+
+def test_read_ahead_never_evicts_an_expert_the_current_call_needs(tmp_path):
+    config = dict(TINY["qwen3_moe"], num_hidden_layers=4, num_experts=16, num_experts_per_tok=2)
+    model = make_model("qwen3_moe", seed=5, **config)
+    skew_router(model, 1.0)
+    store = moestream.convert(save_checkpoint(model, tmp_path / "hf"), tmp_path / "store", experts_dtype="fp32", progress=False)
+    stride = Store(store).manifest.max_record_stride
+    loaded, _ = moestream.load(store, 5 * stride, prefetch="on")  # tight: reads ahead must evict
+    supply = engine_of(loaded).supply
+    state, evicted, violations = {"needed": set(), "ahead": False}, [], []
+    provide, read_ahead, on_evict = supply.provide, supply._read_ahead, supply.cache.on_evict
+
+    def watched_provide(layer, experts, hidden, compute):
+        state["needed"] = {(layer, e) for e in experts}
+        return provide(layer, experts, hidden, compute)
+
+    def watched_read_ahead(layer, experts, exact=False):
+        state["ahead"] = True
+        try:
+            return read_ahead(layer, experts, exact)
+        finally:
+            state["ahead"] = False
+
+    def watched_evict(entry):
+        if state["ahead"]:
+            evicted.append(entry.key)
+            if entry.key in state["needed"]:
+                violations.append(entry.key)
+        if on_evict is not None:
+            on_evict(entry)
+
+    supply.provide, supply._read_ahead, supply.cache.on_evict = watched_provide, watched_read_ahead, watched_evict
+    prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loaded.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert evicted  # reads ahead did take slots from cached experts
+    assert not violations
