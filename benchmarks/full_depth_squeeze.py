@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import machine
+from squeeze_text import memory_available
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,11 +41,6 @@ def step(output: Path, command: list[str]) -> None:
         return
     print("$ " + " ".join(shlex.quote(part) for part in command), flush=True)
     subprocess.run(command, check=True)
-
-
-def memory_available() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def main() -> None:
