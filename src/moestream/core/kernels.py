@@ -155,16 +155,22 @@ def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_act
     with the record's tensors), or None where they take them as stored: float and int8 records, the formats
     torch has no kernel for (`QuantFormat.torch_kernel`), a GPU, int8-activation kernels, and a version 3
     store's records (already in this machine's kernel layout, `check_packing`)."""
-    if fmt is None or fmt.name == "int8" or not fmt.torch_kernel or not cpu_kernels or int8_activations or not fmt.portable:
+    if not _repacked_for_torch(fmt) or not cpu_kernels or int8_activations or not fmt.portable:
         return None
     return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
+
+
+def _repacked_for_torch(fmt: QuantFormat | None) -> bool:
+    """Whether torch's CPU kernel for this format takes its records in a layout of its own (the int4 family's
+    int4pack), not as stored: int8's and float records go in as they are, formats without a torch kernel too."""
+    return fmt is not None and fmt.name != "int8" and fmt.torch_kernel
 
 
 def cpu_record(record: dict[str, torch.Tensor], fmt: QuantFormat | None) -> dict[str, torch.Tensor]:
     """A portable record's tensors as torch's CPU kernels take them (a copy; what the engine does in place
     where a record lands), for callers that compute with records outside the engine."""
     record = {name: t.clone() for name, t in record.items()}
-    if fmt is not None and fmt.name != "int8" and fmt.torch_kernel:
+    if _repacked_for_torch(fmt):
         RecordPreparer(fmt, [name for name in record if name.endswith(".qweight")])(record)
     return record
 
