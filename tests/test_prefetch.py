@@ -23,13 +23,18 @@ from moestream.core.prefetch import (
 from moestream.core.reader import RecordFile
 
 
-def test_prefetch_changes_no_tokens_and_is_accounted(tmp_path):
+def _skewed_store(tmp_path, seed: int):
+    """4 layers x 16 experts, top-2, routers skewed for some locality (so that predictions and the cache have
+    something to find), as a store -> (store, bytes per record)."""
     config = dict(TINY["qwen3_moe"], num_hidden_layers=4, num_experts=16, num_experts_per_tok=2)
-    model = make_model("qwen3_moe", seed=17, **config)
-    skew_router(model, 1.0)  # some locality, so that predictions and the cache have something to find
-    ckpt = save_checkpoint(model, tmp_path / "hf")
-    store = moestream.convert(ckpt, tmp_path / "store", experts_dtype="fp32", progress=False)
-    stride = Store(store).manifest.max_record_stride
+    model = make_model("qwen3_moe", seed=seed, **config)
+    skew_router(model, 1.0)
+    store = moestream.convert(save_checkpoint(model, tmp_path / "hf"), tmp_path / "store", experts_dtype="fp32", progress=False)
+    return store, Store(store).manifest.max_record_stride
+
+
+def test_prefetch_changes_no_tokens_and_is_accounted(tmp_path):
+    store, stride = _skewed_store(tmp_path, seed=17)
     prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(1))
     outputs, reports = {}, {}
     for mode in ("off", "on", "auto"):
@@ -133,11 +138,7 @@ def test_hash_routed_layers_are_read_exactly_before_they_run(tmp_path):
 
 
 def test_a_failed_speculative_read_never_fails_a_token(tmp_path, monkeypatch):
-    config = dict(TINY["qwen3_moe"], num_hidden_layers=4, num_experts=16, num_experts_per_tok=2)
-    model = make_model("qwen3_moe", seed=17, **config)
-    skew_router(model, 1.0)
-    store = moestream.convert(save_checkpoint(model, tmp_path / "hf"), tmp_path / "store", experts_dtype="fp32", progress=False)
-    stride = Store(store).manifest.max_record_stride
+    store, stride = _skewed_store(tmp_path, seed=17)
     prompt = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(1))
     loaded, _ = moestream.load(store, 8 * stride, prefetch="off")
     with torch.no_grad():
@@ -162,11 +163,7 @@ def test_a_failed_speculative_read_never_fails_a_token(tmp_path, monkeypatch):
 
 
 def test_read_ahead_never_evicts_an_expert_the_current_call_needs(tmp_path):
-    config = dict(TINY["qwen3_moe"], num_hidden_layers=4, num_experts=16, num_experts_per_tok=2)
-    model = make_model("qwen3_moe", seed=5, **config)
-    skew_router(model, 1.0)
-    store = moestream.convert(save_checkpoint(model, tmp_path / "hf"), tmp_path / "store", experts_dtype="fp32", progress=False)
-    stride = Store(store).manifest.max_record_stride
+    store, stride = _skewed_store(tmp_path, seed=5)
     loaded, _ = moestream.load(store, 5 * stride, prefetch="on")  # tight: reads ahead must evict
     supply = engine_of(loaded).supply
     state, evicted, violations = {"needed": set(), "ahead": False}, [], []
