@@ -1,6 +1,7 @@
 """`moestream bench`: the floor and efficiency are computed from the run's own measurements."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import moestream
 from moestream.cli import main
 from moestream.conversion.store import Store
 from moestream.errors import UsageError
-from moestream.tools.bench import bench, replay_reads, run_moestream
+from moestream.tools.bench import bench, per_step_floor, replay_reads, run_moestream
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,24 @@ def test_report_is_consistent_with_its_own_measurements(store):
     assert report.overlapped_floor_seconds_per_token == pytest.approx(max(reading, report.all_hits_seconds_per_token))
     assert report.overlapped_efficiency == pytest.approx(report.overlapped_floor_seconds_per_token * run.decode_tokens_per_second)
     assert not report.teacher_forced and "greedy after random prompt ids" in report.table()
+    # Per decode step: its reads (5 steps after the first token) add up to the decode's, at a rate measured
+    # while reads were in flight, and the floor averages each step's larger part.
+    steps = run.decode_step_bytes
+    assert len(steps) == 5 and sum(steps) >= run.decode_bytes_read > 0
+    assert 0 < run.decode_read_busy_seconds < 5 / run.decode_tokens_per_second
+    assert report.read_busy_bytes_per_second == pytest.approx(sum(steps) / run.decode_read_busy_seconds)
+    expected = sum(max(report.all_hits_seconds_per_token, b / report.read_busy_bytes_per_second) for b in steps) / 5
+    assert report.per_step_floor_seconds_per_token == pytest.approx(expected)
+    assert report.per_step_efficiency == pytest.approx(expected * run.decode_tokens_per_second)
+    assert "per decode step, its own reads hidden behind compute" in report.table()
+
+
+def test_per_step_floor_keeps_each_steps_reads_in_its_step():
+    # Two steps of 10 ms compute: one reads nothing, one reads 30 ms worth. Averaged over the steps the reads
+    # (15 ms) would hide behind compute; per step the second is bound by its reads.
+    assert per_step_floor([0, 3_000_000], 0.010, 1e8) == pytest.approx((0.010 + 0.030) / 2)
+    assert per_step_floor([], 0.010, 1e8) == 0.010
+    assert per_step_floor([1_000_000], 0.010, 0.0) == 0.010  # nothing read: compute alone
 
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it keeps running through the field. " * 2
@@ -117,3 +136,34 @@ def test_the_decodes_read_ahead_is_reported(store):
     assert _read_ahead_line(ahead).startswith("read-ahead (--prefetch on, on at the end): in the decode")
     off, _ = run_moestream(store, budget, ids, 8, "moestream", prefetch="off")
     assert off.read_ahead["issued"] == 0 and _read_ahead_line(off.read_ahead) == "read-ahead: off"
+
+
+def test_reader_busy_time_counts_overlapping_reads_once(tmp_path, monkeypatch):
+    import mmap
+    import time
+
+    from moestream.core.reader import RecordFile, RecordReader
+
+    path = tmp_path / "records.bin"
+    path.write_bytes(os.urandom(1 << 16))
+    real_read_at = RecordFile.read_at
+
+    def slow_read_at(self, buffer, offset):
+        time.sleep(0.05)
+        return real_read_at(self, buffer, offset)
+
+    monkeypatch.setattr(RecordFile, "read_at", slow_read_at)
+    reader = RecordReader([path], threads=2, direct=False)
+    buffers = [memoryview(mmap.mmap(-1, 4096)) for _ in range(2)]
+    try:
+        together = [reader.submit(0, 4096 * i, 4096, buffers[i]) for i in range(2)]  # in flight at once
+        for future in together:
+            future.result()
+        overlapped = reader.busy_seconds()
+        assert 0.05 <= overlapped < 0.09
+        time.sleep(0.1)  # idle: not busy
+        reader.submit(0, 0, 4096, buffers[0]).result()
+        assert overlapped + 0.05 <= reader.busy_seconds() < overlapped + 0.09  # the sleep between is not counted
+        assert bytes(buffers[0]) == path.read_bytes()[:4096]
+    finally:
+        reader.close()

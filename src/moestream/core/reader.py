@@ -80,10 +80,22 @@ class RecordReader:
         # When a list, every submitted read is appended to it as (file_index, offset, length): `moestream
         # bench` replays a run's own reads to time the disk on exactly the bytes that run needed.
         self.log: list | None = None
+        # The time at least one read was in flight, summed: the bytes read over it are the rate this disk
+        # gave these reads while it had work (`moestream bench`'s floor), whatever the reads' overlap.
+        self._busy_lock = threading.Lock()
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self._busy_seconds = 0.0
 
     @property
     def direct(self) -> bool:
         return all(f.direct for f in self._files)
+
+    def busy_seconds(self) -> float:
+        """Seconds during which at least one read was in flight, since the reader opened (to now)."""
+        with self._busy_lock:
+            ongoing = time.perf_counter() - self._busy_since if self._in_flight else 0.0
+            return self._busy_seconds + ongoing
 
     def submit(
         self,
@@ -111,9 +123,12 @@ class RecordReader:
         self, file_index: int, offset: int, length: int, buffer: memoryview, expected: tuple[int, str] | None = None, after=None
     ) -> ReadResult:
         f = self._files[file_index]
-        start = time.perf_counter()
-        self._read_fully(f, offset, length, buffer)
-        seconds = time.perf_counter() - start
+        start = self._read_begins()
+        try:
+            self._read_fully(f, offset, length, buffer)
+        finally:
+            end = self._read_ends()
+        seconds = end - start
         verify_seconds = 0.0
         if expected is not None:
             payload, digest = expected
@@ -135,6 +150,22 @@ class RecordReader:
             after()
             prepare_seconds = time.perf_counter() - t0
         return ReadResult(seconds, verify_seconds, prepare_seconds)
+
+    def _read_begins(self) -> float:
+        with self._busy_lock:
+            now = time.perf_counter()
+            if not self._in_flight:
+                self._busy_since = now
+            self._in_flight += 1
+            return now
+
+    def _read_ends(self) -> float:
+        with self._busy_lock:
+            now = time.perf_counter()
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._busy_seconds += now - self._busy_since
+            return now
 
     @staticmethod
     def _read_fully(f: RecordFile, offset: int, length: int, buffer: memoryview) -> None:

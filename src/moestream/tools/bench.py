@@ -13,6 +13,11 @@ sides in the same run and on the same files, and reports their ratio:
   estimated as decode time minus the time the model thread waited for reads (and said so);
 - two floors per token: serial, missed bytes / that bandwidth + all-hits compute (no read hidden), and
   overlapped, the larger of the two (every read hidden behind compute, or the reverse);
+- a third, per decode step: each step's own read bytes at the rate this run's reads had while any was in
+  flight, or its all-hits compute, the larger, averaged over the steps. Decoding cannot read a token's
+  experts before the token exists, so a step that reads more than its compute can hide is bound by the
+  disk whatever the other steps leave idle: on text, steps read from nothing (a repeated token) to several
+  times the average, and the averaged floor above is out of any decoder's reach;
 - efficiency = floor / measured time per token, against each (1.0 = at that limit).
 
 With `--text` the decode follows the text (teacher forcing: the tokens after the prompt are the text's,
@@ -69,6 +74,8 @@ class RunResult:
     note: str = ""
     fast_paths: str = ""  # moestream's: which fast paths ran and why others did not (core/fastpaths.py)
     read_ahead: dict | None = None  # moestream's: the decode's speculative reads (`read_ahead_of`)
+    decode_step_bytes: list[int] | None = None  # moestream's: bytes of the reads each decode step started
+    decode_read_busy_seconds: float | None = None  # moestream's: decode time with at least one read in flight
 
     @property
     def seconds_per_token(self) -> float:
@@ -103,6 +110,9 @@ class BenchReport:
     efficiency: float  # floor / measured
     overlapped_floor_seconds_per_token: float  # the larger of the two parts: every read hidden
     overlapped_efficiency: float
+    read_busy_bytes_per_second: float  # the decode's read bytes over its time with a read in flight
+    per_step_floor_seconds_per_token: float  # mean over decode steps of max(all-hits, step bytes / that rate)
+    per_step_efficiency: float
     teacher_forced: bool  # the decode followed --text
     store_page_cache_bytes: int
     peers: list[RunResult] = field(default_factory=list)
@@ -123,6 +133,7 @@ class BenchReport:
             f"floor per token, reads then compute: {self.floor_seconds_per_token * 1e3:.1f} ms (efficiency {self.efficiency:.2f}); "
             f"reads hidden behind compute: {self.overlapped_floor_seconds_per_token * 1e3:.1f} ms "
             f"(efficiency {self.overlapped_efficiency:.2f}); measured {r.seconds_per_token * 1e3:.1f} ms",
+            _per_step_line(self),
             f"page cache held by the store after the run: {format_bytes(self.store_page_cache_bytes)}",
             _read_ahead_line(r.read_ahead),
             r.fast_paths,
@@ -140,6 +151,26 @@ class BenchReport:
                     f"moestream / {peer.name}: {r.decode_tokens_per_second / peer.decode_tokens_per_second:.2f}x decode tokens/s"
                 )
         return "\n".join(lines)
+
+
+def _per_step_line(report: BenchReport) -> str:
+    steps = report.moestream.decode_step_bytes
+    if not steps or not report.read_busy_bytes_per_second:
+        return "per decode step: no reads"
+    return (
+        f"per decode step, its own reads hidden behind compute: {report.per_step_floor_seconds_per_token * 1e3:.1f} ms "
+        f"(efficiency {report.per_step_efficiency:.2f}), at the {report.read_busy_bytes_per_second / 1e9:.2f} GB/s "
+        f"this run's reads had while in flight; the steps read {min(steps) / 1e6:.0f} to {max(steps) / 1e6:.0f} MB"
+    )
+
+
+def per_step_floor(step_bytes: list[int], all_hits: float, bandwidth: float) -> float:
+    """Seconds per token when every step's reads hide behind its compute or its compute behind its reads,
+    whichever is longer, but no read moves to another step (the token a step decodes, and so its experts,
+    is known only once the step before it ends)."""
+    if not step_bytes:
+        return all_hits
+    return sum(max(all_hits, b / bandwidth if bandwidth else 0.0) for b in step_bytes) / len(step_bytes)
 
 
 def _read_ahead_line(read_ahead: dict | None) -> str:
@@ -242,15 +273,19 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
     reset_peak_rss()
     model, _ = load(store_dir, memory, **load_kwargs)
     engine = engine_of(model)
+    reader = engine.supply.reader
     at_first: dict = {}
+    steps = _StepStarts()
 
     def first_token() -> None:
-        at_first.update(engine.stats())
-        engine.supply.reader.log = []  # from here on the reads are decode's
+        at_first.update(engine.stats(), busy=reader.busy_seconds())
+        reader.log = steps.log = []  # from here on the reads are decode's
+        engine.step_hooks.append(steps)
 
     recorder = start_recording(model) if trace_out else None  # this run's routing, for simulate/plan --trace
     result = timed(model, ids, new_tokens, forced=forced, on_first_token=first_token)
-    reads = engine.supply.reader.log or []
+    busy = reader.busy_seconds() - at_first.get("busy", 0.0)
+    reads = reader.log or []
     if recorder is not None:
         stop_recording(model)
         recorder.trace(prompt_tokens=int(ids.shape[1])).save(trace_out)
@@ -268,8 +303,29 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
         decode_wait_seconds=stats["wait_seconds"] - at_first.get("wait_seconds", 0.0),
         fast_paths=describe(engine.fast_paths),
         read_ahead=read_ahead_of(at_first.get("prefetch"), stats["prefetch"]),
+        decode_step_bytes=steps.step_bytes(),
+        decode_read_busy_seconds=busy,
     )
     return run, reads
+
+
+class _StepStarts:
+    """An engine step hook: where each decode step's reads begin in the reader's log (a step's reads are
+    those it starts, read ahead of need included: reads are never issued for a step not yet begun)."""
+
+    def __init__(self):
+        self.log: list = []
+        self.starts: list[int] = []
+
+    def start_step(self, tokens: int) -> None:
+        self.starts.append(len(self.log))
+
+    def end_layer(self, layer: int) -> None:
+        pass
+
+    def step_bytes(self) -> list[int]:
+        bounds = self.starts + [len(self.log)]
+        return [sum(length for _, _, length in self.log[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def read_ahead_of(before: dict | None, after: dict | None) -> dict | None:
@@ -403,6 +459,9 @@ def bench(
             how = "estimated: decode time minus read waits; " + how
         reading = missed_per_token / bandwidth if bandwidth else 0.0
         floor, overlapped = reading + all_hits, max(reading, all_hits)
+        busy = run.decode_read_busy_seconds
+        read_rate = sum(length for _, _, length in reads) / busy if reads and busy else 0.0
+        per_step = per_step_floor(run.decode_step_bytes or [], all_hits, read_rate)
         cached = sum(page_cache_bytes(store.path(layer.file)) for layer in store.manifest.layers)
         peers = []
         if compare:
@@ -438,6 +497,9 @@ def bench(
         efficiency=floor / run.seconds_per_token if run.seconds_per_token else 0.0,
         overlapped_floor_seconds_per_token=overlapped,
         overlapped_efficiency=overlapped / run.seconds_per_token if run.seconds_per_token else 0.0,
+        read_busy_bytes_per_second=read_rate,
+        per_step_floor_seconds_per_token=per_step,
+        per_step_efficiency=per_step / run.seconds_per_token if run.seconds_per_token else 0.0,
         teacher_forced=forced is not None,
         store_page_cache_bytes=cached,
         peers=peers,
