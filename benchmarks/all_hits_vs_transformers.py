@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import moestream
 from moestream.conversion.store import Store
-from moestream.core.loading import engine_of
+from moestream.core.runtime import runtime_of
 
 
 def decode_rate(model, ids, tokens: int) -> tuple[float, torch.Tensor]:
@@ -41,7 +41,7 @@ def main() -> None:
         ids = AutoTokenizer.from_pretrained(args.checkpoint)(args.prompt, return_tensors="pt").input_ids
         decode_rate(streamed, ids, args.tokens)  # warm-up: reads every expert the prompt needs once
         decode_rate(reference, ids, args.tokens)
-        engine_of(streamed).reset_stats()
+        runtime_of(streamed).reset_stats()
         rates = {"moestream": [], "transformers": []}
         for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
             r, a = decode_rate(streamed, ids, args.tokens)

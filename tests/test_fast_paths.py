@@ -9,7 +9,8 @@ from tiny import TINY
 import moestream
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core import fused_build
-from moestream.core.loading import engine_of, fast_paths
+from moestream.core.engine import engine_of
+from moestream.core.loading import fast_paths
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the fused kernels are not built")
 

@@ -283,7 +283,7 @@ def _decode_step_logits(path, budget, compute_dtype):
 def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_numbers(
     ext, int4_store, monkeypatch, compute_dtype
 ):
-    from moestream.core.loading import engine_of
+    from moestream.core.engine import engine_of
 
     manifest = Store(int4_store).manifest
     slot, top_k = manifest.max_record_stride, manifest.model_config["num_experts_per_tok"]

@@ -10,6 +10,7 @@ from moestream.conversion.quant import QuantFormat, pack, quantize, reference_de
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core import fused, fused_build, kernels, loading
+from moestream.core.engine import engine_of
 from moestream.errors import UsageError
 
 
@@ -165,9 +166,9 @@ def test_a_model_with_int8_activations_stays_close_to_float_ones(ext, wide_store
     stride = Store(wide_store).manifest.max_record_stride
     integer, _ = moestream.load(wide_store, stride * 2, activations="int8")  # two experts: evicts all the time
     floating, _ = moestream.load(wide_store, stride * 16, activations="float")
-    engine = loading.engine_of(integer)
+    engine = engine_of(integer)
     assert all(engine.int8_activations) and all(p is None for p in engine.supply.preparers)  # records read as stored
-    assert not any(loading.engine_of(floating).int8_activations)
+    assert not any(engine_of(floating).int8_activations)
     line = loading.fast_paths(integer)
     assert f"low-bit matmuls (int8 activations, as chosen; {ext.lowbit_isa('')} loops)" in line and "read as stored" in line
     assert "attention (one token) 2/2" in line  # the fused attention agrees with the int8 linears' own forward

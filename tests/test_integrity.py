@@ -25,6 +25,7 @@ from moestream.conversion.verify import verify_store
 from moestream.core.cache import State
 from moestream.core.engine import ExpertEngine
 from moestream.core.reader import RecordFile
+from moestream.core.supply import ExpertSupply
 from moestream.errors import ExpertReadError, RecordChecksumError, StoreError
 
 EXPERTS, TOP_K = 32, 2
@@ -77,8 +78,11 @@ def _run_expert(engine, model, layer, expert, alone=False, seed=0):
     return engine.run(module, layer, hidden, index, weights)
 
 
-def _engine(store, verify="first", budget=64 * 2**20, **kwargs):
-    return ExpertEngine(Store(store), budget, io_threads=2, verify=verify, **kwargs)
+def _engine(store, verify="first", budget=64 * 2**20, **supply_options):
+    """An engine over the store with the CPU's kernels, floats computed as stored (no preparers)."""
+    opened = Store(store)
+    supply = ExpertSupply(opened, budget, io_threads=2, verify=verify, **supply_options)
+    return ExpertEngine(opened, supply, [False] * len(opened.manifest.layers))
 
 
 def _assert_cache_consistent(engine):

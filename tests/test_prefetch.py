@@ -11,7 +11,7 @@ import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint, skew_router
 from moestream.core.cache import State
-from moestream.core.loading import engine_of
+from moestream.core.engine import engine_of
 from moestream.core.prefetch import (
     AUTO_HOLD_STEPS,
     AUTO_MARGIN,

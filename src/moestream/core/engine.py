@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
 from ..conversion.store import DTYPES, Store
-from . import fused, kernels
+from ..errors import UsageError
+from . import fused
 from .kernels import expert_linear
 from .memory import peak_rss_bytes
 from .supply import ExpertSupply
@@ -45,43 +46,24 @@ class ExpertEngine:
     """The experts function of a loaded model: each experts call's tokens grouped by expert, the experts
     asked of the supply (supply.py: cache, reads, tiers) and computed over their slots as they arrive.
 
-    Collaborators are given at construction: the prefetcher (a step hook, and the supply's reads ahead of
-    need) and the device tier's device. `trace` is the routing recorder's hook (tools/trace.py sets it
-    while it records). Every method runs on the thread that runs the model, except `stats`, which any
+    Collaborators are given at construction: the supply (built by loading.py with the kernels' record
+    layouts) and the prefetcher (a step hook here; the supply reads ahead with it). `trace` is the routing
+    observer (runtime.py's `observe_routing` sets it). Every method runs on the thread that runs the model, except `stats`, which any
     thread may call: it reads the supply's counters without waiting for a read in flight."""
 
-    def __init__(
-        self,
-        store: Store,
-        budget_bytes: int,
-        *,
-        cpu_kernels: bool = True,
-        int8_activations: bool = False,
-        prefetcher=None,
-        **supply_options,
-    ):
-        """cpu_kernels: the experts compute with the CPU's kernels (the CPU, or a CPU stand-in device); False
-        on a GPU, whose kernels read the stored layout. int8_activations: quantized layers whose matrices
-        the int8-activation kernels take run them (kernels.py), reading records as stored; the others'
-        int4-family records are repacked into torch's CPU layout as they land. prefetcher: a
-        prefetch.Prefetcher, a step hook here and the supply's reads ahead of need. `supply_options`:
-        ExpertSupply's (io_threads, direct_io, verify, read_timeout, policy, device, device_budget)."""
+    def __init__(self, store: Store, supply: ExpertSupply, int8_activations: list[bool], prefetcher=None):
+        """supply: the store's experts under the budget (supply.py), built with the preparers that match
+        `int8_activations` (kernels.experts_layouts). int8_activations: per layer, whether its experts'
+        matmuls take int8 activations (reading records as stored). prefetcher: the prefetch.Prefetcher the
+        supply reads ahead with, told here when a forward pass starts, or None."""
         self.store = store
         self.layers = store.manifest.layers
-        # Per layer: whether its experts' matmuls take int8 activations, and what turns its records into its
-        # kernels' layout as they land, or None (kernels.py).
-        self.int8_activations = [
-            int8_activations and cpu_kernels and kernels.takes_int8_activations(layer) for layer in self.layers
-        ]
-        preparers = [
-            kernels.record_preparer(layer.quantization, layer.layout, cpu_kernels, integer)
-            for layer, integer in zip(self.layers, self.int8_activations)
-        ]
-        self.supply = ExpertSupply(store, budget_bytes, preparers=preparers, prefetcher=prefetcher, **supply_options)
+        self.int8_activations = int8_activations
+        self.supply = supply
         self.lock = threading.Lock()  # one experts call at a time
         # Each layer's record tensors' dtypes by name (float records compute in their own dtype).
         self.record_dtypes = [{t.name: DTYPES[t.dtype] for t in layer.layout.tensors} for layer in self.layers]
-        self.trace = None  # a trace.TraceRecorder while routing is being recorded
+        self.trace = None  # the routing observer (a tools.trace.TraceRecorder while routing is recorded)
         # Told when a forward pass starts (`start_step(tokens)`) and when an experts call ends
         # (`end_layer(layer)`): the prefill progress bar, the prefetcher's clock.
         self.step_hooks: list = [PrefillProgress(len(self.layers))] + ([prefetcher] if prefetcher is not None else [])
@@ -278,6 +260,14 @@ def _second_matmul(call: _LayerCall, h: torch.Tensor, w: dict[str, torch.Tensor]
     if module.has_bias:
         y = y + w["down_proj_bias"]
     return module.post_expert_norm(y) if module.has_post_expert_norm else y
+
+
+def engine_of(model) -> ExpertEngine:
+    """The engine of a model that moestream.load() returned (frontends and tools use runtime.py's Runtime)."""
+    engine = getattr(model, "_moestream_engine", None)
+    if engine is None:
+        raise UsageError("this model was not loaded with moestream.load()")
+    return engine
 
 
 def streaming_experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -150,6 +150,15 @@ def takes_int8_activations(layer) -> bool:
     return all(int8_activations_fit(layer.quantization, n, k) for n, k in layer.quantized_matrices)
 
 
+def experts_layouts(layers, cpu_kernels: bool, int8_activations: bool) -> tuple[list[bool], list]:
+    """Per MoE layer of a store: whether its experts' matmuls take int8 activations (asked for, on the CPU's
+    kernels, and every matrix fits them), and what turns its records into its kernels' layout as they land
+    (`record_preparer`; None: computed as stored)."""
+    integer = [int8_activations and cpu_kernels and takes_int8_activations(layer) for layer in layers]
+    preparers = [record_preparer(layer.quantization, layer.layout, cpu_kernels, i) for layer, i in zip(layers, integer)]
+    return integer, preparers
+
+
 def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_activations: bool = False):
     """What makes a layer's records, as read, into the bytes its kernels take (called on the I/O thread
     with the record's tensors), or None where they take them as stored: float and int8 records, the formats

@@ -32,7 +32,8 @@ from .engine import IMPLEMENTATION, ExpertEngine
 from .policies import DEFAULT_POLICY
 from .prefetch import Prefetcher, find_router
 from .routing import CacheAwareRouting
-from .supply import check_budget
+from .runtime import runtime_of
+from .supply import ExpertSupply, check_budget
 
 
 def _rebuild_buffers(model) -> None:
@@ -164,11 +165,13 @@ def load(
     model.eval()
     # The device tier's budget is what the GPU has free once the resident weights are on it.
     device_budget = _resident_on_device(model, opened, accelerator, gpu_memory) if accelerator is not None else 0
-    engine = ExpertEngine(
-        opened, budget, cpu_kernels=not on_gpu, int8_activations=int8_activations,
-        prefetcher=Prefetcher(routers, routed_top_k(manifest.model_config), prefetch),
-        io_threads=io_threads, direct_io=direct_io, verify=verify, policy=policy, device=accelerator, device_budget=device_budget,
+    integer, preparers = kernels.experts_layouts(manifest.layers, not on_gpu, int8_activations)
+    prefetcher = Prefetcher(routers, routed_top_k(manifest.model_config), prefetch)
+    supply = ExpertSupply(
+        opened, budget, preparers=preparers, prefetcher=prefetcher, io_threads=io_threads, direct_io=direct_io,
+        verify=verify, policy=policy, device=accelerator, device_budget=device_budget,
     )  # fmt: skip
+    engine = ExpertEngine(opened, supply, integer, prefetcher)
     try:
         for _, module in modules:
             module._moestream_engine = engine
@@ -286,26 +289,19 @@ def load_tokenizer(directory: str | os.PathLike):
         ) from None
 
 
-def engine_of(model) -> ExpertEngine:
-    engine = getattr(model, "_moestream_engine", None)
-    if engine is None:
-        raise UsageError("this model was not loaded with moestream.load()")
-    return engine
-
-
 def fast_paths(model) -> str:
     """One line: which fast paths the model runs, and why the others are off (core/fastpaths.py)."""
-    return fastpaths.describe(engine_of(model).fast_paths)
+    return runtime_of(model).fast_paths()
 
 
 def stats(model) -> dict:
     """Cache hits, misses, hit rate, bytes read, read/wait seconds, overall and per layer."""
-    return engine_of(model).stats()
+    return runtime_of(model).stats()
 
 
 def close(model) -> None:
     """Stop the model's reader threads and release its cache; the model cannot run afterwards."""
-    engine_of(model).close()
+    runtime_of(model).close()
 
 
 def _is_experts_dispatch(forward) -> bool:

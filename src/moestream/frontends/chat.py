@@ -20,8 +20,8 @@ from typing import Callable, TextIO
 
 import torch
 
-from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
+from ..core.runtime import runtime_of
 from ..units import format_bytes
 from .generate import Decoding, GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template
 from .kv_cache import PrefixCache
@@ -129,7 +129,7 @@ class ChatSession:
             return None, 0
 
     def stats_text(self) -> str:
-        s = engine_of(self.model).stats()
+        s = runtime_of(self.model).stats()
         lines = []
         if self.last is not None:
             r = self.last
@@ -169,7 +169,7 @@ def _ctrl_c_sets(cancel: threading.Event):
 
 
 def banner(session: ChatSession, name: str) -> str:
-    s = engine_of(session.model).stats()
+    s = runtime_of(session.model).stats()
     lines = [
         f"moestream chat: {name}, expert cache {format_bytes(s['cache_budget_bytes'])}",
         "commands: " + ", ".join(f"{c} ({h})" for c, h in COMMANDS.items()) + ". Ctrl-C stops an answer.",

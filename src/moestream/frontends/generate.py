@@ -28,7 +28,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from ..core.attention import packable_layers, quantizes_kv
-from ..core.loading import engine_of
+from ..core.runtime import runtime_of
 from ..errors import MoestreamError
 from .constraints import Constraint, Grammar, Vocabulary
 from .kv_layer import grow_in_place
@@ -599,8 +599,8 @@ def generate(
     """`moestream generate`: one prompt, statistics of this run only, text printed as it comes if `echo`;
     with `grammar`, the answer follows it (e.g. `Grammar.json_schema(schema)`)."""
     constraint = Constraint(grammar, vocabulary_of(model, tokenizer)) if grammar is not None else None
-    engine = engine_of(model)
-    engine.reset_stats()
+    runtime = runtime_of(model)
+    runtime.reset_stats()
 
     def show(piece: str) -> None:
         print(piece, end="", flush=True)
@@ -619,5 +619,5 @@ def generate(
     )
     if echo:
         print(flush=True)
-    result.stats = engine.stats()
+    result.stats = runtime.stats()
     return result

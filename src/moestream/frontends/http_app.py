@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..conversion.store import MANIFEST, file_checksum
 from ..core import loading
-from ..core.loading import engine_of
 from ..core.memory import current_rss_bytes, peak_rss_bytes
+from ..core.runtime import runtime_of
 from .batching import KVBudgetExceeded
 from .generate import context_length
 from .kv_cache import PrefixCache, PrefixStats
@@ -275,7 +275,7 @@ def system_fingerprint(model) -> str:
     (a digest of its manifest, which names every record's checksum), so a client sees when either changes."""
     from ..version import __version__
 
-    manifest = engine_of(model).store.directory / MANIFEST
+    manifest = runtime_of(model).store.directory / MANIFEST
     return f"moestream-{__version__}-{file_checksum(manifest)[:12]}"
 
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ..core.loading import engine_of
+from ..core.runtime import runtime_of
 from .constraints import Constraint, Grammar, Vocabulary
 from .generate import Decoding, GenerationResult, TokenLogprob, vocabulary_of
 from .kv_cache import PrefixCache
@@ -236,7 +236,7 @@ class Worker:
 
     def start(self) -> None:
         self.scheduler = Scheduler(self.model, **self._batch_options, listener=self._handle)
-        engine_of(self.model).reset_stats()  # the batch's one-token probe is no request's
+        runtime_of(self.model).reset_stats()  # the batch's one-token probe is no request's
         self._thread.start()
 
     def close(self) -> None:

@@ -264,32 +264,28 @@ def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, new_tokens: int, text
 
 def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, forced=None, **load_kwargs):
     """Load the store under `memory` and time one generation of exactly `new_tokens` after `ids`
-    (generate.timed: greedy, or the `forced` tokens); returns (RunResult with the decode part's hit rate, bytes read and read waits, the
-    (file, offset, length) of every decode read). `load_kwargs` go to moestream.load."""
-    from ..core.fastpaths import describe
-    from ..core.loading import close, engine_of, load
+    (generate.timed: greedy, or the `forced` tokens); returns (RunResult with the decode part's hit rate, bytes
+    read, read waits, bytes per step and time with a read in flight; the (file, offset, length) of every
+    decode read). `load_kwargs` go to moestream.load."""
+    from ..core.loading import close, load
+    from ..core.runtime import runtime_of
     from .trace import start_recording, stop_recording
 
     reset_peak_rss()
     model, _ = load(store_dir, memory, **load_kwargs)
-    engine = engine_of(model)
-    reader = engine.supply.reader
+    runtime = runtime_of(model)
     at_first: dict = {}
-    steps = _StepStarts()
 
     def first_token() -> None:
-        at_first.update(engine.stats(), busy=reader.busy_seconds())
-        reader.log = steps.log = []  # from here on the reads are decode's
-        engine.step_hooks.append(steps)
+        at_first.update(runtime.stats(), reads=runtime.record_reads())  # from here on the reads are decode's
 
     recorder = start_recording(model) if trace_out else None  # this run's routing, for simulate/plan --trace
     result = timed(model, ids, new_tokens, forced=forced, on_first_token=first_token)
-    busy = reader.busy_seconds() - at_first.get("busy", 0.0)
-    reads = reader.log or []
+    decode_reads = at_first["reads"].stop() if "reads" in at_first else None
     if recorder is not None:
         stop_recording(model)
         recorder.trace(prompt_tokens=int(ids.shape[1])).save(trace_out)
-    stats = engine.stats()
+    stats = runtime.stats()
     close(model)
     decode_hits = stats["hits"] - at_first.get("hits", 0)
     decode_misses = stats["misses"] - at_first.get("misses", 0)
@@ -301,31 +297,12 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
         hit_rate=decode_hits / max(1, decode_hits + decode_misses),
         decode_bytes_read=stats["bytes_read"] - at_first.get("bytes_read", 0),
         decode_wait_seconds=stats["wait_seconds"] - at_first.get("wait_seconds", 0.0),
-        fast_paths=describe(engine.fast_paths),
+        fast_paths=runtime.fast_paths(),
         read_ahead=read_ahead_of(at_first.get("prefetch"), stats["prefetch"]),
-        decode_step_bytes=steps.step_bytes(),
-        decode_read_busy_seconds=busy,
+        decode_step_bytes=decode_reads.step_bytes() if decode_reads else [],
+        decode_read_busy_seconds=decode_reads.busy_seconds if decode_reads else 0.0,
     )
-    return run, reads
-
-
-class _StepStarts:
-    """An engine step hook: where each decode step's reads begin in the reader's log (a step's reads are
-    those it starts, read ahead of need included: reads are never issued for a step not yet begun)."""
-
-    def __init__(self):
-        self.log: list = []
-        self.starts: list[int] = []
-
-    def start_step(self, tokens: int) -> None:
-        self.starts.append(len(self.log))
-
-    def end_layer(self, layer: int) -> None:
-        pass
-
-    def step_bytes(self) -> list[int]:
-        bounds = self.starts + [len(self.log)]
-        return [sum(length for _, _, length in self.log[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return run, decode_reads.reads if decode_reads else []
 
 
 def read_ahead_of(before: dict | None, after: dict | None) -> dict | None:
@@ -527,24 +504,25 @@ def _all_hit_steps(store_dir, budget: int, ids, forced, load_kwargs: dict) -> tu
     tokens after it (the run's own: its prompt's, then its decode's) fed twice under `budget`; the second
     time each step is timed alone, and the steps that missed no expert are the measurement (their median).
     -> (seconds, how), or (None, why not) where no step hit everything."""
-    from ..core.loading import close, engine_of, load
+    from ..core.loading import close, load
+    from ..core.runtime import runtime_of
     from ..frontends.generate import Forward
 
     tokens = ids[0].tolist() + list(forced or [])
     probe = tokens[: 1 + ALL_HIT_PROBE_STEPS]
     model, _ = load(store_dir, budget, **load_kwargs)
-    engine = engine_of(model)
+    runtime = runtime_of(model)
     seconds = []
     try:
         with torch.inference_mode():
             for timed_pass in (False, True):
                 forward = Forward(model)
                 for step, token in enumerate(probe):
-                    before = engine.stats()["misses"]
+                    before = runtime.stats()["misses"]
                     start = time.perf_counter()
                     forward(torch.tensor([[token]]))
                     took = time.perf_counter() - start
-                    if timed_pass and step and engine.stats()["misses"] == before:  # (step 0: an empty KV cache)
+                    if timed_pass and step and runtime.stats()["misses"] == before:  # (step 0: an empty KV cache)
                         seconds.append(took)
     finally:
         close(model)

@@ -374,7 +374,8 @@ def compare(
     kv_cache_dtype: the store's KV cache (`moestream.load`): "int8" against itself with `decode` prices the
         8-bit cache (with the kernel's own price; `attention` alone gives that one apart).
     """
-    from ..core.loading import engine_of, load, stats
+    from ..core.loading import load, stats
+    from ..core.runtime import runtime_of
 
     if max_tokens < 2:
         raise UsageError(f"--max-tokens must be at least 2 (one to condition on, one to predict), not {max_tokens}")
@@ -429,7 +430,7 @@ def compare(
         reference_model, ref_tokenizer = load(
             reference, memory, device=device, gpu_memory=gpu_memory, activations=reference_activations, attention="sdpa"
         )
-        reference_dtype = engine_of(reference_model).store.manifest.experts_dtype
+        reference_dtype = runtime_of(reference_model).store.manifest.experts_dtype
     else:
         reference_model, reference_dtype = _load_checkpoint(reference, progress, reference_dtype)
         ref_tokenizer = _checkpoint_tokenizer(reference)
@@ -440,15 +441,15 @@ def compare(
             "do not share a vocabulary, so their distributions cannot be compared"
         )
 
-    engine = engine_of(store_model)
-    engine.reset_stats()
+    runtime = runtime_of(store_model)
+    runtime.reset_stats()
     metrics = compare_models(store_model, reference_model, ids, context, progress, decode)
-    cache = engine.stats()
+    cache = runtime.stats()
     return QualityReport(
         store=str(store),
         reference=str(reference),
         reference_kind=kind,
-        experts_dtype=engine.store.manifest.experts_dtype,
+        experts_dtype=runtime.store.manifest.experts_dtype,
         reference_dtype=reference_dtype,
         store_load_seconds=store_load,
         reference_load_seconds=reference_load,

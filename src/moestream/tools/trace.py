@@ -220,13 +220,13 @@ class Trace:
 
 
 class TraceRecorder:
-    """Collects what ExpertEngine.run sees, call by call (set as `engine.trace`)."""
+    """Collects the routing of every experts call, call by call (a runtime's routing observer)."""
 
-    def __init__(self, engine):
-        manifest = engine.store.manifest
+    def __init__(self, store):
+        manifest = store.manifest
         self.meta = {
             "store_id": store_identity(manifest),
-            "store": str(engine.store.directory),
+            "store": str(store.directory),
             "model_type": manifest.model_config.get("model_type"),
             "experts_dtype": manifest.experts_dtype,
         }
@@ -268,19 +268,20 @@ class TraceRecorder:
 
 def start_recording(model) -> TraceRecorder:
     """From now on every experts call of `model` is recorded; `stop_recording`, then `recorder.trace()`."""
-    from ..core.loading import engine_of
+    from ..core.runtime import runtime_of
 
-    engine = engine_of(model)
-    if engine.trace is not None:
+    runtime = runtime_of(model)
+    if runtime.observing_routing():
         raise UsageError("this model is already recording a trace")
-    engine.trace = TraceRecorder(engine)
-    return engine.trace
+    recorder = TraceRecorder(runtime.store)
+    runtime.observe_routing(recorder)
+    return recorder
 
 
 def stop_recording(model) -> None:
-    from ..core.loading import engine_of
+    from ..core.runtime import runtime_of
 
-    engine_of(model).trace = None
+    runtime_of(model).observe_routing(None)
 
 
 @contextmanager
