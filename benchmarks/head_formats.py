@@ -23,7 +23,7 @@ import torch
 from int8_activations import start_benchmark
 
 from moestream.conversion.quant import QuantFormat, pack, quantize
-from moestream.core import kernels
+from moestream.core.compute import kernels
 
 FORMATS = [("int8", None), ("int6", 64), ("int4", 64)]
 

@@ -24,7 +24,7 @@ import machine
 import torch
 
 from moestream.conversion.quant import QuantFormat, pack, quantize
-from moestream.core import fused_build, kernels
+from moestream.core.compute import fused_build, kernels
 
 SHAPES = {"expert gate+up": (1536, 2048), "expert down": (2048, 768), "attention q": (4096, 2048)}
 FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", None)]

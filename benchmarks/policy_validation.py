@@ -29,7 +29,7 @@ import machine
 import numpy as np
 
 import moestream
-from moestream.core.policies import DEFAULT_POLICY, POLICIES
+from moestream.core.supply.policies import DEFAULT_POLICY, POLICIES
 from moestream.tools.simulate import parse_budgets, shares_of_optimum, sweep
 from moestream.tools.trace import Trace, record_text
 

@@ -20,7 +20,7 @@ def _float_activations_unless_asked():
     # rounding. The int8-activation kernels round each activation to 8 bits (as llama.cpp does), so load()
     # takes float activations here unless a test passes activations= (tests/test_int8_activations.py does,
     # against the float64 reference of exactly that arithmetic and against the float path).
-    from moestream.core import kernels
+    from moestream.core.compute import kernels
 
     kernels.DEFAULT_ACTIVATIONS = "float"
     yield
@@ -29,9 +29,9 @@ def _float_activations_unless_asked():
 
 @pytest.fixture(scope="session", autouse=True)
 def _fused_kernels_built():
-    # On a fresh machine the first load compiles core/fused.py's kernels (about 30 s of one core): do it here, once,
+    # On a fresh machine the first load compiles core/compute/fused.py's kernels (about 30 s of one core): do it here, once,
     # rather than inside whichever test (or CLI subprocess under a timeout) loads a model first.
-    from moestream.core import fused_build
+    from moestream.core.compute import fused_build
 
     fused_build.extension()
     yield

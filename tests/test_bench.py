@@ -142,7 +142,7 @@ def test_reader_busy_time_counts_overlapping_reads_once(tmp_path, monkeypatch):
     import mmap
     import time
 
-    from moestream.core.reader import RecordFile, RecordReader
+    from moestream.core.supply.reader import RecordFile, RecordReader
 
     path = tmp_path / "records.bin"
     path.write_bytes(os.urandom(1 << 16))

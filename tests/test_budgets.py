@@ -7,7 +7,8 @@ from tiny import TINY, tiny_checkpoint
 import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import engine, fused
+from moestream.core import engine
+from moestream.core.compute import fused
 from moestream.errors import UsageError
 
 

@@ -254,7 +254,8 @@ def test_the_choices_name_what_the_engine_implements():
 
     from moestream import choices
     from moestream.conversion import convert
-    from moestream.core import kernels, policies
+    from moestream.core.compute import kernels
+    from moestream.core.supply import policies
     from moestream.tools import quality
 
     assert tuple(policies.POLICIES) == choices.POLICIES and choices.DEFAULT_POLICY in policies.POLICIES

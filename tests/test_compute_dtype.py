@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM
 
 import moestream
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import kernels
-from moestream.core.dense import QuantizedLinear
+from moestream.core.compute import kernels
+from moestream.core.compute.dense import QuantizedLinear
 from moestream.errors import UsageError
 
 

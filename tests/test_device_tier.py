@@ -8,11 +8,11 @@ from tiny import tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.conversion.quant import QuantFormat, expand_int4_bytes, pack, quantize, reference_dequantize
-from moestream.core.cache import ExpertCache, State
-from moestream.core.device_tier import DeviceTier
+from moestream.core.compute.kernels import cpu_record, int4_dequantized, int8_dequantized, quantized_matmul
 from moestream.core.devices import StandInDevice
-from moestream.core.kernels import cpu_record, int4_dequantized, int8_dequantized, quantized_matmul
-from moestream.core.policies import LRUPolicy
+from moestream.core.supply.cache import ExpertCache, State
+from moestream.core.supply.device_tier import DeviceTier
+from moestream.core.supply.policies import LRUPolicy
 from moestream.errors import UsageError
 from moestream.frontends.generate import stream
 

@@ -8,7 +8,7 @@ from tiny import TINY
 
 import moestream
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import fused_build
+from moestream.core.compute import fused_build
 from moestream.core.engine import engine_of
 from moestream.core.loading import fast_paths
 

@@ -1,4 +1,4 @@
-"""The fused RMSNorm kernel (core/fused.py): its numbers against float64 math and transformers' module,
+"""The fused RMSNorm kernel (core/compute/fused.py): its numbers against float64 math and transformers' module,
 which classes it takes (checked by behaviour), and when a model falls back to the modules' own forward."""
 
 import functools
@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import fused, fused_build
+from moestream.core.compute import fused, fused_build
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the fused kernels are not built")
 
@@ -209,7 +209,7 @@ def test_a_loaded_model_rotates_with_the_kernel_and_equals_transformers_own(ext,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: CPUs without bf16 arithmetic
 def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name, dtype, int8_activations):
     from moestream.conversion import quant
-    from moestream.core.kernels import cpu_record, expert_linear, table_values
+    from moestream.core.compute.kernels import cpu_record, expert_linear, table_values
 
     if name in quant.TABLES and not int8_activations:
         pytest.skip("a table format's one-token kernel takes int8 activations (fused.one_token_experts)")
@@ -306,7 +306,7 @@ def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_n
 
 
 def _router(family, **overrides):
-    from moestream.core.prefetch import find_router
+    from moestream.core.supply.prefetch import find_router
 
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **dict(TINY[family], **overrides)))
     layer = model.model.layers[-1]
@@ -327,7 +327,7 @@ def test_the_router_kernel_reproduces_softmax_routers_only(ext, dtype):
 
 
 def test_a_loaded_models_routers_use_the_kernel_with_the_same_bits(ext, store):
-    from moestream.core.prefetch import find_router
+    from moestream.core.supply.prefetch import find_router
 
     model, _ = moestream.load(store[1], "1MiB")
     routers = [find_router(layer.mlp) for layer in model.model.layers]

@@ -28,7 +28,7 @@ from moestream.conversion.quant import QuantFormat, Quantized, reference_dequant
 from moestream.conversion.skeleton import config_from_dict
 from moestream.conversion.store import DTYPES, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import fused_build
+from moestream.core.compute import fused_build
 from moestream.errors import SourceError
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]

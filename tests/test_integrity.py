@@ -22,10 +22,10 @@ from moestream.conversion.skeleton import experts_modules
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.conversion.verify import verify_store
-from moestream.core.cache import State
 from moestream.core.engine import ExpertEngine
-from moestream.core.reader import RecordFile
-from moestream.core.supply import ExpertSupply
+from moestream.core.supply.cache import State
+from moestream.core.supply.expert_supply import ExpertSupply
+from moestream.core.supply.reader import RecordFile
 from moestream.errors import ExpertReadError, RecordChecksumError, StoreError
 
 EXPERTS, TOP_K = 32, 2

@@ -1,4 +1,4 @@
-"""The 8-bit KV cache (`--kv-cache-dtype int8`; core/attention.py packs the rows, frontends/kv_layer.py holds
+"""The 8-bit KV cache (`--kv-cache-dtype int8`; core/compute/attention.py packs the rows, frontends/kv_layer.py holds
 them): each element within half a step of its float value, a model's logits within the stated error of the
 float cache's, rows batched and cut exactly as they are alone, the prefix cache keeping packed rows, and a
 clear error where the attention kernel is not the model's."""
@@ -13,7 +13,7 @@ from tiny import tiny_checkpoint
 
 import moestream
 from moestream.cli import main
-from moestream.core import attention, fused, fused_build
+from moestream.core.compute import attention, fused, fused_build
 from moestream.core.loading import stats
 from moestream.errors import UsageError
 from moestream.frontends.generate import generate_step

@@ -14,7 +14,7 @@ from moestream.cli import main
 from moestream.conversion.sizes import ModelSizes
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.policies import DEFAULT_POLICY
+from moestream.core.supply.policies import DEFAULT_POLICY
 from moestream.errors import UsageError
 from moestream.tools.plan import make_plan, measure_compute, read_config
 from moestream.tools.simulate import replay

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moestream.core.policies import DEFAULT_POLICY, POLICIES, ForecastPolicy, make_policy
+from moestream.core.supply.policies import DEFAULT_POLICY, POLICIES, ForecastPolicy, make_policy
 from moestream.tools.simulate import BELADY, parse_budgets, replay, shares_of_optimum, sweep
 from moestream.tools.trace import Trace
 

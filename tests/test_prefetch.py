@@ -10,9 +10,9 @@ from tiny import TINY, tiny_checkpoint
 import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint, skew_router
-from moestream.core.cache import State
 from moestream.core.engine import engine_of
-from moestream.core.prefetch import (
+from moestream.core.supply.cache import State
+from moestream.core.supply.prefetch import (
     AUTO_HOLD_STEPS,
     AUTO_MARGIN,
     AUTO_PROBE_BLOCK,
@@ -20,7 +20,7 @@ from moestream.core.prefetch import (
     AUTO_WARMUP_STEPS,
     Prefetcher,
 )
-from moestream.core.reader import RecordFile
+from moestream.core.supply.reader import RecordFile
 
 
 def _skewed_store(tmp_path, seed: int):
@@ -151,7 +151,7 @@ def test_a_failed_speculative_read_never_fails_a_token(tmp_path, monkeypatch):
         return real(self, buffer, offset)
 
     monkeypatch.setattr(RecordFile, "read_at", failing_ahead)
-    monkeypatch.setattr("moestream.core.reader.RETRY_BACKOFF_SECONDS", 0.0)
+    monkeypatch.setattr("moestream.core.supply.reader.RETRY_BACKOFF_SECONDS", 0.0)
     loaded, _ = moestream.load(store, 8 * stride, prefetch="on")
     with torch.no_grad():
         got = loaded.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)

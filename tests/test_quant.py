@@ -27,8 +27,8 @@ from moestream.conversion.quant import (
 from moestream.conversion.skeleton import expert_parameters, experts_modules
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core import repack
-from moestream.core.kernels import cpu_record, expert_linear
+from moestream.core.compute import repack
+from moestream.core.compute.kernels import cpu_record, expert_linear
 from moestream.errors import StoreError, UsageError
 
 FORMATS = [

@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.prefetch import find_router
 from moestream.core.routing import reroute
+from moestream.core.supply.prefetch import find_router
 from moestream.errors import UsageError
 
 

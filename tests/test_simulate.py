@@ -9,7 +9,7 @@ from tiny import tiny_checkpoint
 
 import moestream
 from moestream.conversion.store import Store
-from moestream.core.policies import DEFAULT_POLICY, POLICIES
+from moestream.core.supply.policies import DEFAULT_POLICY, POLICIES
 from moestream.errors import UsageError
 from moestream.tools.simulate import BELADY, replay, shares_of_optimum, sweep
 from moestream.tools.trace import Trace, recording, store_identity

@@ -18,7 +18,7 @@ TABLE_FORMATS = ("mxfp4", "iq4nl")
 #: `convert --experts-dtype`.
 EXPERT_FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 #: `convert --dense-dtype`: resident linear layers (attention, shared experts, dense MLPs) in the model's
-#: float dtype, or quantized into these kernel formats (core/dense.py runs them).
+#: float dtype, or quantized into these kernel formats (core/compute/dense.py runs them).
 DENSE_FORMATS = ("float", "int8", "int6", "int4")
 #: Weights per scale of int6/int4/int3/int2.
 GROUP_SIZES = (32, 64, 128)
@@ -31,21 +31,21 @@ DEFAULT_GROUP_SIZE = 32
 #: disk is caught before the bytes are used, and re-reads of an evicted expert cost no hashing); "always":
 #: every read; "off": never.
 VERIFY_MODES = ("first", "always", "off")
-#: `--compute-dtype`: the dtype float weights and activations compute in (core/kernels.py).
+#: `--compute-dtype`: the dtype float weights and activations compute in (core/compute/kernels.py).
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 #: `--activations`: what the CPU's low-bit matmuls take. "auto": int8 where the compiled kernels exist and
-#: are measured faster on the model's shapes (core/kernels.py, `choose_activations`).
+#: are measured faster on the model's shapes (core/compute/kernels.py, `choose_activations`).
 ACTIVATIONS = ("auto", "int8", "float")
 #: `--attention`: a decode step's attention function. "auto": the compiled flash-decoding kernel for one query
-#: where it is compiled and the model's attention is sdpa, sdpa for prompts (core/attention.py).
+#: where it is compiled and the model's attention is sdpa, sdpa for prompts (core/compute/attention.py).
 ATTENTION = ("auto", "sdpa")
 #: `--kv-cache-dtype`: what a decode step's KV cache holds. "auto": keys and values in the model's dtype;
 #: "int8": each position's row of a head as int8 codes and one float32 scale, about half the bytes a step
-#: reads at long context (core/attention.py, frontends/kv_layer.py).
+#: reads at long context (core/compute/attention.py, frontends/kv_layer.py).
 KV_CACHE_DTYPES = ("auto", "int8")
-#: `--prefetch`: speculative reads of the next layer's likely experts (core/prefetch.py).
+#: `--prefetch`: speculative reads of the next layer's likely experts (core/supply/prefetch.py).
 PREFETCH_MODES = ("auto", "on", "off")
-#: `--policy`: the expert cache's eviction policies (core/policies.py).
+#: `--policy`: the expert cache's eviction policies (core/supply/policies.py).
 POLICIES = ("lru", "lfu", "arc", "forecast")
 # forecast: on the routing of four trained models (benchmarks/traces) it is at or above LFU at every budget
 # from 5% to 30% of the experts, and LFU at or above LRU and ARC (decode visits the layers cyclically, so

@@ -109,7 +109,7 @@ def _use_compiled_kernels(path: Path) -> None:
     file whose kernels are not built yet, from when a background build ends."""
     from ..conversion import gguf_blocks
     from ..conversion.gguf_source import _split_files
-    from ..core import fused_build
+    from ..core.compute import fused_build
 
     if fused_build.load_if_built() is None:
         try:

@@ -635,7 +635,7 @@ def _gguf_dense_formats(gguf, plan: ConversionPlan, linears, group_of) -> dict[s
 
 def _gguf_embedding_format(gguf, model, plan: ConversionPlan, group_size: int) -> dict[str, QuantFormat]:
     """{name: format} for a GGUF's untied token embedding stored in blocks, so that the store does not hold
-    a bf16 copy two to six times their size (core/dense.py's QuantizedEmbedding looks rows up in it): the
+    a bf16 copy two to six times their size (core/compute/dense.py's QuantizedEmbedding looks rows up in it): the
     narrowest dense format with at least their code bits, int4 in groups for Q2_K to Q4_K (4-bit blocks of
     32 keep their codes: _keeps_codes), int8 by rows for Q5_x to Q8_0; MXFP4/IQ4 blocks keep theirs in their
     table format. Unlike a linear layer's (nearest bits), a lookup reads one row per token, so its bits cost

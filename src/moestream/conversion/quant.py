@@ -9,7 +9,7 @@ tensors a kernel consumes directly (kernels.py), so a record goes from disk to t
   W = (q - 8) * s + z with q in 0..15. `qweight` holds plain nibbles in row order (byte j of row n: the
   codes of inputs 2j, low nibble, and 2j+1, high), a layout of the format's own that depends on no CPU,
   torch version or device (`PORTABLE_PACKING`). The running machine's kernels get their own layout from
-  it (core/repack.py); stores of format version 3 held torch's CPU kernel layout for the converting CPU
+  it (core/compute/repack.py); stores of format version 3 held torch's CPU kernel layout for the converting CPU
   (`LEGACY_PACKINGS`), and `legacy_nibble_index` says where each code sits in those.
 - mxfp4, iq4nl (table formats): the int4 layout (`qweight` nibbles, `scales_zeros` bf16 [K/32, N, 2],
   groups of 32), but code q stands for TABLES[name][q], an int8 value: W = T[q] * s + z. MXFP4's e2m1 values
@@ -21,7 +21,7 @@ tensors a kernel consumes directly (kernels.py), so a record goes from disk to t
   row the portable nibbles of its codes' low 4 bits (K/2 bytes, as int4), then a plane of their top 2 bits:
   per 64 inputs 16 bytes, byte u holding the tops of nibble byte u's two codes in bits 0-3 and those of
   nibble byte u + 16's in bits 4-7 (`pack_six`). The int8-activation kernels read both parts as they are
-  (core/lowbit_dot.h); elsewhere (float activations, a GPU) each matrix is dequantized for each call. K must
+  (core/compute/lowbit_dot.h); elsewhere (float activations, a GPU) each matrix is dequantized for each call. K must
   be a multiple of 64.
 - int3, int2: the int4 format restricted to codes 0..2^b-1 (so W = (q - 8) * s + z = q * s + m with
   z = m + 8 s), with the int4 bytes compressed densely: int2 keeps the 2 used bits of every nibble (two

@@ -69,7 +69,7 @@ def routed_experts(config: Any) -> int | None:
 # attention, Mamba, convolutions) keep a fixed state and add nothing per position.
 FULL_ATTENTION_TYPES = ("full_attention", "attention", "global_attention")
 SLIDING_TYPES = ("sliding_attention", "local_attention", "chunked_attention")
-# What an 8-bit KV cache adds to each row of a head: its float32 scale (core/attention.py, pack_int8).
+# What an 8-bit KV cache adds to each row of a head: its float32 scale (core/compute/attention.py, pack_int8).
 INT8_ROW_BYTES = 4
 
 

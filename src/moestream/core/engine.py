@@ -2,7 +2,7 @@
 
 One decode step, as a reader follows it:
 1. the input embedding's pre-hook calls `ExpertEngine.start_step`: the step hooks hear that a forward
-   pass begins, and the supply (supply.py) tells the cache policy the token ids and reads hash-routed
+   pass begins, and the supply (supply/expert_supply.py) tells the cache policy the token ids and reads hash-routed
    layers' experts ahead (their ids alone determine them);
 2. transformers runs embeddings, attention, norms and the router (upstream code, unchanged);
 3. the router's top-k goes to the experts module, whose forward is `streaming_experts_forward` below
@@ -25,10 +25,10 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..conversion.store import DTYPES, Store
 from ..errors import UsageError
-from . import fused
-from .kernels import expert_linear
+from .compute import fused
+from .compute.kernels import expert_linear
 from .memory import peak_rss_bytes
-from .supply import ExpertSupply
+from .supply.expert_supply import ExpertSupply
 
 IMPLEMENTATION = "moestream"
 # A prompt at least this long shows a progress bar over the MoE layers (on a terminal): its reads can
@@ -44,7 +44,7 @@ SHARED_GATE_WIDTH = 128
 
 class ExpertEngine:
     """The experts function of a loaded model: each experts call's tokens grouped by expert, the experts
-    asked of the supply (supply.py: cache, reads, tiers) and computed over their slots as they arrive.
+    asked of the supply (supply/expert_supply.py: cache, reads, tiers) and computed over their slots as they arrive.
 
     Collaborators are given at construction: the supply (built by loading.py with the kernels' record
     layouts) and the prefetcher (a step hook here; the supply reads ahead with it). `trace` is the routing
@@ -52,7 +52,7 @@ class ExpertEngine:
     thread may call: it reads the supply's counters without waiting for a read in flight."""
 
     def __init__(self, store: Store, supply: ExpertSupply, int8_activations: list[bool], prefetcher=None):
-        """supply: the store's experts under the budget (supply.py), built with the preparers that match
+        """supply: the store's experts under the budget (supply/expert_supply.py), built with the preparers that match
         `int8_activations` (kernels.experts_layouts). int8_activations: per layer, whether its experts'
         matmuls take int8 activations (reading records as stored). prefetcher: the prefetch.Prefetcher the
         supply reads ahead with, told here when a forward pass starts, or None."""

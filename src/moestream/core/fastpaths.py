@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..conversion.skeleton import experts_modules
-from . import dense, fused, fused_build, repack
-from .kernels import native_bf16
+from .compute import dense, fused, fused_build, repack
+from .compute.kernels import native_bf16
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,17 @@ from ..conversion.skeleton import build_skeleton, config_from_dict, expert_param
 from ..conversion.store import DTYPES, Store, file_checksum
 from ..errors import StoreError, UsageError
 from ..units import format_bytes, parse_bytes
-from . import attention as attention_module
-from . import dense, fastpaths, fused, kernels
 from . import engine as engine_module
+from . import fastpaths
+from .compute import attention as attention_module
+from .compute import dense, fused, kernels
 from .devices import CudaDevice, Device
 from .engine import IMPLEMENTATION, ExpertEngine
-from .policies import DEFAULT_POLICY
-from .prefetch import Prefetcher, find_router
 from .routing import CacheAwareRouting
 from .runtime import runtime_of
-from .supply import ExpertSupply, check_budget
+from .supply.expert_supply import ExpertSupply, check_budget
+from .supply.policies import DEFAULT_POLICY
+from .supply.prefetch import Prefetcher, find_router
 
 
 def _rebuild_buffers(model) -> None:
@@ -96,7 +97,7 @@ def load(
         chosen expert that is not cached gives way to a cached one whose router probability is at least
         (1 - margin) times its own. It changes the model's output; 0 (the default) is off.
     attention: a decode step's attention: "auto" (the default: the compiled flash-decoding kernel as the
-        model's attention function for one query, sdpa for prompts; core/attention.py) or "sdpa"
+        model's attention function for one query, sdpa for prompts; core/compute/attention.py) or "sdpa"
         (transformers' own). The kernel sums in another order: `moestream eval --attention sdpa` prices it.
     kv_cache_dtype: "auto" (the default: keys and values in the compute dtype) or "int8" (an 8-bit KV
         cache the attention kernel reads: about half the bytes of bf16 per position; `moestream eval

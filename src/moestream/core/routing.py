@@ -10,7 +10,7 @@ agreement against the checkpoint, beside the hit rate; docs/DECISIONS.md, "Cache
 Only softmax top-k routers (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the new choice's weights are computed
 as such a router computes them (the probabilities of the chosen experts, divided by their sum where the
 router normalizes). Which of those a router does is found by behaviour on random inputs, as
-core/fused.py finds it; a router of another formula (DeepSeek's sigmoid groups, gpt-oss) is refused.
+core/compute/fused.py finds it; a router of another formula (DeepSeek's sigmoid groups, gpt-oss) is refused.
 Prompts and batched decode steps (calls of several tokens, `serve` with several streams) are left alone:
 the rule is for one token's choices, and a batch's rows would share reads, which it does not weigh.
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from . import fused
+from .compute import fused
 
 
 def softmax_topk(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, cast: bool):

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..core.attention import packable_layers, quantizes_kv
+from ..core.compute.attention import packable_layers, quantizes_kv
 from ..core.runtime import runtime_of
 from ..errors import MoestreamError
 from .constraints import Constraint, Grammar, Vocabulary
@@ -263,7 +263,7 @@ class Forward:
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.cache = cache
-        self.int8_kv = quantizes_kv(model)  # loaded with an 8-bit KV cache (core/attention.py)
+        self.int8_kv = quantizes_kv(model)  # loaded with an 8-bit KV cache (core/compute/attention.py)
 
     def __call__(self, ids: torch.Tensor, *, every_position: bool = False, **inputs) -> torch.Tensor:
         """Logits [rows, positions, vocab] of the ids fed after everything fed so far (`inputs`: an

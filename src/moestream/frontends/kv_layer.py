@@ -24,7 +24,7 @@ from collections.abc import Collection
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ..core.attention import pack_int8
+from ..core.compute.attention import pack_int8
 
 ROOM = 256  # positions of room per reallocation: a copy of the history every 256 decode steps
 
@@ -120,7 +120,7 @@ class GrowingLayer(DynamicLayer):
 
 
 class Int8Layer(GrowingLayer):
-    """A GrowingLayer of an 8-bit KV cache: its keys and values are packed rows (core/attention.py,
+    """A GrowingLayer of an 8-bit KV cache: its keys and values are packed rows (core/compute/attention.py,
     `pack_int8`: each position's row of a head as int8 codes and its scale), which the attention kernel
     reads as they are; each update packs the new positions, and returns the packed whole. Cutting, joining
     and copying rows (kv_cache.py) moves codes and scales together, so it stays such a layer throughout:

@@ -52,7 +52,7 @@ import torch
 from ..conversion.sizes import ModelSizes
 from ..conversion.store import Store
 from ..core.memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
-from ..core.reader import RecordReader
+from ..core.supply.reader import RecordReader
 from ..errors import UsageError
 from ..frontends.generate import Timing, timed
 from ..units import format_bytes, parse_bytes

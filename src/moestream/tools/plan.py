@@ -39,7 +39,7 @@ from ..choices import GPU_HEADROOM, PLAN_OVERHEAD
 from ..conversion.quant import group_for
 from ..conversion.sizes import ModelSizes, expert_format
 from ..conversion.skeleton import build_skeleton, experts_modules, model_dtype
-from ..core.policies import DEFAULT_POLICY
+from ..core.supply.policies import DEFAULT_POLICY
 from ..errors import UsageError
 from ..units import format_bytes, parse_bytes
 
@@ -99,7 +99,7 @@ def measure_disk_reads(
     few reads issued together run far below what a deep queue of the same reads reaches, and decoding
     never has that deep a queue (docs/DECISIONS.md, "The I/O floor from the run's own reads"). A filesystem
     that refuses O_DIRECT (tmpfs) would measure memory, so it is refused."""
-    from ..core.reader import RecordReader
+    from ..core.supply.reader import RecordReader
 
     record = max(4096, min(stride_bytes, 64 * 2**20))
     count = max(4 * top_k, probe_bytes // record)
@@ -528,7 +528,7 @@ def plan_from_args(
     io_threads: int = 4,
 ) -> tuple[Plan, str]:
     """What `moestream plan` does: sizes, then the cache, hit rate, disk and compute it was asked for."""
-    from ..core.policies import POLICIES
+    from ..core.supply.policies import POLICIES
     from .trace import Trace
 
     if policy not in POLICIES:

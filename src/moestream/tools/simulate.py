@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.cache import Entry, ExpertCache, State, start_call
-from ..core.policies import DEFAULT_POLICY, POLICIES, make_policy
+from ..core.supply.cache import Entry, ExpertCache, State, start_call
+from ..core.supply.policies import DEFAULT_POLICY, POLICIES, make_policy
 from ..errors import UsageError
 from .trace import Trace
 

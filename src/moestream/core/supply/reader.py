@@ -23,8 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..conversion.store import checksum
-from ..errors import ExpertReadError, RecordChecksumError
+from ...conversion.store import checksum
+from ...errors import ExpertReadError, RecordChecksumError
 
 READ_RETRIES = 3  # a failing read (EIO, EINTR, ...) is retried this many times before the error is raised
 RETRY_BACKOFF_SECONDS = 0.01  # doubled after each failure: 10, 20, 40 ms, so a bad disk fails fast

@@ -1,4 +1,4 @@
-"""Building core/fused_kernels.cpp into a Python extension module, once per (source, flags, torch build,
+"""Building core/compute/fused_kernels.cpp into a Python extension module, once per (source, flags, torch build,
 Python ABI), and loading it from a cache without locks.
 
 Why not torch's `cpp_extension.load_inline`, which did this before (docs/DECISIONS.md, "Building the fused

@@ -5,7 +5,7 @@ one arena, entry states, pins. It does not know files or models. All bookkeeping
 that runs the model; I/O threads only write bytes into slots they were handed.
 
 What the cache evicts depends only on the order of its lookups, allocations and unpins in each experts
-call, so that order lives here, once (`start_call`, `Call.run`). The expert supply (supply.py) drives it
+call, so that order lives here, once (`start_call`, `Call.run`). The expert supply (expert_supply.py) drives it
 with real reads into real slots, handing the experts to the engine's compute; the simulator
 (simulate.py) drives it without an arena, with reads that land at once. Because neither can reorder
 anything, a replayed trace gets exactly the runtime's hits (tests/test_simulate.py).
@@ -41,7 +41,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import ExpertReadError, UsageError
+from ...errors import ExpertReadError, UsageError
 from .policies import LRUPolicy
 
 Key = Hashable  # (layer, expert) in the engine

@@ -10,7 +10,7 @@ repacked: its kernels read the portable layout (kernels.py).
 How the layout is known: not from a table of torch versions, but from torch itself. Packing matrices of
 known codes with torch's own packing function shows, for each byte of the kernel layout, which two rows'
 codes it pairs and where input k's byte lies: N/2 "columns" (`Columns`), which the C++ kernel
-`repack_int4` (core/fused_kernels.cpp) fills sixteen at a time. The description is checked once per shape
+`repack_int4` (core/compute/fused_kernels.cpp) fills sixteen at a time. The description is checked once per shape
 against torch's packing of random codes; where it does not hold, or without the compiled kernels, torch's
 own packing function runs instead (the same bytes, several times slower).
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..conversion.quant import QuantFormat, compress_int4_bytes, expand_int4_bytes, pack_nibbles, unpack_nibbles
+from ...conversion.quant import QuantFormat, compress_int4_bytes, expand_int4_bytes, pack_nibbles, unpack_nibbles
 
 
 def torch_packing(codes: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..choices import PREFETCH_MODES
-from ..errors import UsageError
+from ...choices import PREFETCH_MODES
+from ...errors import UsageError
 
 MAX_SPECULATIVE_TOKENS = 4  # speculate on decode steps only (and tiny batches)
 AUTO_WARMUP_STEPS = 16  # decode steps before auto's first probe (speculation off)

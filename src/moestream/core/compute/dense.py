@@ -14,8 +14,8 @@ import functools
 import torch
 from torch import nn
 
-from ..conversion.quant import QuantFormat, stored_codes
-from ..errors import StoreError
+from ...conversion.quant import QuantFormat, stored_codes
+from ...errors import StoreError
 from .kernels import int8_activations_fit, quantized_matmul, table_values
 from .repack import kernel_layout
 

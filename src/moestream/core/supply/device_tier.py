@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..devices import Device, Event
 from .cache import Entry, ExpertCache, State
-from .devices import Device, Event
 
 
 class DeviceTier:

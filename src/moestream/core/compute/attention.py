@@ -30,8 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..choices import ATTENTION, KV_CACHE_DTYPES
-from ..errors import UsageError
+from ...choices import ATTENTION, KV_CACHE_DTYPES
+from ...errors import UsageError
 from . import fused_build
 
 NAME = "moestream"  # its name in transformers' AttentionInterface

@@ -29,8 +29,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from ..choices import DEFAULT_POLICY  # noqa: F401 (the default among POLICIES, imported from here by the engine)
-from ..errors import UsageError
+from ...choices import DEFAULT_POLICY  # noqa: F401 (the default among POLICIES, imported from here by the engine)
+from ...errors import UsageError
 
 Key = Hashable
 

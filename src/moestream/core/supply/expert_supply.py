@@ -29,14 +29,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..choices import VERIFY_MODES
-from ..conversion.sizes import ModelSizes
-from ..conversion.store import DTYPES, Store
-from ..errors import ExpertReadError, UsageError
-from ..units import format_bytes
+from ...choices import VERIFY_MODES
+from ...conversion.sizes import ModelSizes
+from ...conversion.store import DTYPES, Store
+from ...errors import ExpertReadError, UsageError
+from ...units import format_bytes
+from ..devices import Device
 from .cache import Entry, ExpertCache, State, start_call
 from .device_tier import DeviceTier
-from .devices import Device
 from .policies import DEFAULT_POLICY, make_policy
 from .reader import RecordReader
 

@@ -14,7 +14,7 @@
 // keeps its own m_i, l_i = sum p_t and a_i = sum p_t v_t; the pieces merge as m = max m_i,
 // l = sum l_i e^(m_i - m), o = sum a_i e^(m_i - m) / l. Sums run in another order than sdpa's, and exp is a
 // polynomial (within 2 ulp of expf over the range it sees), so the result differs from sdpa's in the last
-// bits: models run it only where it is registered as their attention (core/attention.py), and `eval`
+// bits: models run it only where it is registered as their attention (core/compute/attention.py), and `eval`
 // prices it against sdpa.
 //
 // Pure C++ on raw pointers; the loops are written so that the compiler vectorizes them, and each function
