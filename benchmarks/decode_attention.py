@@ -20,7 +20,7 @@ import machine
 import torch
 import torch.nn.functional as F
 
-from moestream.core.compute import fused_build
+from moestream.native import fused_build
 
 
 def fastest_ms(function, runs: int = 15) -> float:

@@ -24,7 +24,8 @@ import machine
 import torch
 
 from moestream.conversion.quant import QuantFormat, pack, quantize
-from moestream.core.compute import fused_build, kernels
+from moestream.core.compute import kernels
+from moestream.native import fused_build
 
 SHAPES = {"expert gate+up": (1536, 2048), "expert down": (2048, 768), "attention q": (4096, 2048)}
 FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", None)]

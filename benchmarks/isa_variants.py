@@ -1,4 +1,4 @@
-"""The int8-activation kernels' variants (core/compute/lowbit_dot.h: AVX-512 VNNI, AVX2, portable) side by side, on
+"""The int8-activation kernels' variants (native/lowbit_dot.h: AVX-512 VNNI, AVX2, portable) side by side, on
 the machine at hand: each variant the CPU has, at Qwen3-30B-A3B's shapes, in cache and from DRAM.
 
     python benchmarks/isa_variants.py [--threads 2] [--json OUT]
@@ -20,7 +20,8 @@ import machine
 import torch
 
 from moestream.conversion.quant import QuantFormat, pack, quantize
-from moestream.core.compute import fused_build, kernels
+from moestream.core.compute import kernels
+from moestream.native import fused_build
 
 SHAPES = {"expert gate+up": (1536, 2048), "expert down": (2048, 768), "attention q": (4096, 2048)}
 FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", None)]

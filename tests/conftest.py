@@ -31,7 +31,7 @@ def _float_activations_unless_asked():
 def _fused_kernels_built():
     # On a fresh machine the first load compiles core/compute/fused.py's kernels (about 30 s of one core): do it here, once,
     # rather than inside whichever test (or CLI subprocess under a timeout) loads a model first.
-    from moestream.core.compute import fused_build
+    from moestream.native import fused_build
 
     fused_build.extension()
     yield

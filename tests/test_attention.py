@@ -1,4 +1,4 @@
-"""A decode step's attention (core/compute/decode_attention.h through core/compute/attention.py): the compiled flash-decoding
+"""A decode step's attention (native/decode_attention.h through core/compute/attention.py): the compiled flash-decoding
 kernel against float64 attention at 1, 17, 4,096 and 33,000 positions with grouped-query ratios 1, 4 and 8,
 with padding masks and a growing cache's strided views; a model running it as its attention function gives
 transformers' greedy tokens over 64 steps after a long prompt; `--attention sdpa` and models whose code
@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 import moestream
 from moestream.cli import main
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.compute import attention, fused, fused_build
+from moestream.core.compute import attention, fused
 from moestream.core.loading import stats
+from moestream.native import fused_build
 
 SIMD = ["avx512", "avx2", "loops"]  # from the most capable
 

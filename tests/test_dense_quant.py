@@ -13,10 +13,10 @@ from moestream.conversion.quant import QuantFormat, pack, quantize, reference_de
 from moestream.conversion.skeleton import expert_parameters, experts_modules
 from moestream.conversion.store import MANIFEST, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.compute import fused_build
 from moestream.core.compute.dense import QuantizedLinear, align_weights, prepare_for_cpu
 from moestream.core.compute.kernels import int8_activations_reference
 from moestream.errors import StoreError, UsageError
+from moestream.native import fused_build
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])

@@ -20,8 +20,9 @@ import moestream
 from moestream.conversion.sizes import routed_top_k
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.compute import fused, fused_build
+from moestream.core.compute import fused
 from moestream.errors import SourceError
+from moestream.native import fused_build
 
 _NO_CAUSAL_LM = "transformers has no causal LM for it (AutoModelForCausalLM), which moestream builds: {}"
 NOT_RUN = {

@@ -8,9 +8,9 @@ from tiny import TINY
 
 import moestream
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.compute import fused_build
 from moestream.core.engine import engine_of
 from moestream.core.loading import fast_paths
+from moestream.native import fused_build
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the fused kernels are not built")
 

@@ -13,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.compute import fused, fused_build
+from moestream.core.compute import fused
+from moestream.native import fused_build
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the fused kernels are not built")
 

@@ -1,4 +1,4 @@
-"""Building and caching the fused kernels (core/compute/fused_build.py): the cache key, builds that wait for nothing a
+"""Building and caching the fused kernels (native/fused_build.py): the cache key, builds that wait for nothing a
 killed build left, two builds at once, and a machine whose compiler fails (the model runs as with
 MOESTREAM_FUSED=0, one line says so). Builds here use a stand-in compiler that copies the module the session
 built (tests/conftest.py), so they take milliseconds, not a compile."""
@@ -17,7 +17,7 @@ import pytest
 from tiny import tiny_checkpoint
 
 import moestream
-from moestream.core.compute import fused_build
+from moestream.native import fused_build
 
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the fused kernels are not built")
 
@@ -143,7 +143,7 @@ def test_two_processes_building_at_once_both_load(monkeypatch, tmp_path, built, 
     """No lock: while another process builds (its stand-in compiler takes two seconds), this one builds
     too; both rename, both import."""
     monkeypatch.setenv("CXX", _stand_in_compiler(tmp_path, built, delay=2.0))
-    code = "from moestream.core.compute import fused_build; assert fused_build.load() is not None"
+    code = "from moestream.native import fused_build; assert fused_build.load() is not None"
     other = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ), stderr=subprocess.PIPE, text=True)
     args = tmp_path / "args.txt"
     deadline = time.monotonic() + 120
@@ -177,7 +177,8 @@ def test_moestream_fused_0_is_the_reason(monkeypatch, capsys, fresh):
 
 _LOGITS = """
 import sys, torch, moestream
-from moestream.core.compute import fused, fused_build
+from moestream.core.compute import fused
+from moestream.native import fused_build
 torch.manual_seed(0)
 ids = torch.randint(0, 100, (1, 9))
 def logits():

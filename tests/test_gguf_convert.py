@@ -28,8 +28,8 @@ from moestream.conversion.quant import QuantFormat, Quantized, reference_dequant
 from moestream.conversion.skeleton import config_from_dict
 from moestream.conversion.store import DTYPES, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.core.compute import fused_build
 from moestream.errors import SourceError
+from moestream.native import fused_build
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
 VOCAB = 256 + len(MERGES) + 2  # bytes, merged tokens, two specials
@@ -865,7 +865,7 @@ def test_compiled_nibble_repairing_gives_numpys_bytes(tmp_path, monkeypatch):
     assert fused_build.load_if_built() is None and not (tmp_path / "empty").exists()
 
 
-def test_the_convert_command_hands_over_the_compiled_kernels(tmp_path, monkeypatch):
+def test_the_convert_command_uses_the_compiled_kernels_where_they_pay(tmp_path, monkeypatch):
     """Built kernels: the re-pairing is theirs from the first record. Not built: a small file keeps numpy's
     and builds nothing; a large one starts the build in the background and takes the kernels once built."""
     from moestream.commands import convert as command

@@ -1,4 +1,4 @@
-"""The int8-activation kernels (core/compute/lowbit_dot.h): against the float64 reference of exactly their arithmetic
+"""The int8-activation kernels (native/lowbit_dot.h): against the float64 reference of exactly their arithmetic
 (kernels.int8_activations_reference), with each variant of the loops this CPU has (AVX-512 VNNI, AVX2, the
 portable loops), and a whole model run with them against the same model with float activations."""
 
@@ -10,9 +10,10 @@ from moestream.conversion.quant import QuantFormat, pack, quantize, reference_de
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core import loading
-from moestream.core.compute import fused, fused_build, kernels
+from moestream.core.compute import fused, kernels
 from moestream.core.engine import engine_of
 from moestream.errors import UsageError
+from moestream.native import fused_build
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,13 @@ from tiny import tiny_checkpoint
 
 import moestream
 from moestream.cli import main
-from moestream.core.compute import attention, fused, fused_build
+from moestream.core.compute import attention, fused
 from moestream.core.loading import stats
 from moestream.errors import UsageError
 from moestream.frontends.generate import generate_step
 from moestream.frontends.kv_cache import PrefixCache, kv_bytes
 from moestream.frontends.kv_layer import Int8Layer
+from moestream.native import fused_build
 
 
 def test_packed_rows_are_within_half_a_step_of_the_float_ones():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 from ..choices import DEFAULT_GROUP_SIZE, DENSE_FORMATS, EXPERT_FORMATS, GROUP_SIZES
@@ -104,45 +103,14 @@ BACKGROUND_BUILD_BYTES = 16 * 2**30
 
 def _use_compiled_kernels(path: Path) -> None:
     """Have a GGUF's blocks read by the compiled kernels (4-bit codes re-paired, Q6_K rows made int8 or int4:
-    a fifth of a Q4_0 import's CPU time, and 5 s of a 150k-token LM head's; conversion/ cannot import core/,
-    so they are handed over from here): where they are built already, from the first record; for a large
-    file whose kernels are not built yet, from when a background build ends."""
+    a fifth of a Q4_0 import's CPU time, and 5 s of a 150k-token LM head's): where they are built already,
+    from the first record; for a large file whose kernels are not built yet, from when a background build
+    ends; for a small one, not (a build would take longer than it saves)."""
     from ..conversion import gguf_blocks
     from ..conversion.gguf_source import _split_files
-    from ..core.compute import fused_build
 
-    if fused_build.load_if_built() is None:
-        try:
-            size = sum(f.stat().st_size for f in _split_files(path))
-        except Exception:  # the converter names what is wrong with the file
-            return
-        if size < BACKGROUND_BUILD_BYTES:
-            return
-        fused_build.start()
-    gguf_blocks.use_compiled_kernels(_CompiledKernels(fused_build))
-
-
-class _CompiledKernels:
-    """fused_kernels.cpp's block readers once the kernels are built (looked for at most once a second until
-    then); each gives None before: the converter's own numpy and torch."""
-
-    def __init__(self, fused_build):
-        self.fused_build, self.ext, self.looked = fused_build, None, float("-inf")
-
-    def _built(self):
-        if self.ext is None and time.monotonic() - self.looked >= 1.0:
-            self.looked = time.monotonic()
-            self.ext = self.fused_build.load_if_built()
-        return self.ext
-
-    def repair_nibbles(self, *args):
-        ext = self._built()
-        return None if ext is None else ext.repair_nibbles(*args)
-
-    def q6_k_int8(self, *args):
-        ext = self._built()
-        return None if ext is None else ext.q6_k_int8(*args)
-
-    def q6_k_int4(self, *args):
-        ext = self._built()
-        return None if ext is None else ext.q6_k_int4(*args)
+    try:
+        size = sum(f.stat().st_size for f in _split_files(path))
+    except Exception:  # the converter names what is wrong with the file
+        size = 0
+    gguf_blocks.use_compiled_kernels(build=size >= BACKGROUND_BUILD_BYTES)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..native import fused_build
+
 # ggml type numbers (gguf.GGMLQuantizationType) -> bytes per block of that type.
 Q4_0, Q4_1, Q4_K = 2, 3, 12
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q4_K: 144}
@@ -79,20 +81,25 @@ def _pair_table() -> np.ndarray:
 
 
 _PAIRS = _pair_table()  # 128 KiB: one lookup per byte pair, which numpy's strided byte arithmetic is 1.8x slower than
-_compiled = None  # core's compiled kernels (`repair_nibbles`, `q6_k_int8`, `q6_k_int4`), where the convert command found them
+_compiled = None  # the compiled kernels' block readers once `use_compiled_kernels` asked for them
 
 
-def use_compiled_kernels(kernels) -> None:
-    """Have this module call `kernels`' `repair_nibbles`, `q6_k_int8` and `q6_k_int4` (fused_kernels.cpp's,
-    which the convert command hands over; this layer cannot import the compiled kernels) wherever they
-    return their result rather than None: the same bytes, less CPU time (a fifth of a Q4_0 import's for the
-    first, 5 s of a 150k-token LM head's for the second; docs/BENCHMARKS.md)."""
+def use_compiled_kernels(build: bool) -> None:
+    """Call the compiled kernels' `repair_nibbles`, `q6_k_int8` and `q6_k_int4` (native/fused_kernels.cpp)
+    wherever they give their result rather than None: the same bytes, less CPU time (a fifth of a Q4_0
+    import's for the first, 5 s of a 150k-token LM head's for the second; docs/BENCHMARKS.md). Built
+    already: from now on. Not built: with `build`, from when a build started now in the background ends;
+    without, never (the convert command decides by the file's size)."""
     global _compiled
-    _compiled = kernels
+    if fused_build.load_if_built() is None:
+        if not build:
+            return
+        fused_build.start()
+    _compiled = fused_build.WhenBuilt()
 
 
 def has_compiled_kernels() -> bool:
-    """Whether compiled kernels were handed over (they may still answer None, while being built)."""
+    """Whether the compiled kernels are in use (they may still answer None, while being built)."""
     return _compiled is not None
 
 

@@ -21,7 +21,7 @@ tensors a kernel consumes directly (kernels.py), so a record goes from disk to t
   row the portable nibbles of its codes' low 4 bits (K/2 bytes, as int4), then a plane of their top 2 bits:
   per 64 inputs 16 bytes, byte u holding the tops of nibble byte u's two codes in bits 0-3 and those of
   nibble byte u + 16's in bits 4-7 (`pack_six`). The int8-activation kernels read both parts as they are
-  (core/compute/lowbit_dot.h); elsewhere (float activations, a GPU) each matrix is dequantized for each call. K must
+  (native/lowbit_dot.h); elsewhere (float activations, a GPU) each matrix is dequantized for each call. K must
   be a multiple of 64.
 - int3, int2: the int4 format restricted to codes 0..2^b-1 (so W = (q - 8) * s + z = q * s + m with
   z = m + 8 s), with the int4 bytes compressed densely: int2 keeps the 2 used bits of every nibble (two

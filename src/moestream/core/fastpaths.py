@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..conversion.skeleton import experts_modules
-from .compute import dense, fused, fused_build, repack
+from ..native import fused_build
+from .compute import dense, fused, repack
 from .compute.kernels import native_bf16
 
 

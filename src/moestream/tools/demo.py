@@ -19,10 +19,10 @@ from ..conversion.convert import convert
 from ..conversion.sizes import ModelSizes
 from ..conversion.store import Store
 from ..conversion.synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
-from ..core.compute import fused_build
 from ..core.loading import close, load, stats
 from ..core.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from ..frontends.generate import encode, stream
+from ..native import fused_build
 from ..units import format_bytes
 
 PROMPT = "def fibonacci(n):"

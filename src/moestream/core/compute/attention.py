@@ -32,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ...choices import ATTENTION, KV_CACHE_DTYPES
 from ...errors import UsageError
-from . import fused_build
+from ...native import fused_build
 
 NAME = "moestream"  # its name in transformers' AttentionInterface
 

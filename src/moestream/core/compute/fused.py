@@ -6,7 +6,7 @@ and cache misses whatever its size. transformers' RMSNorm is eight of them (cast
 rsqrt, mul, cast, mul) and runs two to four times per layer; one fused kernel does the same arithmetic
 in one call (docs/DECISIONS.md, "Fused RMSNorm"). transformers itself swaps RMSNorm forwards for
 kernels (`use_kernel_forward_from_hub("RMSNorm")`), which here would need the network; so the kernel is
-compiled from core/compute/fused_kernels.cpp by core/compute/fused_build.py, once per source and torch build (about 30 s,
+compiled from native/fused_kernels.cpp by native/fused_build.py, once per source and torch build (about 30 s,
 then cached), and used only where it computes what the module computes.
 
 Which modules: every module whose class is named *RMSNorm with a 1-D `weight` and a float epsilon. A
@@ -59,7 +59,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from . import attention, dense, fused_build, kernels
+from ...native import fused_build
+from . import attention, dense, kernels
 
 
 def unavailable_reason() -> str | None:

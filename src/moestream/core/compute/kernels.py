@@ -4,7 +4,7 @@ Expert records go through `expert_linear`, resident quantized linears (dense.py)
 `quantized_matmul`; which kernel runs is decided here and nowhere else.
 
 CPU kernels with int8 activations (`load(activations=...)`, the default where they are measured faster,
-`choose_activations`): the compiled kernels of core/compute/lowbit_dot.h quantize each activation row to int8 (a
+`choose_activations`): the compiled kernels of native/lowbit_dot.h quantize each activation row to int8 (a
 scale per 32 inputs) and keep the dot products in integers, as llama.cpp does; they read the int4 family's
 portable bytes as stored (no repack) and int8 weights as they are. Their arithmetic is defined in
 lowbit_dot.h and computed in float64 by `int8_activations_reference`.
@@ -46,7 +46,7 @@ from ...conversion.quant import (
     unpack_nibbles,
 )
 from ...errors import StoreError, UsageError
-from . import fused_build
+from ...native import fused_build
 from .repack import RecordPreparer
 
 
@@ -117,7 +117,7 @@ def _int8_activations_int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros:
 
 
 def _compiled():
-    """The compiled kernels (core/compute/fused_kernels.cpp), or None where they are off."""
+    """The compiled kernels (native/fused_kernels.cpp), or None where they are off."""
     return fused_build.extension()
 
 

@@ -10,7 +10,7 @@ repacked: its kernels read the portable layout (kernels.py).
 How the layout is known: not from a table of torch versions, but from torch itself. Packing matrices of
 known codes with torch's own packing function shows, for each byte of the kernel layout, which two rows'
 codes it pairs and where input k's byte lies: N/2 "columns" (`Columns`), which the C++ kernel
-`repack_int4` (core/compute/fused_kernels.cpp) fills sixteen at a time. The description is checked once per shape
+`repack_int4` (native/fused_kernels.cpp) fills sixteen at a time. The description is checked once per shape
 against torch's packing of random codes; where it does not hold, or without the compiled kernels, torch's
 own packing function runs instead (the same bytes, several times slower).
 """
@@ -118,7 +118,7 @@ def columns(n: int, k: int) -> Columns | None:
 
 def _run(nibbles: torch.Tensor, described: Columns) -> bool:
     """The C++ repack of portable bytes into the kernel layout, in place; False without the compiled kernels."""
-    from . import fused_build  # the compiled kernels; imported here so that quant-only users never build them
+    from ...native import fused_build  # the compiled kernels; imported here so that quant-only users never build them
 
     ext = fused_build.extension()
     if ext is None:
@@ -129,7 +129,7 @@ def _run(nibbles: torch.Tensor, described: Columns) -> bool:
 
 def in_cpp(n: int, k: int) -> bool:
     """Whether an [N, K] matrix is repacked by the C++ kernel here (else by torch's packing function)."""
-    from . import fused_build
+    from ...native import fused_build
 
     return fused_build.extension() is not None and columns(n, k) is not None
 

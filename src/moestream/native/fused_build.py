@@ -1,4 +1,4 @@
-"""Building core/compute/fused_kernels.cpp into a Python extension module, once per (source, flags, torch build,
+"""Building native/fused_kernels.cpp into a Python extension module, once per (source, flags, torch build,
 Python ABI), and loading it from a cache without locks.
 
 Why not torch's `cpp_extension.load_inline`, which did this before (docs/DECISIONS.md, "Building the fused
@@ -362,3 +362,29 @@ def start() -> None:
             return
         _background = threading.Thread(target=load, name="moestream-fused-build", daemon=True)
         _background.start()
+
+
+class WhenBuilt:
+    """The compiled kernels' block readers for work with a slower way of its own (the converter's): each
+    answers None until the kernels are built (looked for at most once a second), then their result."""
+
+    def __init__(self):
+        self.ext, self.looked = None, float("-inf")
+
+    def _built(self):
+        if self.ext is None and time.monotonic() - self.looked >= 1.0:
+            self.looked = time.monotonic()
+            self.ext = load_if_built()
+        return self.ext
+
+    def repair_nibbles(self, *args):
+        ext = self._built()
+        return None if ext is None else ext.repair_nibbles(*args)
+
+    def q6_k_int8(self, *args):
+        ext = self._built()
+        return None if ext is None else ext.q6_k_int8(*args)
+
+    def q6_k_int4(self, *args):
+        ext = self._built()
+        return None if ext is None else ext.q6_k_int4(*args)
