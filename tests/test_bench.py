@@ -167,3 +167,23 @@ def test_reader_busy_time_counts_overlapping_reads_once(tmp_path, monkeypatch):
         assert bytes(buffers[0]) == path.read_bytes()[:4096]
     finally:
         reader.close()
+
+
+def test_kernels_are_timed_per_distinct_matrix_against_memory_bandwidth(store, tmp_path, capsys):
+    from moestream.core.kernel_timing import time_kernels
+
+    report = time_kernels(store, rotation_bytes=8 << 20)
+    layer = Store(store).manifest.layers[0]
+    # The tiny store's float records: gate_up [2I, H] and down [H, I], the same in every layer, one kernel each.
+    shapes = sorted(tuple(t.shape) for t in layer.layout.tensors if len(t.shape) == 2)
+    assert sorted(k.shape for k in report.kernels) == shapes
+    assert {k.kernel for k in report.kernels} == {"float matmul"}
+    assert report.memory_gb_per_second > 0
+    for k in report.kernels:
+        assert k.weight_bytes == k.shape[0] * k.shape[1] * 4 or k.weight_bytes == k.shape[0] * k.shape[1] * 2
+        assert k.microseconds > 0 and k.gb_per_second == pytest.approx(k.weight_bytes / k.microseconds / 1e3)
+        assert k.share_of_memory == pytest.approx(k.gb_per_second / report.memory_gb_per_second)
+    out = tmp_path / "kernels.json"
+    assert main(["bench", str(store), "--kernels", "--json", str(out)]) == 0
+    assert "memory bandwidth" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["kernels"]) == len(shapes)

@@ -200,3 +200,19 @@ def test_eval_prices_int8_activations_against_float_ones_on_the_same_store(ext, 
     assert "low-bit matmuls" in report.table()
     same = compare(wide_store, wide_store, text, max_tokens=200, context=64, activations="float")
     assert same.kl_mean == 0 and same.top1_agreement == 1.0  # the check can tell: equal paths, equal numbers
+
+
+def test_bench_kernels_times_both_kernels_of_each_int4_matrix(wide_store):
+    """`bench --kernels` on int4 experts: each matrix with the int8-activation kernels (as stored) and torch's
+    int4 kernel (on its layout), each with the bytes one call streams."""
+    from moestream.core.kernel_timing import time_kernels
+
+    report = time_kernels(wide_store, rotation_bytes=4 << 20)
+    rows = sorted((k.shape, k.kernel, k.format) for k in report.kernels)
+    assert rows == sorted(
+        (shape, kernel, "int4-g64") for shape in [(128, 64), (64, 64)] for kernel in ("int8 activations", "torch int4 kernel")
+    )
+    for k in report.kernels:
+        # codes (N x K/2 bytes) and bf16 scales and zeros (K/64 x N x 2) are what one call streams
+        assert k.weight_bytes == k.shape[0] * k.shape[1] // 2 + (k.shape[1] // 64) * k.shape[0] * 2 * 2
+        assert k.microseconds > 0 and k.share_of_memory > 0

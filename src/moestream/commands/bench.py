@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON to FILE")
     parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="instead of decoding: time each expert matmul of the store's shapes (every kernel the engine may run it "
+        "with, one token, random weights of its layout, from memory) against this machine's memory bandwidth",
+    )
+    parser.add_argument(
         "--trace-out",
         default=None,
         metavar="FILE.npz",
@@ -62,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..tools.bench import bench, write_json
 
+    if args.kernels:
+        return _kernels(args)
     positive(args.prompt_tokens, "--prompt-tokens")
     if args.new_tokens < 2:
         raise UsageError(
@@ -90,6 +98,20 @@ def run(args: argparse.Namespace) -> int:
         trace_out=args.trace_out,
         **engine_options(args),
     )
+    print(report.table())
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from ..core.kernel_timing import time_kernels
+    from ..tools.bench import write_json
+
+    if args.json:
+        writable_file(args.json, "--json")
+    report = time_kernels(args.store)
     print(report.table())
     if args.json:
         write_json(report, args.json)

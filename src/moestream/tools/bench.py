@@ -51,6 +51,7 @@ import torch
 
 from ..conversion.sizes import ModelSizes
 from ..conversion.store import Store
+from ..core.kernel_timing import KernelReport
 from ..core.memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
 from ..core.supply.reader import RecordReader
 from ..errors import UsageError
@@ -533,5 +534,5 @@ def _all_hit_steps(store_dir, budget: int, ids, forced, load_kwargs: dict) -> tu
     return seconds[len(seconds) // 2], how
 
 
-def write_json(report: BenchReport, path: str) -> None:
-    Path(path).write_text(json.dumps(report.to_json(), indent=1))
+def write_json(report: BenchReport | KernelReport, path: str) -> None:
+    Path(path).write_text(json.dumps(asdict(report), indent=1))
