@@ -455,3 +455,31 @@ def test_only_attention_the_kernels_reproduce_takes_them(ext, tmp_path):
     dtype = model.get_input_embeddings().weight.dtype
     assert fused.attention_agrees(m, fast, own, dtype)
     assert not fused.attention_agrees(m, fast, off_by_one, dtype)
+
+
+def test_experts_kernel_runs_int8_at_widths_torchs_bf16_kernel_gets_wrong_as_the_engine_does(ext):
+    """int8 records with bf16 activations whose widths are not multiples of 16: torch's bf16 int8 kernel is wrong
+    there, so both the kernel (its one dispatch, `project`) and kernels.py's `_int8` compute in float32: the
+    same bits, and close to float64 math."""
+    from moestream.conversion import quant
+    from moestream.core.compute.kernels import expert_linear
+
+    g = torch.Generator().manual_seed(47)
+    hidden, inner, n = 40, 24, 2
+    fmt = quant.QuantFormat.make("int8")
+    x = torch.randn(1, hidden, generator=g).to(torch.bfloat16)
+    records, exact = [], []
+    for _ in range(n):
+        q1 = quant.quantize(torch.randn(2 * inner, hidden, generator=g) / 8, fmt)
+        q2 = quant.quantize(torch.randn(hidden, inner, generator=g) / 8, fmt)
+        records.append({**quant.pack(q1, fmt, "gate_up_proj"), **quant.pack(q2, fmt, "down_proj")})
+        h = quant.reference_dequantize(q1, fmt) @ x.double()[0]
+        exact.append(quant.reference_dequantize(q2, fmt) @ (torch.nn.functional.silu(h[:inner]) * h[inner:]))
+    got = ext.experts_decode(
+        x, *(list(args) for args in zip(*[_matrices(r, fmt) for r in records])), 8, 0, False, None, None
+    )  # fmt: skip
+    for j, r in enumerate(records):
+        assert ((got[j].double() - exact[j]).norm() / exact[j].norm()).item() < 1e-2
+        gate, up = expert_linear(x, r, "gate_up_proj", fmt, False).chunk(2, dim=-1)
+        own = expert_linear(torch.nn.functional.silu(gate) * up, r, "down_proj", fmt, False)
+        assert torch.equal(got[j : j + 1], own)

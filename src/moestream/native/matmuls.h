@@ -135,18 +135,24 @@ std::string lowbit_isa(const std::string& cap) {
   return previous;
 }
 
-// An expert's matmul as kernels.py runs it on the CPU. With `integer`, the int8-activation kernels above on
-// portable bytes; else the int4 kernel in bf16 (other activations cast in and the result cast back) on
-// torch's layout, the int8 kernel in the activations' dtype.
-static torch::Tensor quantized(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& params, int64_t bits, int64_t group,
-                               bool integer, const int8_t* table = nullptr) {
-  if (integer) return integer_matmul(x, q, params, bits, group, table);
+// A matrix without bias as kernels.py runs it on the CPU, x [M, K] -> [M, N], for an expert's matmuls and a
+// resident linear alike (the one format dispatch here): bits 0 a float weight (at::linear); with `integer`
+// the int8-activation kernels (portable int4-family bytes, or int8); else 8 torch's int8 kernel (in float32
+// for bf16 activations whose width is not a multiple of 16, where its bf16 path is wrong), 4 the int4
+// kernel on torch's layout (in bf16, cast back).
+static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group, bool integer,
+                             const int8_t* table = nullptr) {
+  if (bits == 0) return at::linear(x, w);
+  if (integer) return integer_matmul(x, w, params, bits, group, table);
   TORCH_CHECK(table == nullptr, "a table format runs with int8 activations only");
-  if (bits == 4) {
-    if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, q, group, params);
-    return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), q, group, params).to(x.scalar_type());
+  if (bits == 8) {
+    if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16)
+      return at::_weight_int8pack_mm(x.to(at::kFloat), w, params.to(at::kFloat)).to(x.scalar_type());
+    return at::_weight_int8pack_mm(x, w, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
   }
-  return at::_weight_int8pack_mm(x, q, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
+  TORCH_CHECK(bits == 4, "project: 0, 4 or 8 bits");
+  if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, w, group, params);
+  return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, params).to(x.scalar_type());
 }
 
 // One token through n quantized experts with the SiLU gate: x [1, H]; per expert its first matrix (gate
@@ -172,10 +178,10 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   std::vector<torch::Tensor> ys(n);
   auto expert = [&](int64_t j) {
     auto h = integer ? against(xq, first[j], first_params[j], bits, x.scalar_type(), values)
-                     : quantized(x, first[j], first_params[j], bits, group, false);
+                     : project(x, first[j], first_params[j], bits, group, false);
     auto a = torch::empty({1, h.size(1) / 2}, h.options());
     silu_gate_into(h, a);
-    ys[j] = quantized(a, second[j], second_params[j], bits, group, integer, values);
+    ys[j] = project(a, second[j], second_params[j], bits, group, integer, values);
   };
   // With int8 activations and at least two experts per thread, each thread takes whole experts: one fork
   // and join per call instead of two per expert (inside, the matmuls and torch's ops run on that thread).
@@ -190,25 +196,6 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   for (int64_t j = 0; j < n; ++j) std::memcpy(static_cast<char*>(out.data_ptr()) + j * ys[j].nbytes(), ys[j].data_ptr(), ys[j].nbytes());
   if (weights.has_value()) return out.mul_(*weights).view({1, n, -1}).sum(1);
   return out;
-}
-
-// A resident linear without bias as kernels.py runs it on the CPU, x [M, K] -> [M, N]: bits 0 a float
-// weight (at::linear); with `integer` the int8-activation kernels (portable int4 bytes, or int8); else 8
-// torch's int8 kernel (in float32 for bf16 activations whose width is not a multiple of 16, where its bf16
-// path is wrong), 4 the int4 kernel (in bf16, cast back).
-static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group, bool integer,
-                             const int8_t* table = nullptr) {
-  if (bits == 0) return at::linear(x, w);
-  if (integer) return integer_matmul(x, w, params, bits, group, table);
-  TORCH_CHECK(table == nullptr, "a table format runs with int8 activations only");
-  if (bits == 8) {
-    if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16)
-      return at::_weight_int8pack_mm(x.to(at::kFloat), w, params.to(at::kFloat)).to(x.scalar_type());
-    return at::_weight_int8pack_mm(x, w, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
-  }
-  TORCH_CHECK(bits == 4, "project: 0, 4 or 8 bits");
-  if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, w, group, params);
-  return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, params).to(x.scalar_type());
 }
 
 // ---- int4 codes from the store's portable layout to torch's CPU kernel layout ----------------------------

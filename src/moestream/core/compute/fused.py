@@ -328,8 +328,8 @@ def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activat
     record tensors' names it takes, its bits, group size, whether it takes int8 activations (the
     layer's `int8_activations`, whose records are then as stored) and a table format's values (else None);
     or None where it does not apply: a device tier, float or int3/int2 records, a table format's or int6's in
-    float activations, int8 in bf16 at widths torch's kernel gets wrong (kernels.py's `_int8`), or a
-    module whose gate differs from the kernel's. int4 with float32 activations casts them to bf16 and back,
+    float activations, or a module whose gate differs from the kernel's (int8 in bf16 at widths torch's kernel
+    gets wrong runs in float32 inside it, as kernels.py's `_int8` does). int4 with float32 activations casts them to bf16 and back,
     as kernels.py's `_int4` does, so both compute the same numbers."""
     fmt = layer.quantization
     if tiered or x.device.type != "cpu" or fmt is None:
@@ -344,8 +344,6 @@ def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activat
     first = "gate_up_proj" if module.has_gate else "up_proj"
     shapes = {t.name: t.shape for t in layer.layout.tensors}
     width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
-    if not int8_activations and fmt.name == "int8" and x.dtype == torch.bfloat16 and (x.shape[-1] % 16 or (width // 2) % 16):
-        return None
     kernel = experts_kernel(module, width, x.dtype)
     if kernel is None:
         return None
