@@ -22,7 +22,7 @@ import inspect
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
@@ -346,18 +346,24 @@ def prompt_logprobs(model, prompt_ids: Sequence[int], top: int) -> tuple[list[To
     return entries, (forward.cache, max(0, len(ids) - 1))
 
 
-def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> int:
+def forced_steps(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> Iterator[torch.Tensor]:
     """Feed the given token ids through the model as generating exactly them would: the first `prefill`
-    ids in one forward pass (a prompt), every later id alone with the KV cache (teacher forcing). Only the
-    model's side effects matter (a routing trace); returns the number of forward passes."""
+    ids in one forward pass (a prompt), every later id alone with the KV cache (teacher forcing); yields each
+    pass's next-token logits [vocab]. The one teacher-forced loop (a routing trace, `eval --decode`); the
+    caller holds torch.inference_mode."""
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
     prefill = min(max(0, prefill), ids.shape[1])
     steps = ([ids[:, :prefill]] if prefill else []) + [ids[:, i : i + 1] for i in range(prefill, ids.shape[1])]
     forward = Forward(model)
+    for step in steps:
+        yield forward(step)[0, -1]
+
+
+def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> int:
+    """`forced_steps` for the model's side effects only (a routing trace); returns the number of forward
+    passes."""
     with torch.inference_mode():
-        for step in steps:
-            forward(step)
-    return len(steps)
+        return sum(1 for _ in forced_steps(model, ids, prefill))
 
 
 class Decoding:

@@ -232,10 +232,9 @@ def compare_models(
 def decode_logits(model, batch: torch.Tensor) -> torch.Tensor:
     """[L - 1, vocab]: the next-token logits after each of a window's first L - 1 tokens, fed one at a time
     with the KV cache (teacher forced): every experts call a decode step's one-token call."""
-    from ..frontends.generate import Forward
+    from ..frontends.generate import forced_steps
 
-    forward = Forward(model)
-    return torch.stack([forward(batch[:, t : t + 1])[0, -1].float().cpu() for t in range(batch.shape[1] - 1)])
+    return torch.stack([logits.float().cpu() for logits in forced_steps(model, batch[0, :-1])])
 
 
 # -- loading both sides ----------------------------------------------------------------------------------
