@@ -98,7 +98,7 @@ def _experts(model, engine, compute_dtype: torch.dtype, compiled: bool) -> FastP
         elif engine.supply.tier is not None:
             off.add("a device tier")
         elif compiled:
-            off.add("a gate the kernel does not compute, or int8 widths torch's bf16 kernel gets wrong")
+            off.add("a gate the kernel does not compute")
         else:
             off.add("no compiled kernels")
     note = f"off for {', '.join(sorted(off))}: the engine's own path" if off else ""
