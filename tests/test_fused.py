@@ -290,8 +290,8 @@ def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_n
     slot, top_k = manifest.max_record_stride, manifest.model_config["num_experts_per_tok"]
     everything = sum(layer.num_experts for layer in manifest.layers) * slot
     full, model = _decode_step_logits(int4_store, everything, compute_dtype)
-    kernels = engine_of(model)._one_token_kernels
-    assert kernels and all(found is not None and found[0] is ext.experts_decode for found in kernels.values())
+    kernels = [found for plan in engine_of(model).plans for found in plan.one_token.values()]
+    assert kernels and all(found is not None and found[0] is ext.experts_decode for found in kernels)
     # the minimum budget: misses computed one by one as their reads land, hits together
     small, model = _decode_step_logits(int4_store, top_k * slot, compute_dtype)
     assert moestream.stats(model)["evictions"] > 0
@@ -299,7 +299,7 @@ def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_n
     # the engine's own path (the module's gate, one op at a time) computes the same bits
     monkeypatch.setattr(fused, "experts_kernel", lambda *args: None)
     own, model = _decode_step_logits(int4_store, everything, compute_dtype)
-    assert all(found is None for found in engine_of(model)._one_token_kernels.values())
+    assert all(found is None for plan in engine_of(model).plans for found in plan.one_token.values())
     assert torch.equal(full, own)
 
 

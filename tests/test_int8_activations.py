@@ -169,8 +169,10 @@ def test_a_model_with_int8_activations_stays_close_to_float_ones(ext, wide_store
     integer, _ = moestream.load(wide_store, stride * 2, activations="int8")  # two experts: evicts all the time
     floating, _ = moestream.load(wide_store, stride * 16, activations="float")
     engine = engine_of(integer)
-    assert all(engine.int8_activations) and all(p is None for p in engine.supply.preparers)  # records read as stored
-    assert not any(engine_of(floating).int8_activations)
+    assert all(plan.int8_activations for plan in engine.plans) and all(
+        p is None for p in engine.supply.preparers
+    )  # records read as stored
+    assert not any(plan.int8_activations for plan in engine_of(floating).plans)
     line = loading.fast_paths(integer)
     assert f"low-bit matmuls (int8 activations, as chosen; {ext.lowbit_isa('')} loops)" in line and "read as stored" in line
     assert "attention (one token) 2/2" in line  # the fused attention agrees with the int8 linears' own forward

@@ -22,6 +22,7 @@ from moestream.conversion.skeleton import experts_modules
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.conversion.verify import verify_store
+from moestream.core.compute.plan import experts_plans
 from moestream.core.engine import ExpertEngine
 from moestream.core.supply.cache import State
 from moestream.core.supply.expert_supply import ExpertSupply
@@ -82,7 +83,7 @@ def _engine(store, verify="first", budget=64 * 2**20, **supply_options):
     """An engine over the store with the CPU's kernels, floats computed as stored (no preparers)."""
     opened = Store(store)
     supply = ExpertSupply(opened, budget, io_threads=2, verify=verify, **supply_options)
-    return ExpertEngine(opened, supply, [False] * len(opened.manifest.layers))
+    return ExpertEngine(opened, supply, experts_plans(opened.manifest.layers, cpu_kernels=True, int8_activations=False))
 
 
 def _assert_cache_consistent(engine):

@@ -25,8 +25,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..conversion.store import DTYPES, Store
 from ..errors import UsageError
-from .compute import fused
-from .compute.kernels import expert_linear
+from .compute.plan import ExpertsPlan
 from .memory import peak_rss_bytes
 from .supply.expert_supply import ExpertSupply
 
@@ -51,14 +50,14 @@ class ExpertEngine:
     observer (runtime.py's `observe_routing` sets it). Every method runs on the thread that runs the model, except `stats`, which any
     thread may call: it reads the supply's counters without waiting for a read in flight."""
 
-    def __init__(self, store: Store, supply: ExpertSupply, int8_activations: list[bool], prefetcher=None):
-        """supply: the store's experts under the budget (supply/expert_supply.py), built with the preparers that match
-        `int8_activations` (kernels.experts_layouts). int8_activations: per layer, whether its experts'
-        matmuls take int8 activations (reading records as stored). prefetcher: the prefetch.Prefetcher the
-        supply reads ahead with, told here when a forward pass starts, or None."""
+    def __init__(self, store: Store, supply: ExpertSupply, plans: list[ExpertsPlan], prefetcher=None):
+        """supply: the store's experts under the budget (supply/expert_supply.py), built with the plans'
+        preparers. plans: per layer, how its experts compute (compute/plan.py: int8 activations or not, the
+        fused one-token kernel). prefetcher: the prefetch.Prefetcher the supply reads ahead with, told here
+        when a forward pass starts, or None."""
         self.store = store
         self.layers = store.manifest.layers
-        self.int8_activations = int8_activations
+        self.plans = plans
         self.supply = supply
         self.lock = threading.Lock()  # one experts call at a time
         # Each layer's record tensors' dtypes by name (float records compute in their own dtype).
@@ -67,7 +66,6 @@ class ExpertEngine:
         # Told when a forward pass starts (`start_step(tokens)`) and when an experts call ends
         # (`end_layer(layer)`): the prefill progress bar, the prefetcher's clock.
         self.step_hooks: list = [PrefillProgress(len(self.layers))] + ([prefetcher] if prefetcher is not None else [])
-        self._one_token_kernels: dict[tuple[int, torch.dtype], tuple | None] = {}  # `one_token_kernel`
         self.fast_paths: list = []  # fastpaths.survey's findings, made by load()
 
     # -- one forward pass -------------------------------------------------------------------------------
@@ -116,14 +114,8 @@ class ExpertEngine:
             return call.result()
 
     def one_token_kernel(self, module, layer: int, x: torch.Tensor) -> tuple | None:
-        """The fused one-token experts kernel for this layer and activation dtype (fused.one_token_experts
-        decides; remembered per layer and dtype), or None."""
-        key = (layer, x.dtype)
-        if key not in self._one_token_kernels:
-            self._one_token_kernels[key] = fused.one_token_experts(
-                module, self.layers[layer], x, self.supply.tier is not None, self.int8_activations[layer]
-            )
-        return self._one_token_kernels[key]
+        """The fused one-token experts kernel for this layer and activation dtype (its plan's), or None."""
+        return self.plans[layer].one_token_kernel(module, x, self.supply.tier is not None)
 
     # -- reporting --------------------------------------------------------------------------------------
 
@@ -148,7 +140,7 @@ class _LayerCall:
     writes its weighted output into rows t*k + j of `out` [T*k, H]."""
 
     __slots__ = (
-        "engine", "module", "layer", "hidden", "rows", "weights", "k", "single", "x", "fmt", "int8", "first", "ys",
+        "engine", "module", "layer", "hidden", "rows", "weights", "k", "single", "x", "fmt", "plan", "first", "ys",
         "out", "fused", "total",
     )  # fmt: skip
 
@@ -157,7 +149,7 @@ class _LayerCall:
         self.single = single
         spec = engine.layers[layer]
         self.fmt = spec.quantization
-        self.int8 = engine.int8_activations[layer]  # the matmuls take int8 activations (kernels.py)
+        self.plan = engine.plans[layer]  # how this layer's experts compute (compute/plan.py)
         self.first = "gate_up_proj" if module.has_gate else "up_proj"
         # Float records compute in their own dtype, quantized ones in the model's activation dtype: cast once
         # per call, not per expert.
@@ -246,7 +238,7 @@ class PrefillProgress:
 
 
 def _first_matmul(call: _LayerCall, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    h = expert_linear(x, w, call.first, call.fmt, call.module.is_transposed, call.int8)
+    h = call.plan.linear(x, w, call.first, call.module.is_transposed)
     return h + w[call.first + "_bias"] if call.module.has_bias else h
 
 
@@ -256,7 +248,7 @@ def _gate(module, h: torch.Tensor) -> torch.Tensor:
 
 def _second_matmul(call: _LayerCall, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     module = call.module
-    y = expert_linear(h, w, "down_proj", call.fmt, module.is_transposed, call.int8)
+    y = call.plan.linear(h, w, "down_proj", module.is_transposed)
     if module.has_bias:
         y = y + w["down_proj_bias"]
     return module.post_expert_norm(y) if module.has_post_expert_norm else y

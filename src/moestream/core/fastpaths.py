@@ -1,8 +1,9 @@
 """Which fast paths a loaded model runs, and why the others are off, so a slower path is never silent.
 
-The choices themselves are made where they belong and nowhere else: the matmul for each storage format
-and device, and what a record needs where it lands, in kernels.py; each fused kernel per module, by its
-agreement check, in fused.py; the one-token experts kernel per layer and activation dtype in the engine.
+The choices themselves are made where they belong: the matmul for each storage format and device in
+kernels.py; per MoE layer, int8 activations or not, what a record needs where it lands and the one-token
+experts kernel per activation dtype in the layer's plan (compute/plan.py); each fused kernel per module, by
+its agreement check, in fused.py.
 `survey` reads what they decided once `load` has made every choice (it resolves the experts kernel for
 the model's compute dtype there, rather than at the first token), and `describe` says it in one line,
 which `generate`, `chat`, `bench` and `serve` print and `stats()["fast_paths"]` carries.
@@ -116,7 +117,7 @@ def _records(engine, on_gpu: bool) -> FastPath | None:
 
     # int8-activation kernels, and the float paths of formats torch has no kernel for, read records as stored
     def read_as_stored(i: int) -> bool:
-        return engine.int8_activations[i] or not engine.layers[i].quantization.torch_kernel
+        return engine.plans[i].int8_activations or not engine.layers[i].quantization.torch_kernel
 
     as_stored = sum(map(read_as_stored, indices))
     if as_stored == len(layers):

@@ -28,6 +28,7 @@ from . import engine as engine_module
 from . import fastpaths
 from .compute import attention as attention_module
 from .compute import dense, fused, kernels
+from .compute.plan import experts_plans
 from .devices import CudaDevice, Device
 from .engine import IMPLEMENTATION, ExpertEngine
 from .routing import CacheAwareRouting
@@ -166,13 +167,13 @@ def load(
     model.eval()
     # The device tier's budget is what the GPU has free once the resident weights are on it.
     device_budget = _resident_on_device(model, opened, accelerator, gpu_memory) if accelerator is not None else 0
-    integer, preparers = kernels.experts_layouts(manifest.layers, not on_gpu, int8_activations)
+    plans = experts_plans(manifest.layers, not on_gpu, int8_activations)  # how each layer's experts compute
     prefetcher = Prefetcher(routers, routed_top_k(manifest.model_config), prefetch)
     supply = ExpertSupply(
-        opened, budget, preparers=preparers, prefetcher=prefetcher, io_threads=io_threads, direct_io=direct_io,
+        opened, budget, preparers=[plan.preparer for plan in plans], prefetcher=prefetcher, io_threads=io_threads, direct_io=direct_io,
         verify=verify, policy=policy, device=accelerator, device_budget=device_budget,
     )  # fmt: skip
-    engine = ExpertEngine(opened, supply, integer, prefetcher)
+    engine = ExpertEngine(opened, supply, plans, prefetcher)
     try:
         for _, module in modules:
             module._moestream_engine = engine

@@ -1,7 +1,9 @@
 """Matmuls on weights as stored: y = x @ W.T for a float or quantized W [N, K] (quant.py).
 
-Expert records go through `expert_linear`, resident quantized linears (dense.py) through
-`quantized_matmul`; which kernel runs is decided here and nowhere else.
+Expert records go through `expert_linear` (called by each layer's plan, plan.py, which holds whether the
+layer takes int8 activations), resident quantized linears (dense.py) through `quantized_matmul`: the matmul
+for each storage format and device is chosen here (the registries below; the C++ has its one dispatch too,
+native/matmuls.h's `project`).
 
 CPU kernels with int8 activations (`load(activations=...)`, the default where they are measured faster,
 `choose_activations`): the compiled kernels of native/lowbit_dot.h quantize each activation row to int8 (a
@@ -148,15 +150,6 @@ def takes_int8_activations(layer) -> bool:
     if layer.quantization is None:
         return False
     return all(int8_activations_fit(layer.quantization, n, k) for n, k in layer.quantized_matrices)
-
-
-def experts_layouts(layers, cpu_kernels: bool, int8_activations: bool) -> tuple[list[bool], list]:
-    """Per MoE layer of a store: whether its experts' matmuls take int8 activations (asked for, on the CPU's
-    kernels, and every matrix fits them), and what turns its records into its kernels' layout as they land
-    (`record_preparer`; None: computed as stored)."""
-    integer = [int8_activations and cpu_kernels and takes_int8_activations(layer) for layer in layers]
-    preparers = [record_preparer(layer.quantization, layer.layout, cpu_kernels, i) for layer, i in zip(layers, integer)]
-    return integer, preparers
 
 
 def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_activations: bool = False):
