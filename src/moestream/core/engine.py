@@ -147,9 +147,8 @@ class _LayerCall:
     def __init__(self, engine: ExpertEngine, module, layer: int, hidden, rows, top_k_weights, tokens: int, k: int, single: bool):
         self.engine, self.module, self.layer, self.hidden, self.rows, self.k = engine, module, layer, hidden, rows, k
         self.single = single
-        spec = engine.layers[layer]
-        self.fmt = spec.quantization
         self.plan = engine.plans[layer]  # how this layer's experts compute (compute/plan.py)
+        self.fmt = self.plan.fmt
         self.first = "gate_up_proj" if module.has_gate else "up_proj"
         # Float records compute in their own dtype, quantized ones in the model's activation dtype: cast once
         # per call, not per expert.

@@ -12,7 +12,6 @@ from the CPU's caches. The bandwidth is torch's sum over a buffer as large, on t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -62,17 +61,13 @@ class KernelReport:
 def memory_bandwidth(nbytes: int = ROTATION_BYTES) -> float:
     """Bytes/s of torch's float32 sum over `nbytes` (the fastest of ROUNDS), on torch's threads."""
     buffer = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-    best = float("inf")
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best
+    return buffer.numel() * 4 / (kernels.fastest_ms(buffer.sum, ROUNDS) / 1e3)
 
 
 def time_kernels(store_dir, rotation_bytes: int = ROTATION_BYTES) -> KernelReport:
     """Every distinct expert matrix of the store, timed with each kernel the engine may run it with."""
     store = Store(store_dir)
+    bandwidth = memory_bandwidth(rotation_bytes)
     seen, timings = set(), []
     for layer in store.manifest.layers:
         for name, shape in _matrices(layer):
@@ -81,10 +76,7 @@ def time_kernels(store_dir, rotation_bytes: int = ROTATION_BYTES) -> KernelRepor
                 continue
             seen.add((label, shape))
             for kernel, record, call in _variants(layer, name, shape):
-                timings.append(_time(kernel, label, shape, record, call, rotation_bytes))
-    bandwidth = memory_bandwidth(rotation_bytes)
-    for t in timings:
-        t.share_of_memory = t.gb_per_second * 1e9 / bandwidth
+                timings.append(_time(kernel, label, shape, record, call, rotation_bytes, bandwidth))
     return KernelReport(str(store_dir), torch.get_num_threads(), bandwidth / 1e9, rotation_bytes, timings)
 
 
@@ -137,17 +129,19 @@ def _variants(layer, name: str, shape: tuple[int, int]):
         yield label, torch_layout, lambda x, w: kernels.quantized_matmul(x, w["qweight"], w[fmt.params], fmt, False)
 
 
-def _time(kernel: str, fmt: str, shape, record: dict, call, rotation_bytes: int) -> KernelTiming:
+def _time(kernel: str, fmt: str, shape, record: dict, call, rotation_bytes: int, bandwidth: float) -> KernelTiming:
+    """One call's time over `record`'s copies cycled through (the fastest of ROUNDS passes, after an untimed
+    one: the compiled kernels' load and first-call costs left out), its rate and its share of `bandwidth`."""
     nbytes = sum(t.numel() * t.element_size() for t in record.values())
     copies = max(1, min(MAX_COPIES, rotation_bytes // max(1, nbytes)))
     pool = [{p: t.clone() for p, t in record.items()} for _ in range(copies)]
     x = torch.randn(1, shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    best = float("inf")
+
+    def one_pass() -> None:
+        for w in pool:
+            call(x, w)
+
     with torch.inference_mode():
-        call(x, pool[0])  # first call: lazy set-up (the compiled kernels' load) is not timed
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            for w in pool:
-                call(x, w)
-            best = min(best, (time.perf_counter() - start) / copies)
-    return KernelTiming(kernel, fmt, tuple(shape), nbytes, best * 1e6, nbytes / best / 1e9, 0.0)
+        seconds = kernels.fastest_ms(one_pass, ROUNDS) / 1e3 / copies
+    rate = nbytes / seconds
+    return KernelTiming(kernel, fmt, tuple(shape), nbytes, seconds * 1e6, rate / 1e9, rate / bandwidth)

@@ -118,9 +118,6 @@ class BenchReport:
     store_page_cache_bytes: int
     peers: list[RunResult] = field(default_factory=list)
 
-    def to_json(self) -> dict:
-        return asdict(self)
-
     def table(self) -> str:
         r = self.moestream
         lines = [
@@ -437,9 +434,9 @@ def bench(
             how = "estimated: decode time minus read waits; " + how
         reading = missed_per_token / bandwidth if bandwidth else 0.0
         floor, overlapped = reading + all_hits, max(reading, all_hits)
-        busy = run.decode_read_busy_seconds
-        read_rate = sum(length for _, _, length in reads) / busy if reads and busy else 0.0
-        per_step = per_step_floor(run.decode_step_bytes or [], all_hits, read_rate)
+        busy, step_bytes = run.decode_read_busy_seconds, run.decode_step_bytes or []
+        read_rate = sum(step_bytes) / busy if busy else 0.0
+        per_step = per_step_floor(step_bytes, all_hits, read_rate)
         cached = sum(page_cache_bytes(store.path(layer.file)) for layer in store.manifest.layers)
         peers = []
         if compare:
