@@ -11,7 +11,8 @@
 
 Each measurement is a fresh process that imports moestream from its tree's src/, loads the store through
 the public API only (`moestream.load`, which every version has), decodes a warm-up pass, then times a greedy
-generation of --tokens tokens after the first --prompt-tokens tokens of the text. Decode tokens/s is
+generation of --tokens tokens after the first --prompt-tokens tokens of the text, through transformers'
+`generate` or, with --loop moestream, through the tree's own loop (what `moestream bench` times). Decode tokens/s is
 (tokens - 1) / (time of the last token - time of the first), so the prompt is not in it. Rounds alternate
 the trees (A B, B A, A B, ...) so that a noisy neighbour slows both alike; it prints the ratio of the
 medians, the median of the per-round ratios and the ratio of the best runs (with more than two trees, of
@@ -57,6 +58,12 @@ class Times(BaseStreamer):
         pass
 
 def decode(n):
+    if sys.argv[10] == "moestream":  # the tree's own generation loop (it moved between modules)
+        try:
+            from moestream.frontends.serving import timed
+        except ImportError:
+            from moestream.frontends.generate import timed
+        return timed(model, ids[0].tolist(), n).decode_tokens_per_second
     times = Times()
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=times, pad_token_id=0)
@@ -89,6 +96,7 @@ def measure(tree: str, store: str, args) -> dict:
         args.prefetch,
         policy,
         str(args.warmup_tokens),
+        args.loop,
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -124,6 +132,13 @@ def main() -> None:
         "--warmup-tokens",
         default="16",
         help="tokens of the warm-up generation (default 16), or `same`: the timed generation itself",
+    )
+    parser.add_argument(
+        "--loop",
+        choices=("transformers", "moestream"),
+        default="transformers",
+        help="the generation loop: transformers' `generate` (default: the engine alone differs between trees) "
+        "or each tree's own (`timed`, what bench runs: the loops differ too)",
     )
     parser.add_argument("--json", help="write every run's figures here too")
     args = parser.parse_args()

@@ -8,9 +8,9 @@ from tiny import tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.frontends.batching import BatchGenerator, KVBudgetExceeded
-from moestream.frontends.generate import Decoding, stream
+from moestream.frontends.generate import Decoding, SamplingParams
 from moestream.frontends.kv_cache import PrefixCache, kv_bytes
-from moestream.frontends.serving import generate_batch
+from moestream.frontends.serving import generate_batch, stream
 
 NEW = 10
 BATCH_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"]
@@ -39,7 +39,9 @@ def _run(model, prompts, max_batch: int, **options):
     returns the results in prompt order, the generator, and the most KV the batch held after a step."""
     batch = BatchGenerator(model, max_batch=max_batch, kv_budget_bytes=options.pop("kv_budget_bytes", None))
     seeds = options.pop("seeds", [None] * len(prompts))
-    waiting = [Decoding(model, None, p, NEW, ignore_eos=True, seed=s, **options) for p, s in zip(prompts, seeds)]
+    if options.pop("greedy", False):
+        options["temperature"] = 0.0
+    waiting = [Decoding(model, None, p, SamplingParams(NEW, ignore_eos=True, seed=s, **options)) for p, s in zip(prompts, seeds)]
     order, peak = list(waiting), 0
     while waiting or batch.running or batch.prefilling:
         while waiting and batch.has_room(len(waiting[0].prompt_ids) + NEW):
@@ -61,8 +63,13 @@ def test_batched_sequences_give_transformers_tokens_for_each_alone(family, tmp_p
         assert got == expected
         assert batch.stats.rows / batch.stats.steps > 2  # decoded together, not one by one
         # A seeded sampled sequence gets the tokens it gets alone, whatever runs beside it.
-        alone = [stream(model, None, p, NEW, temperature=0.9, seed=i, ignore_eos=True).token_ids for i, p in enumerate(prompts)]
-        sampled = generate_batch(model, None, prompts, NEW, max_batch=4, temperature=0.9, seeds=range(6), ignore_eos=True)
+        alone = [
+            stream(model, None, p, SamplingParams(NEW, temperature=0.9, seed=i, ignore_eos=True)).token_ids
+            for i, p in enumerate(prompts)
+        ]
+        sampled = generate_batch(
+            model, None, prompts, SamplingParams(NEW, temperature=0.9, ignore_eos=True), max_batch=4, seeds=range(6)
+        )
         assert [r.token_ids for r in sampled] == alone
         assert len({tuple(t) for t in alone}) == len(alone)
     finally:
@@ -91,7 +98,7 @@ def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prefill(name, request):
     hf_model, model = request.getfixturevalue(name)
     cache = PrefixCache(2**30)
     prompt = _prompts(seed=9, lengths=(14,))[0]
-    first = stream(model, None, prompt, 6, greedy=True, ignore_eos=True, prefix_cache=cache)
+    first = stream(model, None, prompt, SamplingParams.timed(6), prefix_cache=cache)
     kept = prompt + first.token_ids[:-1]  # the last token was chosen, never fed
     assert cache.stats().entries == 1 and cache.stats().bytes > 0
     # A follow-up that starts with the whole kept sequence (a chat turn), and one that shares only part of
@@ -99,7 +106,7 @@ def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prefill(name, request):
     for follow_up in (kept + [7, 8, 9], prompt[:9] + [5, 6]):
         fresh = _transformers_greedy(hf_model, follow_up, 8)
         before = cache.stats().tokens_reused
-        reused = stream(model, None, follow_up, 8, greedy=True, ignore_eos=True, prefix_cache=cache).token_ids
+        reused = stream(model, None, follow_up, SamplingParams.timed(8), prefix_cache=cache).token_ids
         assert reused == fresh
         gained = cache.stats().tokens_reused - before
         if follow_up[: len(kept)] == kept:
@@ -116,13 +123,13 @@ def test_the_prefix_cache_keeps_its_budget_least_recently_used_out(qwen):
     sizes = []
     cache = PrefixCache(2**30)
     for p in prompts:
-        stream(model, None, p, 2, greedy=True, ignore_eos=True, prefix_cache=cache)
+        stream(model, None, p, SamplingParams.timed(2), prefix_cache=cache)
         sizes.append(cache.stats().bytes - sum(sizes))
     small = PrefixCache(sizes[0] + sizes[1] + sizes[2] // 2)
     for p in prompts[:2]:
-        stream(model, None, p, 2, greedy=True, ignore_eos=True, prefix_cache=small)
+        stream(model, None, p, SamplingParams.timed(2), prefix_cache=small)
     assert small.match(prompts[0] + [1])[1] == 20  # used: now the most recent
-    stream(model, None, prompts[2], 2, greedy=True, ignore_eos=True, prefix_cache=small)
+    stream(model, None, prompts[2], SamplingParams.timed(2), prefix_cache=small)
     assert small.stats().bytes <= small.budget_bytes and small.stats().entries == 2
     assert small.match(prompts[1] + [1])[1] == 0  # the least recently used went
     assert small.match(prompts[0] + [1])[1] == small.match(prompts[2] + [1])[1] == 20
@@ -146,10 +153,10 @@ def test_one_row_runs_as_a_lone_sequence(qwen):
     """A batch of one passes no mask and no position ids, so --max-batch 1 computes what `stream` does."""
     _, model = qwen
     prompt = _prompts(seed=5, lengths=(7,))[0]
-    solo = stream(model, None, prompt, NEW, greedy=True, ignore_eos=True).token_ids
+    solo = stream(model, None, prompt, SamplingParams.timed(NEW)).token_ids
     got, batch, _ = _run(model, [prompt], max_batch=1, greedy=True)
     assert got == [solo] and batch.stats.rows == batch.stats.steps == NEW - 1
-    one = Decoding(model, None, prompt, 3)
+    one = Decoding(model, None, prompt, SamplingParams(3))
     batch.admit(one)
     assert batch.kv.step_inputs() == {}
     assert kv_bytes(batch.kv.cache) == len(prompt) * batch.position_bytes
@@ -162,7 +169,7 @@ def test_a_cache_that_does_not_batch_runs_one_sequence_at_a_time(tmp_path_factor
         prompts = _prompts(seed=6, lengths=(6, 4, 9))
         got, batch, _ = _run(model, prompts, max_batch=4, greedy=True)
         assert batch.not_batchable and batch.max_batch == 1 and batch.stats.rows == batch.stats.steps
-        assert got == [stream(model, None, p, NEW, greedy=True, ignore_eos=True).token_ids for p in prompts]
+        assert got == [stream(model, None, p, SamplingParams.timed(NEW)).token_ids for p in prompts]
     finally:
         moestream.close(model)
 
@@ -171,8 +178,8 @@ def test_a_long_prompt_is_fed_in_parts_while_the_others_keep_decoding(qwen):
     hf_model, model = qwen
     short, long = _prompts(seed=7, lengths=(3, 17))
     batch = BatchGenerator(model, max_batch=2, prefill_chunk=4)
-    first = Decoding(model, None, short, NEW, greedy=True, ignore_eos=True)
-    second = Decoding(model, None, long, NEW, greedy=True, ignore_eos=True)
+    first = Decoding(model, None, short, SamplingParams.timed(NEW))
+    second = Decoding(model, None, long, SamplingParams.timed(NEW))
     batch.admit(first)  # nobody running: the whole prompt in one pass
     batch.decode()
     assert batch.has_room(len(long) + NEW)
@@ -198,8 +205,8 @@ def test_a_cancelled_newcomer_leaves_during_its_prefill(qwen):
     short, long = _prompts(seed=8, lengths=(3, 17))
     batch = BatchGenerator(model, max_batch=2, prefill_chunk=4)
     cancel = threading.Event()
-    batch.admit(Decoding(model, None, short, NEW, greedy=True, ignore_eos=True))
-    leaving = Decoding(model, None, long, NEW, greedy=True, ignore_eos=True, cancel=cancel)
+    batch.admit(Decoding(model, None, short, SamplingParams.timed(NEW)))
+    leaving = Decoding(model, None, long, SamplingParams.timed(NEW), cancel=cancel)
     batch.admit(leaving)
     assert batch.prefill_step() == []
     cancel.set()

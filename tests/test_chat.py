@@ -15,7 +15,8 @@ import moestream
 from moestream.cli import main
 from moestream.conversion.synthetic import byte_tokenizer
 from moestream.frontends.chat import ChatSession, run_chat
-from moestream.frontends.generate import FALLBACK_CHAT_TEMPLATE, IncrementalText, chat_prompt, encode, stream
+from moestream.frontends.generate import FALLBACK_CHAT_TEMPLATE, IncrementalText, SamplingParams, chat_prompt, encode
+from moestream.frontends.serving import stream
 
 BUDGET = 40 * 2**10
 
@@ -67,20 +68,20 @@ def test_chat_prompt_uses_the_template_or_the_documented_fallback():
 def test_stream_stops_cancels_and_counts(loaded):
     model, tok = loaded
     ids = encode(tok, "def f(x):")
-    full = stream(model, tok, ids, 30, greedy=True)
+    full = stream(model, tok, ids, SamplingParams.greedy(30))
     assert full.finish_reason == "length" and len(full.token_ids) == 30
     pieces = []
     start = next(i for i in range(3, 27) if full.text[i : i + 2].isascii() and full.text[i : i + 2].isprintable())
     stop = full.text[start : start + 2]
-    cut = stream(model, tok, ids, 30, greedy=True, stop=[stop], on_text=pieces.append)
+    cut = stream(model, tok, ids, SamplingParams.greedy(30, stop=[stop]), on_text=pieces.append)
     assert cut.text == "".join(pieces) == full.text[: full.text.find(stop)]
     assert cut.finish_reason == "stop"
     # Generation ends at the token that completes the stop sequence, not one token later.
     assert len(tok.decode(cut.token_ids[:-1])) < full.text.find(stop) + len(stop) <= len(tok.decode(cut.token_ids))
     cancel = threading.Event()
-    stopped = stream(model, tok, ids, 30, greedy=True, cancel=cancel, on_text=lambda _: cancel.set())
+    stopped = stream(model, tok, ids, SamplingParams.greedy(30), cancel=cancel, on_text=lambda _: cancel.set())
     assert stopped.finish_reason == "cancelled" and len(stopped.token_ids) < 30
-    seeded = [stream(model, tok, ids, 20, temperature=1.0, top_p=0.9, seed=5).token_ids for _ in range(2)]
+    seeded = [stream(model, tok, ids, SamplingParams(20, temperature=1.0, top_p=0.9, seed=5)).token_ids for _ in range(2)]
     assert seeded[0] == seeded[1]
 
 
@@ -101,7 +102,7 @@ class _Screen(io.StringIO):
 
 def test_chat_keeps_the_conversation_and_ctrl_c_stops_only_the_answer(loaded):
     model, tok = loaded
-    session = ChatSession(model, tok, max_new_tokens=24, greedy=True)
+    session = ChatSession(model, tok, params=SamplingParams.greedy(24))
     screen = _Screen()
     lines = iter(["Hello", "/stats", "And then?", "/unknown", "/reset", "Hello", "/exit", "never read"])
 
@@ -119,7 +120,10 @@ def test_chat_keeps_the_conversation_and_ctrl_c_stops_only_the_answer(loaded):
     # After /reset the conversation is the last exchange alone, and its answer is the first one again.
     assert [m["role"] for m in session.messages] == ["user", "assistant"]
     first = stream(
-        model, tok, encode(tok, chat_prompt(tok, [{"role": "user", "content": "Hello"}]), templated=True), 24, greedy=True
+        model,
+        tok,
+        encode(tok, chat_prompt(tok, [{"role": "user", "content": "Hello"}]), templated=True),
+        SamplingParams.greedy(24),
     )
     assert session.messages[1]["content"] == first.text
     assert session.answers == 3
@@ -127,7 +131,7 @@ def test_chat_keeps_the_conversation_and_ctrl_c_stops_only_the_answer(loaded):
 
 def test_chat_sends_the_whole_conversation_and_drops_the_oldest_when_full(loaded):
     model, tok = loaded
-    session = ChatSession(model, tok, system="Be brief.", max_new_tokens=16, greedy=True)
+    session = ChatSession(model, tok, system="Be brief.", params=SamplingParams.greedy(16))
     one = session.ask("first question")
     two = session.ask("second question")
     history = [
@@ -136,7 +140,7 @@ def test_chat_sends_the_whole_conversation_and_drops_the_oldest_when_full(loaded
         {"role": "assistant", "content": one.text},
         {"role": "user", "content": "second question"},
     ]
-    expected = stream(model, tok, encode(tok, chat_prompt(tok, history), templated=True), 16, greedy=True)
+    expected = stream(model, tok, encode(tok, chat_prompt(tok, history), templated=True), SamplingParams.greedy(16))
     assert two.text == expected.text and two.prompt_tokens == expected.prompt_tokens
     # The second answer's prefill did not feed the first prompt again (the chat keeps its KV between
     # answers). The reuse goes on into the answer as far as its text, tokenized again, gives the ids

@@ -46,16 +46,16 @@ def test_generate_json_is_greedy_and_deterministic(store, capsys):
 def test_threads_sets_the_compute_threads_the_run_uses(store, capsys, monkeypatch):
     import torch
 
-    import moestream.frontends.generate as generate
+    import moestream.frontends.serving as serving
 
     seen = []
-    original = generate.generate_step
+    original = serving.stream
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(generate, "generate_step", spy)
+    monkeypatch.setattr(serving, "stream", spy)
     before = torch.get_num_threads()
     try:
         args = ["generate", str(store), "--prompt", "def f(x):", "--max-new-tokens", "3", "--greedy", "--json"]

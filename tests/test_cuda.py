@@ -8,7 +8,8 @@ from tiny import TINY, tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.frontends.generate import stream
+from moestream.frontends.generate import SamplingParams
+from moestream.frontends.serving import stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,7 +58,7 @@ def test_greedy_tokens_equal_across_tier_budgets_with_vram_bounded(case):
         base = torch.cuda.memory_allocated()
         model, _ = moestream.load(store, memory=host, device="cuda", gpu_memory=gpu, prefetch="off")
         try:
-            answers.append(stream(model, None, prompt, 16, greedy=True, ignore_eos=True).token_ids)
+            answers.append(stream(model, None, prompt, SamplingParams.timed(16)).token_ids)
             resident = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
             peak = torch.cuda.max_memory_allocated() - base
             assert peak <= resident + gpu + VRAM_OVERHEAD, (family, peak, resident, gpu)

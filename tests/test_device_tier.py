@@ -14,7 +14,8 @@ from moestream.core.supply.cache import ExpertCache, State
 from moestream.core.supply.device_tier import DeviceTier
 from moestream.core.supply.policies import LRUPolicy
 from moestream.errors import UsageError
-from moestream.frontends.generate import stream
+from moestream.frontends.generate import SamplingParams
+from moestream.frontends.serving import stream
 
 SLOT = 64
 
@@ -145,14 +146,14 @@ PROMPT = [17, 4, 99, 23, 5, 61, 8, 140]
 @pytest.mark.parametrize("manual", [False, True], ids=["events-at-once", "events-only-when-waited"])
 def test_a_model_through_the_device_tier_gives_the_cpu_tokens(stores, family, manual):
     cpu, _ = moestream.load(stores[family], memory=16 * 2**10, prefetch="off")
-    expected = stream(cpu, None, PROMPT, 12, greedy=True, ignore_eos=True).token_ids
+    expected = stream(cpu, None, PROMPT, SamplingParams.timed(12)).token_ids
     moestream.close(cpu)
     # Device tier: two slots (the minimum), then all of them; the host tier small, then large.
     for gpu, host in ((16 * 2**10, 16 * 2**10), (256 * 2**10, 16 * 2**10), (16 * 2**10, 2**20)):
         device = StandInDevice(manual=manual)
         model, _ = moestream.load(stores[family], memory=host, device=device, gpu_memory=gpu, prefetch="off")
         try:
-            assert stream(model, None, PROMPT, 12, greedy=True, ignore_eos=True).token_ids == expected
+            assert stream(model, None, PROMPT, SamplingParams.timed(12)).token_ids == expected
             s = moestream.stats(model)
             slot = host // s["cache_slots"]
             assert device.copies and s["device_cache_slots"] == gpu // slot

@@ -5,7 +5,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from moestream.frontends.generate import Timing, decode_rate, generate_step, stream, teacher_forced, timed
+from moestream.frontends.generate import SamplingParams, Timing, decode_rate
+from moestream.frontends.serving import stream, teacher_forced, timed
 
 PROMPT = [5, 17, 99, 3, 42, 7]
 
@@ -31,18 +32,18 @@ def _transformers(model, new_tokens, **sampling):
 
 def test_stream_gives_the_tokens_of_transformers_generate(model):
     assert timed(model, PROMPT, 12).token_ids == _transformers(model, 12, do_sample=False)
-    sampled = stream(model, None, PROMPT, 12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True).token_ids
+    sampled = stream(model, None, PROMPT, SamplingParams(12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)).token_ids
     torch.manual_seed(3)
     assert sampled == _transformers(model, 12, do_sample=True, temperature=0.8, top_p=0.9, top_k=0)
 
 
 def test_ignore_eos_gives_exactly_n_tokens(model):
-    first = next(generate_step(model, PROMPT))
+    first = timed(model, PROMPT, 1).token_ids[0]
     model.generation_config.eos_token_id = first  # the greedy first token is now end of sequence
     try:
-        ended = stream(model, None, PROMPT, 8, greedy=True)
+        ended = stream(model, None, PROMPT, SamplingParams.greedy(8))
         assert ended.token_ids == [first] and ended.finish_reason == "stop"
-        exact = stream(model, None, PROMPT, 8, greedy=True, ignore_eos=True)
+        exact = stream(model, None, PROMPT, SamplingParams.timed(8))
         assert len(exact.token_ids) == 8 and first not in exact.token_ids and exact.finish_reason == "length"
     finally:
         model.generation_config.eos_token_id = None
@@ -52,7 +53,7 @@ def test_first_token_callback_runs_once_before_decoding(model):
     passes, seen = [], []
     hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: passes.append(args[0].shape[1]))
     try:
-        result = stream(model, None, PROMPT, 5, greedy=True, ignore_eos=True, on_first_token=lambda: seen.append(len(passes)))
+        result = stream(model, None, PROMPT, SamplingParams.timed(5), on_first_token=lambda: seen.append(len(passes)))
     finally:
         hook.remove()
     assert seen == [1]  # called once, after the prefill pass and before the first decode pass
@@ -111,7 +112,7 @@ def test_a_long_prompt_goes_in_pieces_with_the_logits_of_one_pass(model, monkeyp
 def test_forced_tokens_are_fed_as_given_whatever_the_model_says(model):
     torch.manual_seed(11)
     forced = torch.randint(0, model.config.vocab_size, (7,)).tolist()  # not what the model would choose
-    result = stream(model, None, PROMPT, 6, forced=forced, ignore_eos=True, logprobs=0)
+    result = stream(model, None, PROMPT, SamplingParams(6, forced=forced, ignore_eos=True, logprobs=0))
     assert result.token_ids == forced[:6]
     # Each chosen token's log-probability is the model's after exactly the tokens before it: the ones fed
     # were the forced ones (the full sequence in one forward pass as the reference).
@@ -121,4 +122,4 @@ def test_forced_tokens_are_fed_as_given_whatever_the_model_says(model):
     got = [entry.logprob for entry in result.logprobs]
     assert got == pytest.approx([float(expected[i, t]) for i, t in enumerate(forced[:6])], abs=1e-4)
     with pytest.raises(ValueError, match="forced tokens"):
-        stream(model, None, PROMPT, 6, forced=forced[:3])
+        stream(model, None, PROMPT, SamplingParams(6, forced=forced[:3]))

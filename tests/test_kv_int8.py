@@ -3,8 +3,6 @@ them): each element within half a step of its float value, a model's logits with
 float cache's, rows batched and cut exactly as they are alone, the prefix cache keeping packed rows, and a
 clear error where the attention kernel is not the model's."""
 
-import itertools
-
 import pytest
 import torch
 from test_kv_layer import _batched_logits
@@ -16,10 +14,19 @@ from moestream.cli import main
 from moestream.core.compute import attention, fused
 from moestream.core.loading import stats
 from moestream.errors import UsageError
-from moestream.frontends.generate import generate_step
+from moestream.frontends.generate import Forward
 from moestream.frontends.kv_cache import PrefixCache, kv_bytes
 from moestream.frontends.kv_layer import Int8Layer
+from moestream.frontends.serving import timed
 from moestream.native import fused_build
+
+
+def _prefilled(model, prompt):
+    """The model's KV cache after a prefill of `prompt`, as a decoding holds it."""
+    forward = Forward(model)
+    with torch.inference_mode():
+        forward(torch.tensor([prompt]))
+    return forward.cache
 
 
 def test_packed_rows_are_within_half_a_step_of_the_float_ones():
@@ -62,14 +69,11 @@ def test_decoding_stays_within_the_stated_error_of_the_float_cache(store):
     assert sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(expected, got)) >= 46
     assert any(not torch.equal(a, b) for a, b in zip(expected, got))  # the int8 rows were read
 
-    steps = generate_step(packed, prompt[:40])
-    next(steps)
-    cache = steps.gi_frame.f_locals["forward"].cache
+    cache = _prefilled(packed, prompt[:40])
     layers = [layer for layer in cache.layers if layer.is_initialized]
     assert layers and all(type(layer) is Int8Layer and layer.keys.dtype == torch.int8 for layer in layers)
     dim = layers[0].keys.shape[-1] - attention.SCALE_BYTES
     assert kv_bytes(cache) == sum(2 * t.keys.shape[:-1].numel() * (dim + attention.SCALE_BYTES) for t in layers)
-    steps.close()
 
 
 def test_a_batch_of_int8_rows_computes_what_each_row_does_alone(store):
@@ -118,8 +122,7 @@ def test_an_8bit_cache_needs_the_attention_kernel(store, capsys):
     assert code != 0
     err = capsys.readouterr().err
     assert "8-bit KV cache" in err and "Traceback" not in err
-    tokens = list(itertools.islice(generate_step(moestream.load(store, "1GiB", kv_cache_dtype="int8")[0], [5, 6, 7]), 3))
-    assert len(tokens) == 3
+    assert len(timed(moestream.load(store, "1GiB", kv_cache_dtype="int8")[0], [5, 6, 7], 3).token_ids) == 3
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
@@ -157,8 +160,5 @@ def test_a_latent_cache_is_left_in_its_dtype(tmp_path):
         assert "8-bit KV cache" in str(e)
         return
     assert all(torch.equal(a, b) for a, b in zip(_decode(plain, prompt, 6), _decode(packed, prompt, 6)))
-    steps = generate_step(packed, prompt)
-    next(steps)
-    cache = steps.gi_frame.f_locals["forward"].cache
+    cache = _prefilled(packed, prompt)
     assert not any(isinstance(layer, Int8Layer) for layer in cache.layers)
-    steps.close()

@@ -10,11 +10,12 @@ from transformers.cache_utils import DynamicLayer
 
 import moestream
 from moestream.cli import main
-from moestream.frontends import generate, kv_cache, kv_layer
+from moestream.frontends import kv_cache, kv_layer
 from moestream.frontends.batching import BatchGenerator
-from moestream.frontends.generate import Decoding, generate_step
+from moestream.frontends.generate import Decoding, SamplingParams
 from moestream.frontends.kv_cache import PrefixCache, kv_bytes
 from moestream.frontends.kv_layer import GrowingLayer, grow_in_place
+from moestream.frontends.serving import stream
 
 
 def _steps(g: torch.Generator, lengths, heads: int = 2, dim: int = 8):
@@ -79,15 +80,7 @@ def qwen_store(tmp_path_factory):
 
 def _decode_logits(model, prompt, n: int, prefix_cache=None) -> list[torch.Tensor]:
     seen = []
-
-    def greedy(logits):
-        seen.append(logits.clone())
-        return logits.argmax(dim=-1)
-
-    steps = generate_step(model, prompt, greedy, prefix_cache=prefix_cache)
-    for _ in range(n):
-        next(steps)
-    steps.close()
+    stream(model, None, prompt, SamplingParams.timed(n), prefix_cache=prefix_cache, on_logits=seen.append)
     return seen
 
 
@@ -97,7 +90,7 @@ def test_decoding_gives_the_same_logits_as_with_concatenation(qwen_store, monkey
     prompt = torch.randint(3, 250, (9,), generator=torch.Generator().manual_seed(3)).tolist()
     grown = _decode_logits(model, prompt, 40)
     with monkeypatch.context() as m:
-        m.setattr(generate, "grow_in_place", lambda cache: None)
+        m.setattr(kv_cache, "grow_in_place", lambda cache: None)
         concatenated = _decode_logits(model, prompt, 40)
     assert all(torch.equal(a, b) for a, b in zip(grown, concatenated)) and len(grown) == 40
 
@@ -138,7 +131,7 @@ def _batched_logits(model, prompts, news, join_after: int) -> tuple[BatchGenerat
     """Greedy decoding of prompts[0] in a BatchGenerator, prompts[1] joining after `join_after` steps;
     the batch, and every row's logits at every step."""
     seen = [[] for _ in prompts]
-    decodings = [Decoding(model, None, p, n, greedy=True) for p, n in zip(prompts, news)]
+    decodings = [Decoding(model, None, p, SamplingParams.greedy(n)) for p, n in zip(prompts, news)]
     for d, out in zip(decodings, seen):
         d.sampler = lambda logits, out=out: (out.append(logits.clone()), logits.argmax(dim=-1))[1]
     batch = BatchGenerator(model, max_batch=2)
@@ -161,7 +154,7 @@ def test_a_batch_grows_in_place_and_computes_what_concatenation_does(qwen_store,
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (7, 12)]
     lone = BatchGenerator(model, max_batch=2)
-    lone.admit(Decoding(model, None, prompts[0], 40, greedy=True))
+    lone.admit(Decoding(model, None, prompts[0], SamplingParams.greedy(40)))
     lone.decode()
     layer = lone.kv.cache.layers[0]
     buffer = layer._buffers.keys.data_ptr()

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from moestream.cli import main
 from moestream.conversion.synthetic import byte_tokenizer
-from moestream.frontends.generate import Decoding, chat_prompt
+from moestream.frontends.generate import Decoding, SamplingParams, chat_prompt
+from moestream.frontends.serving import stream
 
 # A chat template of the Hermes family's tool-call format (the model answers a call as
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>), written for these tests.
@@ -333,9 +334,8 @@ def test_prompt_logprobs_in_pieces_equal_one_pass(checkpoint, monkeypatch):
     assert [e.logprob for e in entries[1:]] == pytest.approx(
         [float(expected[i - 1, prompt[i]]) for i in range(1, len(prompt))], abs=1e-4
     )
-    steps = generate.generate_step(model, prompt, start=(cache, fed))
-    assert next(steps) == int(expected[-1].argmax())
-    steps.close()
+    continued = stream(model, None, prompt, SamplingParams.greedy(1, prompt_logprobs=1))  # the prefill continues after them
+    assert continued.token_ids == [int(expected[-1].argmax())] and continued.prompt_logprobs == entries
 
 
 def test_api_key_chat_template_and_bare_paths(checkpoint, tmp_path, capsys):
@@ -394,7 +394,7 @@ def test_penalties_and_bias_match_their_definition():
         generation_config = None
 
     decoding = Decoding(
-        _Model(), None, [1], 10, greedy=True, presence_penalty=0.7, frequency_penalty=1.3, logit_bias={5: 2.5, 9: -100}
+        _Model(), None, [1], SamplingParams.greedy(10, presence_penalty=0.7, frequency_penalty=1.3, logit_bias={5: 2.5, 9: -100})
     )
     for token in (3, 3, 7):
         decoding.accept(token)

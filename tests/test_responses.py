@@ -223,7 +223,7 @@ def test_an_agents_whole_request_reaches_the_template():
     assert prompt.startswith("Tools: exec_command spawn_agent apply_patch\n")  # the namespace's, the custom one; no web_search
     assert "Developer: Agent." in prompt and '"arguments": {"cmd": "ls"}' in prompt and '"arguments": {"input": "p"}' in prompt
     assert "<tool_response>a</tool_response>" in prompt and "<tool_response>ok</tool_response>" in prompt
-    assert parsed.stream and parsed.choices[0].max_tokens == 4
+    assert parsed.stream and parsed.choices[0].params.max_tokens == 4
 
 
 THINK_TEMPLATE = (

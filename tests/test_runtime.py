@@ -8,7 +8,7 @@ import moestream
 from moestream.conversion.store import Store
 from moestream.core.runtime import runtime_of
 from moestream.errors import UsageError
-from moestream.frontends.generate import timed
+from moestream.frontends.serving import timed
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,14 @@ Public API:
     moestream.convert(src, dst, experts_dtype=None)   # Hugging Face checkpoint -> store
     moestream.load(store, memory="4GiB")               # -> (transformers model, tokenizer)
     moestream.generate_batch(model, tok, prompts, 64)  # several prompts decoded together -> results in order
+    moestream.SamplingParams.greedy(64)                # how (temperature, top_p, seed, stop, ...): generate_batch's params
     moestream.stats(model)                             # cache hits, misses, bytes read, per layer
     moestream.close(model)                             # stop its reader threads, release its cache
 """
 
 from .version import __version__
 
-__all__ = ["close", "convert", "generate_batch", "load", "stats", "__version__"]
+__all__ = ["SamplingParams", "close", "convert", "generate_batch", "load", "stats", "__version__"]
 
 
 def __getattr__(name: str):
@@ -24,6 +25,10 @@ def __getattr__(name: str):
         from .frontends.serving import generate_batch
 
         return generate_batch
+    if name == "SamplingParams":
+        from .frontends.generate import SamplingParams
+
+        return SamplingParams
     if name in ("close", "load", "stats"):
         from .core import loading
 

@@ -366,12 +366,16 @@ def add_sampling_arguments(
     parser.add_argument("--seed", type=int, default=None, help=seed_help)
 
 
-def check_sampling(args: argparse.Namespace) -> None:
-    """The values add_sampling_arguments defined, checked before any model is loaded."""
+def sampling_params(args: argparse.Namespace):
+    """The SamplingParams of the values add_sampling_arguments defined, checked before any model is loaded."""
+    from .frontends.generate import SamplingParams
+
     positive(args.max_new_tokens, "--max-new-tokens")
     non_negative(args.temperature, "--temperature")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], not {args.top_p}")
+    temperature = 0.0 if args.greedy else args.temperature
+    return SamplingParams(args.max_new_tokens, temperature=temperature, top_p=args.top_p, seed=args.seed)
 
 
 def trace_output(path: str | os.PathLike, option: str) -> Path:

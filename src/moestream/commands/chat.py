@@ -10,8 +10,8 @@ from ..options import (
     add_kv_memory_argument,
     add_sampling_arguments,
     add_store_arguments,
-    check_sampling,
     load_model,
+    sampling_params,
 )
 from ..units import parse_bytes
 
@@ -38,18 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..frontends.chat import ChatSession, banner, run_chat
 
-    check_sampling(args)
+    params = sampling_params(args)
     kv_memory = parse_bytes(args.kv_memory)
     model, tokenizer = load_model(args)
     session = ChatSession(
         model,
         tokenizer,
         system=args.system,
-        max_new_tokens=args.max_new_tokens,
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
+        params=params,
         kv_memory=kv_memory,
     )
     print(banner(session, Path(args.store).name), flush=True)

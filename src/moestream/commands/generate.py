@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from ..errors import UsageError
-from ..options import add_sampling_arguments, add_store_arguments, check_sampling, load_model, trace_output
+from ..options import add_sampling_arguments, add_store_arguments, load_model, sampling_params, trace_output
 
 DESCRIPTION = (
     "Generate a continuation of --prompt, streaming the text as it comes, then print tokens/s, time to first "
@@ -38,12 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..frontends.constraints import GrammarError
-    from ..frontends.generate import encode, generate, vocabulary_of
+    from ..frontends.generate import encode, vocabulary_of
+    from ..frontends.serving import generate
     from ..tools.trace import start_recording, stop_recording
 
     if not args.prompt:
         raise UsageError("--prompt is empty; generation needs some text to continue, e.g. --prompt 'Once upon a time'")
-    check_sampling(args)
+    params = sampling_params(args)
     if args.trace_out:
         trace_output(args.trace_out, "--trace-out")
     grammar = _schema_grammar(args.json_schema) if args.json_schema else None
@@ -56,18 +58,7 @@ def run(args: argparse.Namespace) -> int:
         except GrammarError as e:
             raise UsageError(f"--json-schema {args.json_schema}: {e}") from None
     recorder = start_recording(model) if args.trace_out else None  # routing recorded through the engine
-    result = generate(
-        model,
-        tokenizer,
-        args.prompt,
-        args.max_new_tokens,
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        echo=not args.json,
-        grammar=grammar,
-    )
+    result = generate(model, tokenizer, args.prompt, replace(params, grammar=grammar), echo=not args.json)
     if args.json:
         out = {
             "text": result.text,

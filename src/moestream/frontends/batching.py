@@ -26,11 +26,12 @@ trained fixture part from their solo ones after 7-22 tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import torch
 
-from .generate import Decoding, Forward, generate_step, prompt_logprobs
+from .generate import Decoding, Forward, prompt_logprobs
 from .kv_cache import BatchKV, PrefixCache, batchable, kv_bytes
 
 
@@ -69,8 +70,10 @@ class BatchGenerator:
     `max_batch`: the most sequences decoded together. `kv_budget_bytes`: the most KV the running
     sequences may ever hold together, padding included; a sequence joins only if the batch, with it,
     stays within the budget until every row has ended (its prompt plus max_new_tokens, at the widest
-    row's length). Needs one forward pass of one token at construction to size a position's KV and to
-    learn whether the model's cache batches at all (if not, sequences run one at a time)."""
+    row's length). With more than one row or a budget it needs one forward pass of one token at
+    construction, to size a position's KV and to learn whether the model's cache batches at all (if
+    not, sequences run one at a time). One row without a budget (generate, bench, chat) needs neither,
+    and is spared that pass: on a streamed model it would read experts that nothing asked for."""
 
     def __init__(
         self,
@@ -88,12 +91,21 @@ class BatchGenerator:
         self.prefilling: _Prefill | None = None  # one newcomer at a time
         self.prefix_cache = prefix_cache
         self.kv_budget_bytes = kv_budget_bytes
-        self.position_bytes, self.not_batchable = _probe(model)
+        self.not_batchable = self._probe[1] if max_batch > 1 or kv_budget_bytes is not None else None
         self.max_batch = 1 if self.not_batchable else max_batch
         self.running: list[Decoding] = []
         self.kv = BatchKV()
+        self.step_forward = Forward(model)  # every decode step's: its cache is the batch's
         self.stats = BatchStats()
-        self._lone = None  # the generate_step of the one running sequence when the cache does not batch
+
+    @cached_property
+    def _probe(self) -> tuple[int, str | None]:
+        return _probe(self.model)
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes of KV one position takes in one row."""
+        return self._probe[0]
 
     def kv_needed(self, positions: int) -> int:
         """Bytes of KV a sequence of `positions` positions (prompt + max new tokens) holds at its longest, alone."""
@@ -128,10 +140,8 @@ class BatchGenerator:
             entries, start = prompt_logprobs(self.model, decoding.prompt_ids, decoding.prompt_logprobs)
             for d in (decoding, *siblings):
                 d.prompt_token_logprobs = entries
-        if self.not_batchable:
-            if siblings:
-                raise ValueError("this model's KV cache does not batch: one answer per prompt")
-            return [decoding] if self._admit_lone(decoding, start) else []
+        if self.not_batchable and siblings:
+            raise ValueError("this model's KV cache does not batch: one answer per prompt")
         if start is not None:
             cache, reused = start
         else:
@@ -183,9 +193,8 @@ class BatchGenerator:
         sequence fails (the batch's KV is then incomplete): they are dropped, and the error is raised."""
         if not self.running:
             return []
-        if self.not_batchable:
-            return self._decode_lone()
-        forward = Forward(self.model, self.kv.cache)
+        forward = self.step_forward
+        forward.cache = self.kv.cache
         ids = torch.tensor([[d.new[-1]] for d in self.running], dtype=torch.long)
         try:
             with torch.inference_mode():
@@ -193,7 +202,7 @@ class BatchGenerator:
         except BaseException:
             self.running, self.kv = [], BatchKV()
             raise
-        self.kv.cache = forward.cache
+        self.kv.cache, forward.cache = forward.cache, None  # (held by the batch only: it goes when the rows do)
         self.kv.advance()
         self.stats.steps += 1
         self.stats.rows += len(self.running)
@@ -216,12 +225,8 @@ class BatchGenerator:
             self.prefilling = None
             return
         i = self.running.index(decoding)
-        if self._lone is not None:
-            self._lone.close()
-            self._lone = None
         del self.running[i]
-        if not self.not_batchable:
-            self.kv.keep([j for j in range(len(self.kv)) if j != i])
+        self.kv.keep([j for j in range(len(self.kv)) if j != i])
 
     def kv_bytes(self) -> int:
         """Bytes of KV the running sequences (and a newcomer's prefill) hold now."""
@@ -232,32 +237,6 @@ class BatchGenerator:
         # The cache holds the prompt and every new token but the last (chosen, never fed).
         if self.prefix_cache is not None and cache is not None:
             self.prefix_cache.put(decoding.prompt_ids + decoding.new[:-1], cache)
-
-    # A model whose cache does not batch: one sequence at a time through generate_step.
-
-    def _admit_lone(self, decoding: Decoding, start=None) -> bool:
-        steps = generate_step(self.model, decoding.prompt_ids, decoding.choose, prefix_cache=self.prefix_cache, start=start)
-        if decoding.accept(next(steps)):
-            steps.close()
-            return True
-        self._lone = steps
-        self.running.append(decoding)
-        return False
-
-    def _decode_lone(self) -> list[Decoding]:
-        decoding = self.running[0]
-        try:
-            token = next(self._lone)
-        except BaseException:
-            self.running, self._lone = [], None
-            raise
-        self.stats.steps += 1
-        self.stats.rows += 1
-        if not decoding.accept(token):
-            return []
-        self._lone.close()
-        self.running, self._lone = [], None
-        return [decoding]
 
 
 def _probe(model) -> tuple[int, str | None]:

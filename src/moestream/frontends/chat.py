@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Callable, TextIO
 
 import torch
@@ -23,7 +24,16 @@ import torch
 from ..core.memory import current_rss_bytes, peak_rss_bytes
 from ..core.runtime import runtime_of
 from ..units import format_bytes
-from .generate import Decoding, GenerationResult, chat_prompt, context_length, decode_rate, encode, has_chat_template
+from .generate import (
+    Decoding,
+    GenerationResult,
+    SamplingParams,
+    chat_prompt,
+    context_length,
+    decode_rate,
+    encode,
+    has_chat_template,
+)
 from .kv_cache import PrefixCache
 from .serving import Request, Scheduler, run_until_idle
 
@@ -43,11 +53,7 @@ class ChatSession:
         tokenizer,
         *,
         system: str | None = None,
-        max_new_tokens: int = 512,
-        greedy: bool = False,
-        temperature: float = 0.7,
-        top_p: float = 0.95,
-        seed: int | None = None,
+        params: SamplingParams | None = None,
         kv_memory: int = 2**30,
     ):
         self.model = model
@@ -55,9 +61,10 @@ class ChatSession:
         self.scheduler = Scheduler(model, max_batch=1, prefix_cache=self.prefix_cache)
         self.tokenizer = tokenizer
         self.system = system
-        self.max_new_tokens = max_new_tokens
-        self.sampling = {"greedy": greedy, "temperature": temperature, "top_p": top_p}
-        self.seed = seed
+        params = params or SamplingParams(512, temperature=0.7, top_p=0.95)  # the command's defaults
+        self.max_new_tokens = params.max_tokens
+        self.params = replace(params, seed=None)  # (the seed is the conversation's: see reset)
+        self.seed = params.seed
         self.context = context_length(model)
         self.answers = 0
         self.tokens = 0
@@ -88,9 +95,8 @@ class ChatSession:
         if ids is None:
             self.messages.pop()
             return None
-        decoding = Decoding(
-            self.model, self.tokenizer, ids, max_new, on_text=on_text, cancel=cancel or threading.Event(), **self.sampling
-        )
+        params = replace(self.params, max_tokens=max_new)
+        decoding = Decoding(self.model, self.tokenizer, ids, params, on_text=on_text, cancel=cancel or threading.Event())
         self.scheduler.add(Request.of(decoding))
         run_until_idle(self.scheduler)
         result = decoding.result()

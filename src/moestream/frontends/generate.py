@@ -1,19 +1,12 @@
-"""Every loop over a model's forward: the one generation core of `generate`, `chat`, `serve`, `bench`
-(moestream and its transformers/accelerate peers), `demo` and `plan --compute measure`, and the
-teacher-forced pass of `trace`. It works on any transformers causal LM, moestream's or not.
+"""One answer being generated, whatever runs it: what it asks for (`SamplingParams`), how its tokens are
+chosen and when it ends (`Decoding`: sampler, penalties, grammar, stop sequences, text handed out as it
+becomes final, cancel flag, deadline), a causal LM's forward pass with its KV cache (`Forward`), and
+what it reports (`GenerationResult`, with `Timing`, the one definition of the speeds moestream reports).
+It works on any transformers causal LM, moestream's or not.
 
-Three layers, as in mlx-lm:
-- `generate_step()` yields new token ids, one forward pass each (the prompt in one pass, then each new
-  token alone with the KV cache), chosen by a sampler (`make_sampler`: greedy or temperature/top-p with
-  transformers' own warpers);
-- `stream()` (mlx-lm's stream_generate) drives it: max tokens, end of sequence (or exactly N tokens with `ignore_eos`), stop
-  sequences, final text per token to a callback, a callback at the first token, a seed, a cancel flag
-  and a deadline checked between tokens; it returns a `GenerationResult` with its `Timing`;
-- `generate()` is the `moestream generate` command's call.
-`teacher_forced()` feeds a given text through the model token by token (routing traces), and
-`chat_prompt()` turns chat messages into prompt text with the checkpoint's chat template (or a fallback).
-
-`Timing` is the one definition of the speeds moestream reports, see there.
+The loop that runs decodings is the serving scheduler's (serving.py: `Scheduler`, and `stream`,
+`timed`, `generate`, `teacher_forced` for one sequence); `chat_prompt()` turns chat messages into prompt
+text with the checkpoint's chat template (or a fallback).
 """
 
 from __future__ import annotations
@@ -22,13 +15,12 @@ import inspect
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from ..core.compute.attention import packable_layers, quantizes_kv
-from ..core.runtime import runtime_of
 from ..errors import MoestreamError
 from .constraints import Constraint, Grammar, Vocabulary
 from .kv_layer import grow_in_place
@@ -216,14 +208,12 @@ def vocabulary_of(model, tokenizer) -> Vocabulary:
 Sampler = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [1, vocab] -> token id [1]
 
 
-def make_sampler(
-    greedy: bool = False, temperature: float = 0.7, top_p: float = 0.95, generator: torch.Generator | None = None
-) -> Sampler:
-    """greedy (or temperature 0): the most likely token. Otherwise a token drawn from `generator` (torch's
+def make_sampler(temperature: float, top_p: float, generator: torch.Generator | None = None) -> Sampler:
+    """Temperature 0: the most likely token. Otherwise a token drawn from `generator` (torch's
     global one if None) at `temperature` from the smallest set whose probability reaches `top_p`, with the
     warpers (and the order, and the skipping of no-op ones) that transformers' `generate(do_sample=True,
     top_k=0)` uses, so a seed gives the tokens transformers would give."""
-    if greedy or temperature == 0:
+    if temperature == 0:
         return lambda logits: logits.argmax(dim=-1)
     warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + (
         [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
@@ -290,39 +280,6 @@ class Forward:
         return out.logits
 
 
-def generate_step(model, prompt_ids: Sequence[int], sampler: Sampler | None = None, *, prefix_cache=None, start=None):
-    """Yield new token ids after `prompt_ids`, without end: the prompt goes in as one forward pass (the
-    prefill), then each new token alone with the KV cache. The caller decides when to stop (closing the
-    generator frees the cache). `prefix_cache`
-    (kv_cache.PrefixCache): the prefill starts after the longest prefix it holds, and on closing the
-    sequence's KV goes into it; the tokens are the same either way. `start`: (KV cache, prompt tokens it
-    holds) to start from instead of the prefix cache's match (prompt_logprobs's)."""
-    prompt_ids = _token_list(prompt_ids)
-    sampler = sampler or make_sampler(greedy=True)
-    if start is not None:
-        cache, reused = start
-    else:
-        cache, reused = prefix_cache.match(prompt_ids) if prefix_cache is not None else (None, 0)
-    forward = Forward(model, cache)
-    fed = list(prompt_ids)  # the ids whose KV the cache holds whenever a token is yielded
-    step = torch.tensor([fed[reused:]], dtype=torch.long)
-    while True:
-        # Not around the yield: inference mode is thread state, and the caller's code runs between tokens.
-        with torch.inference_mode():
-            logits = forward(step)[:, -1, :].to("cpu", torch.float32, copy=True)  # sampled on the CPU
-            if len(fed) == len(prompt_ids):  # after the prefill: decode appends into room (kv_layer.py)
-                grow_in_place(forward.cache)
-            token = sampler(logits)
-            step = token.view(1, 1).to(torch.long)
-        try:
-            yield int(token[0])
-        except GeneratorExit:  # closed between tokens: the cache is whole (an error inside a forward is not kept)
-            if prefix_cache is not None:
-                prefix_cache.put(fed, forward.cache)
-            raise
-        fed.append(int(token[0]))
-
-
 # Prompt tokens per forward pass when their log-probabilities are asked for: every position's logits are
 # computed then ([tokens, vocab] floats: 256 x 150k is 150 MB), so a long prompt goes in pieces.
 PROMPT_LOGPROBS_PIECE = 256
@@ -332,7 +289,7 @@ def prompt_logprobs(model, prompt_ids: Sequence[int], top: int) -> tuple[list[To
     """Each prompt token's log-probability under the model given the tokens before it, with the `top`
     most likely alternatives (OpenAI's completions `echo` with `logprobs`); the first token has none
     (logprob None). Feeds all but the last token, in pieces of PROMPT_LOGPROBS_PIECE, and returns with the
-    entries the (KV cache, tokens it holds) that a prefill continues from (`generate_step`'s `start`), so
+    entries the (KV cache, tokens it holds) that a prefill continues from (`BatchGenerator.admit`), so
     the prompt is not fed twice."""
     ids = _token_list(prompt_ids)
     entries = [TokenLogprob(ids[0], None, ())] if ids else []
@@ -346,88 +303,105 @@ def prompt_logprobs(model, prompt_ids: Sequence[int], top: int) -> tuple[list[To
     return entries, (forward.cache, max(0, len(ids) - 1))
 
 
-def forced_steps(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> Iterator[torch.Tensor]:
-    """Feed the given token ids through the model as generating exactly them would: the first `prefill`
-    ids in one forward pass (a prompt), every later id alone with the KV cache (teacher forcing); yields each
-    pass's next-token logits [vocab]. The one teacher-forced loop (a routing trace, `eval --decode`); the
-    caller holds torch.inference_mode."""
-    ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
-    prefill = min(max(0, prefill), ids.shape[1])
-    steps = ([ids[:, :prefill]] if prefill else []) + [ids[:, i : i + 1] for i in range(prefill, ids.shape[1])]
-    forward = Forward(model)
-    for step in steps:
-        yield forward(step)[0, -1]
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one answer's tokens are chosen and when it ends, whoever asks for it (vLLM's SamplingParams):
+    the commands build one from their options, the API from a request's fields.
 
+    `temperature` 0 is greedy; otherwise a token is drawn at `temperature` from the top-`top_p` mass,
+    from a generator seeded with `seed` (torch's global one when None). `max_tokens` new tokens at most;
+    `ignore_eos`: exactly that many, end-of-sequence never chosen (benchmarks time a fixed length).
+    `stop`: strings that end the answer (not part of its text). `logit_bias` (token id -> value, -100
+    bans), `presence_penalty` and `frequency_penalty` as in OpenAI's API. `grammar`: the answer follows
+    it. `logprobs`/`prompt_logprobs`: report each new (prompt) token's log-probability with that many
+    alternatives. `special_tokens`: the text keeps them (tool-call markers often are). `forced`: the new
+    tokens to take whatever the model says (teacher forcing), for runs that follow a given text."""
 
-def teacher_forced(model, ids: Sequence[int] | torch.Tensor, prefill: int = 0) -> int:
-    """`forced_steps` for the model's side effects only (a routing trace); returns the number of forward
-    passes."""
-    with torch.inference_mode():
-        return sum(1 for _ in forced_steps(model, ids, prefill))
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: Grammar | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    special_tokens: bool = False
+    forced: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, not {self.max_tokens}")
+        if self.forced is not None and len(self.forced) < self.max_tokens:
+            raise ValueError(f"{len(self.forced)} forced tokens for {self.max_tokens} new ones")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.forced is not None:
+            object.__setattr__(self, "forced", tuple(self.forced))
+
+    @staticmethod
+    def greedy(max_tokens: int, **fields) -> SamplingParams:
+        """The most likely token each step."""
+        return SamplingParams(max_tokens, temperature=0.0, **fields)
+
+    @staticmethod
+    def timed(max_tokens: int, forced: Sequence[int] | None = None) -> SamplingParams:
+        """What a benchmark times: exactly `max_tokens` tokens, greedy or the `forced` ones."""
+        return SamplingParams.greedy(max_tokens, ignore_eos=True, forced=forced)
 
 
 class Decoding:
-    """One sequence being generated: how its tokens are chosen and when it ends, the same whether it runs
-    alone (`stream`) or in a batch (`batching.BatchGenerator`).
+    """One sequence being generated: its `SamplingParams` at work, the same whether it is the only one
+    or one row of a batch (`batching.BatchGenerator`, stepped by `serving.Scheduler`).
 
-    Its sampler draws from a generator of its own, seeded with `seed` (torch's global one when `seed` is
-    None), so a seeded sequence gets the same tokens whatever ran before it or runs beside it. `choose`
-    picks the next token from the logits; `accept` records it, hands the new final text to `on_text`, and
-    says whether the sequence has ended: on a stop sequence or end-of-sequence ("stop"), the cancel flag
-    ("cancelled"), the deadline (time.monotonic(), "timeout"), or `max_new_tokens` ("length").
-    `ignore_eos`: exactly `max_new_tokens` tokens, end-of-sequence never chosen (benchmarks time a fixed
-    length). `on_first_token` runs as soon as the first new token exists, before the next forward pass.
-    `tokenizer` may be None (token ids only: no text, no stop sequences). `forced`: the new tokens to
-    take whatever the model says (`forced_sampler`), for benchmarks that follow a text."""
+    Its sampler draws from a generator of its own, seeded with the params' seed, so a seeded sequence
+    gets the same tokens whatever ran before it or runs beside it. `choose` picks the next token from the
+    logits; `accept` records it, hands the new final text to `on_text`, and says whether the sequence has
+    ended: on a stop sequence or end-of-sequence ("stop"), the cancel flag ("cancelled"), the deadline
+    (time.monotonic(), "timeout"), or max_tokens ("length"). `on_first_token` runs as soon as the first
+    new token exists, before the next forward pass; `on_logits` sees each step's logits as the model gave
+    them (teacher-forced evaluation). `tokenizer` may be None (token ids only: no text, no stop
+    sequences, no grammar)."""
 
     def __init__(
         self,
         model,
         tokenizer,
         prompt_ids: Sequence[int],
-        max_new_tokens: int,
+        params: SamplingParams,
         *,
-        greedy: bool = False,
-        temperature: float = 0.7,
-        top_p: float = 0.95,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
         on_first_token: Callable[[], None] | None = None,
-        ignore_eos: bool = False,
+        on_logits: Callable[[torch.Tensor], None] | None = None,
         cancel: threading.Event | None = None,
         deadline: float | None = None,
-        logit_bias: dict[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        constraint: Constraint | None = None,
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-        special_tokens: bool = False,
-        forced: Sequence[int] | None = None,
     ):
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-        if forced is not None and len(forced) < max_new_tokens:
-            raise ValueError(f"{len(forced)} forced tokens for {max_new_tokens} new ones")
         self.prompt_ids = _token_list(prompt_ids)
-        self.max_new_tokens = max_new_tokens
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.sampler = forced_sampler(forced) if forced is not None else make_sampler(greedy, temperature, top_p, generator)
+        self.params = params
+        self.max_new_tokens = params.max_tokens
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        if params.forced is not None:
+            self.sampler = forced_sampler(params.forced)
+        else:
+            self.sampler = make_sampler(params.temperature, params.top_p, generator)
         self.eos = eos_ids(model, tokenizer)
-        self.ignore_eos = ignore_eos
-        self.suppress = sorted(self.eos) if ignore_eos else []
-        self.text = IncrementalText(tokenizer, stop, special_tokens) if tokenizer is not None else None
-        self.on_text, self.on_first_token = on_text, on_first_token
+        self.ignore_eos = params.ignore_eos
+        self.suppress = sorted(self.eos) if params.ignore_eos else []
+        self.text = IncrementalText(tokenizer, params.stop, params.special_tokens) if tokenizer is not None else None
+        self.on_text, self.on_first_token, self.on_logits = on_text, on_first_token, on_logits
         self.cancel, self.deadline = cancel, deadline
-        self.bias = _bias_tensors(logit_bias)
-        self.presence_penalty, self.frequency_penalty = presence_penalty, frequency_penalty
+        self.bias = _bias_tensors(params.logit_bias)
+        self.presence_penalty, self.frequency_penalty = params.presence_penalty, params.frequency_penalty
         self.counts: dict[int, int] = {}  # how often each new token has come (the penalties)
-        self.constraint = constraint
-        self.logprobs = logprobs
+        self.constraint = None
+        if params.grammar is not None:  # compiled here, on the thread that steps (it can take a while)
+            self.constraint = Constraint(params.grammar, vocabulary_of(model, tokenizer))
+        self.logprobs = params.logprobs
         self.token_logprobs: list[TokenLogprob] = []  # one per new token when `logprobs` is not None
         self._logprobs_taken = 0
-        self.prompt_logprobs = prompt_logprobs  # how many alternatives per prompt token (None: not asked for)
+        self.prompt_logprobs = params.prompt_logprobs  # how many alternatives per prompt token (None: not asked for)
         self.prompt_token_logprobs: list[TokenLogprob] | None = None  # set by who prefills (prompt_logprobs())
         self._prompt_logprobs_taken = False
         self.cached_tokens = 0  # prompt tokens whose KV came from a prefix cache (set by who prefills)
@@ -442,6 +416,8 @@ class Decoding:
         suppressed (`ignore_eos`), then the presence and frequency penalties, `logit_bias` and the
         grammar's mask, then the sampler. Log-probabilities, when asked for, are those of the model's
         own distribution, before any of these (as vLLM reports them by default)."""
+        if self.on_logits is not None:
+            self.on_logits(logits[0].clone())
         model_logprobs = torch.log_softmax(logits, dim=-1) if self.logprobs is not None else None
         if self.suppress:
             logits[:, self.suppress] = float("-inf")
@@ -552,30 +528,6 @@ def _bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, to
     return torch.tensor(list(logit_bias), dtype=torch.long), torch.tensor(values, dtype=torch.float32)
 
 
-def stream(model, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int, *, prefix_cache=None, **options) -> GenerationResult:
-    """Generate up to `max_new_tokens` after `prompt_ids` alone, calling `on_text` with each final piece
-    of text; `options` are `Decoding`'s (sampling, stop sequences, callbacks, cancel flag, deadline).
-    `prefix_cache` (kv_cache.PrefixCache): start from the longest prefix it holds, and keep this
-    sequence's KV there. The model is not touched otherwise: statistics keep accumulating."""
-    decoding = Decoding(model, tokenizer, prompt_ids, max_new_tokens, **options)
-    steps = generate_step(model, decoding.prompt_ids, decoding.choose, prefix_cache=prefix_cache)
-    try:
-        for token in steps:
-            if decoding.accept(token):
-                break
-    finally:
-        steps.close()
-    return decoding.result()
-
-
-def timed(
-    model, prompt_ids, new_tokens: int, *, forced: Sequence[int] | None = None, on_first_token: Callable[[], None] | None = None
-) -> GenerationResult:
-    """Greedy (or the `forced` tokens: teacher forcing), exactly `new_tokens` tokens, no text: the run that
-    `bench` (and its peers), `plan --compute measure` and the benchmarks time."""
-    return stream(model, None, prompt_ids, new_tokens, greedy=True, ignore_eos=True, forced=forced, on_first_token=on_first_token)
-
-
 def _token_list(ids) -> list[int]:
     """Prompt ids as a list, from a list or a [1, T] / [T] tensor; never empty."""
     ids = torch.as_tensor(ids).reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
@@ -587,43 +539,3 @@ def _token_list(ids) -> list[int]:
 def _emit(on_text, delta: str) -> None:
     if delta and on_text is not None:
         on_text(delta)
-
-
-def generate(
-    model,
-    tokenizer,
-    prompt: str,
-    max_new_tokens: int = 64,
-    *,
-    greedy: bool = False,
-    temperature: float = 0.7,
-    top_p: float = 0.95,
-    seed: int | None = None,
-    echo: bool = False,
-    grammar: Grammar | None = None,
-) -> GenerationResult:
-    """`moestream generate`: one prompt, statistics of this run only, text printed as it comes if `echo`;
-    with `grammar`, the answer follows it (e.g. `Grammar.json_schema(schema)`)."""
-    constraint = Constraint(grammar, vocabulary_of(model, tokenizer)) if grammar is not None else None
-    runtime = runtime_of(model)
-    runtime.reset_stats()
-
-    def show(piece: str) -> None:
-        print(piece, end="", flush=True)
-
-    result = stream(
-        model,
-        tokenizer,
-        encode(tokenizer, prompt),
-        max_new_tokens,
-        greedy=greedy,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        on_text=show if echo else None,
-        constraint=constraint,
-    )
-    if echo:
-        print(flush=True)
-    result.stats = runtime.stats()
-    return result

@@ -102,6 +102,7 @@ class BatchKV:
     def __init__(self):
         self.cache: DynamicCache | None = None
         self.lengths: list[int] = []  # positions of each row's own tokens in the cache
+        self.alone = False  # its one row's cache does not batch (`batchable`): kept as its prefill left it
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -112,11 +113,15 @@ class BatchKV:
         return max(self.lengths, default=0)
 
     def add(self, cache: DynamicCache, length: int) -> None:
-        """Append a sequence (a batch-1 cache of `length` positions, from its prefill) as the last row."""
+        """Append a sequence (a batch-1 cache of `length` positions, from its prefill) as the last row. A
+        first row whose cache does not batch is the batch's only one (the scheduler admits no other)."""
         if self.cache is None:
-            self.cache, self.lengths = _shallow(cache), [length]
+            self.alone = batchable(cache) is not None
+            self.cache, self.lengths = (cache if self.alone else _shallow(cache)), [length]
             grow_in_place(self.cache)
             return
+        if self.alone:
+            raise ValueError("this model's KV cache does not batch: one sequence at a time")
         width = max(self.width, length)
         for mine, theirs in zip(self.cache.layers, cache.layers):
             size = _held(mine, width)
@@ -134,6 +139,8 @@ class BatchKV:
         if not rows:
             self.cache, self.lengths = None, []
             return
+        if self.alone:
+            return  # (one row, kept: nothing to cut)
         if rows != list(range(len(self.lengths))):
             for layer in self.cache.layers:
                 index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
@@ -148,7 +155,9 @@ class BatchKV:
 
     def row(self, i: int) -> DynamicCache:
         """Row i as a batch-1 cache of plain layers holding its own tokens, copied out (the batch's tensors
-        can then go)."""
+        can then go); a lone row's cache is its own already."""
+        if self.alone:
+            return self.cache
         out = _shallow(self.cache)
         out.layers = [layer.plain() if isinstance(layer, GrowingLayer) else layer for layer in out.layers]
         for layer in out.layers:

@@ -1,7 +1,7 @@
 """Translation between OpenAI's API and moestream's generations.
 
 Inbound: a request body (already parsed JSON) is validated against OpenAI's request models and turned
-into one GenerationParams per choice (prompt ids, sampling parameters and penalties, logit bias, stop
+into one worker.Choice per choice (prompt ids and the SamplingParams: sampling parameters and penalties, logit bias, stop
 sequences, max tokens, the grammar of a response_format or a forced tool call, logprobs) for the worker.
 Every field of OpenAI's chat and completions schemas is honoured or refused with a 400 that names it
 (README, "Serving"); fields outside them are refused as OpenAI refuses them.
@@ -30,12 +30,12 @@ from . import tool_calls
 from .answer_stream import AnswerStream, CallStarted, ContentDelta, Delta, ReasoningDelta, Thinking
 from .batching import KVBudgetExceeded
 from .constraints import Grammar, GrammarError, Vocabulary
-from .generate import GenerationResult, TokenLogprob, chat_prompt, encode
+from .generate import GenerationResult, SamplingParams, TokenLogprob, chat_prompt, encode
 from .serving import TooManyChoices
 from .worker import (
+    Choice,
     Done,
     GenerationFailed,
-    GenerationParams,
     Piece,
     QueueFull,
     ShuttingDown,
@@ -304,9 +304,9 @@ def _error_from_validation(e: ValidationError) -> APIError:
 
 @dataclass
 class ParsedRequest:
-    """A valid request, translated: what to generate (one GenerationParams per choice), and how to answer."""
+    """A valid request, translated: what to generate (one Choice per choice), and how to answer."""
 
-    choices: list[GenerationParams]
+    choices: list[Choice]
     stream: bool  # answer with server-sent events
     include_usage: bool  # stream_options.include_usage: one more event with the token counts
     reply: Reply
@@ -351,7 +351,7 @@ class Endpoint(ABC):
             for i in range(n):
                 # Choice i of a seeded request is what a request with seed + i would answer alone.
                 seed = secrets.randbits(63) if req.seed is None else (req.seed + i) % 2**64
-                choices.append(replace(base, prompt_ids=prompt, seed=seed))
+                choices.append(Choice(prompt, replace(base, seed=seed)))
         reply.start(prompts, n)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return ParsedRequest(choices, req.stream, include_usage, reply)
@@ -396,7 +396,7 @@ class Endpoint(ABC):
                 400, f"the text cannot be tokenized ({type(e).__name__}: {e}); send valid Unicode text", param=self.prompt_param
             ) from None
 
-    def _generation(self, req: _Common, prompts: list[list[int]], grammar: Grammar | None) -> GenerationParams:
+    def _generation(self, req: _Common, prompts: list[list[int]], grammar: Grammar | None) -> SamplingParams:
         """The parameters every choice shares, checked (the prompt and seed are set per choice)."""
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
@@ -423,8 +423,7 @@ class Endpoint(ABC):
                 param=self.prompt_param,
                 code="context_length_exceeded",
             )
-        return GenerationParams(
-            prompt_ids=[],
+        return SamplingParams(
             max_tokens=requested or min(self.default_max_tokens, limit - longest),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,

@@ -22,6 +22,10 @@ Cancellation, deadlines and errors, handled here once:
 
 One thread steps the scheduler (the model is not thread-safe); `add`, `abort` and the counts may be
 called from any thread.
+
+This is the one loop that generates: the server's worker and `chat` step a scheduler of their own,
+`generate_batch` (the Python API) one for its prompts, and `stream` a one-row one for a single sequence,
+which `generate`, `timed` (bench, plan, demo, the benchmarks) and `teacher_forced` (trace, eval) run.
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import torch
+
+from ..core.runtime import runtime_of
 from .batching import BatchGenerator
-from .generate import Decoding, GenerationResult, encode
+from .generate import Decoding, GenerationResult, SamplingParams, encode
 from .kv_cache import PrefixCache
 
 
@@ -287,23 +294,23 @@ def generate_batch(
     model,
     tokenizer,
     prompts: Sequence[str | Sequence[int]],
-    max_new_tokens: int = 64,
+    params: SamplingParams | int = 64,
     *,
     max_batch: int = 8,
     prefix_cache: PrefixCache | None = None,
     seeds: Sequence[int | None] | None = None,
-    **options,
 ) -> list[GenerationResult]:
     """Generate a continuation of every prompt (text, or token ids), up to `max_batch` at a time, and
-    return their results in the prompts' order. `options` are `generate.Decoding`'s (greedy,
-    temperature, top_p, stop, ignore_eos); `seeds`, one per prompt, seed each sequence's own generator,
-    so a seeded prompt gets the text it would get alone. Each prompt is one request of a `Scheduler`,
-    stepped here until every one has ended; an error ends them all and is raised."""
-    seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+    return their results in the prompts' order. `params`: how (a number is max_tokens, sampled at
+    temperature 1); `seeds`, one per prompt, replace its seed for each, so a seeded prompt gets the text it
+    would get alone. Each prompt is one request of a `Scheduler`, stepped here until every one has
+    ended; an error ends them all and is raised."""
+    params = SamplingParams(params) if isinstance(params, int) else params
+    seeds = list(seeds) if seeds is not None else [params.seed] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     decodings = [
-        Decoding(model, tokenizer, encode(tokenizer, p) if isinstance(p, str) else list(p), max_new_tokens, seed=s, **options)
+        Decoding(model, tokenizer, encode(tokenizer, p) if isinstance(p, str) else list(p), replace(params, seed=s))
         for p, s in zip(prompts, seeds)
     ]
     scheduler = Scheduler(model, max_batch=max_batch, prefix_cache=prefix_cache)
@@ -311,6 +318,56 @@ def generate_batch(
         scheduler.add(Request.of(d))
     run_until_idle(scheduler)
     return [d.result() for d in decodings]
+
+
+def stream(
+    model, tokenizer, prompt_ids: Sequence[int], params: SamplingParams, *, prefix_cache: PrefixCache | None = None, **callbacks
+) -> GenerationResult:
+    """One sequence, alone: the prompt in one forward pass, then each new token with the KV cache, through
+    a one-row scheduler (the loop every generation runs). `callbacks` are `Decoding`'s (on_text,
+    on_first_token, on_logits, cancel, deadline). `prefix_cache`: start from the longest prefix it holds,
+    and keep this sequence's KV there. The model is not touched otherwise: statistics keep accumulating."""
+    decoding = Decoding(model, tokenizer, prompt_ids, params, **callbacks)
+    scheduler = Scheduler(model, max_batch=1, prefix_cache=prefix_cache)
+    scheduler.add(Request.of(decoding))
+    run_until_idle(scheduler)
+    return decoding.result()
+
+
+def timed(
+    model, prompt_ids, new_tokens: int, *, forced: Sequence[int] | None = None, on_first_token: Callable[[], None] | None = None
+) -> GenerationResult:
+    """Greedy (or the `forced` tokens: teacher forcing), exactly `new_tokens` tokens, no text: the run that
+    `bench` (and its peers), `plan --compute measure` and the benchmarks time."""
+    return stream(model, None, prompt_ids, SamplingParams.timed(new_tokens, forced), on_first_token=on_first_token)
+
+
+def teacher_forced(model, ids: Sequence[int], prefill: int = 0, on_logits: Callable | None = None) -> int:
+    """Feed the given token ids through the model as generating exactly them would: the first `prefill`
+    ids (at least one) as the prompt, every later id alone with the KV cache, whatever the model would
+    have chosen. `on_logits` sees each forward pass's next-token logits [vocab] (`eval --decode`); a
+    routing trace wants only the passes' side effects. Returns the number of forward passes."""
+    ids = torch.as_tensor(ids).reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    prompt = max(1, min(prefill, len(ids)))
+    forced = ids[prompt:] + [0]  # the last token is chosen, never fed: any will do
+    passes = len(forced)
+    stream(model, None, ids[:prompt], SamplingParams.timed(passes, forced), on_logits=on_logits)
+    return passes
+
+
+def generate(model, tokenizer, prompt: str, params: SamplingParams, *, echo: bool = False) -> GenerationResult:
+    """`moestream generate`: one prompt, statistics of this run only, text printed as it comes if `echo`."""
+    runtime = runtime_of(model)
+    runtime.reset_stats()
+
+    def show(piece: str) -> None:
+        print(piece, end="", flush=True)
+
+    result = stream(model, tokenizer, encode(tokenizer, prompt), params, on_text=show if echo else None)
+    if echo:
+        print(flush=True)
+    result.stats = runtime.stats()
+    return result
 
 
 def run_until_idle(scheduler: Scheduler) -> None:

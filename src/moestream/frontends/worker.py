@@ -24,8 +24,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ..core.runtime import runtime_of
-from .constraints import Constraint, Grammar, Vocabulary
-from .generate import Decoding, GenerationResult, TokenLogprob, vocabulary_of
+from .constraints import Vocabulary
+from .generate import Decoding, GenerationResult, SamplingParams, TokenLogprob, vocabulary_of
 from .kv_cache import PrefixCache
 from .serving import Failed, Finished, Request, Scheduler, Started
 
@@ -34,23 +34,11 @@ DISCONNECT_POLL_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
-class GenerationParams:
-    """What to generate: the arguments of one `generate.stream` call."""
+class Choice:
+    """One answer a request asks for: its prompt's token ids and how to generate it."""
 
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-    stop: list[str]
-    ignore_eos: bool = False
-    logit_bias: dict[int, float] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    grammar: Grammar | None = None  # the answer must follow it (structured outputs, forced tool calls)
-    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
-    prompt_logprobs: int | None = None  # the same for each prompt token (completions' echo with logprobs)
-    special_tokens: bool = False  # the text keeps special tokens (an answer parsed for tool calls)
+    params: SamplingParams
 
 
 class WorkerError(Exception):
@@ -112,7 +100,7 @@ class Done:
 
 @dataclass(eq=False)  # a job is equal only to itself
 class Job:
-    """One submitted request: its choices (one GenerationParams each), its deadline, its scheduler request,
+    """One submitted request: its choices (one Choice each), its deadline, its scheduler request,
     and the events the worker posts to it.
 
     Events, in order: ("start",) when the worker takes the job's first choices, then per choice
@@ -121,7 +109,7 @@ class Job:
     deadline before its turn: its waiter has given up already, or gives up at the deadline.
     """
 
-    choices: list[GenerationParams]
+    choices: list[Choice]
     timeout: float  # seconds from submission to the last token, queueing included
     deadline: float  # time.monotonic()
     _worker: Worker
@@ -246,15 +234,15 @@ class Worker:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
-    def submit(self, choices: list[GenerationParams], timeout: float) -> Job:
+    def submit(self, choices: list[Choice], timeout: float) -> Job:
         """Queue a request's choices from the running event loop; raises QueueFull when `max_queue` jobs
         wait, KVBudgetExceeded when a choice's KV could never fit, TooManyChoices when the answers to one
         prompt need more rows than the batch has."""
         job = Job(list(choices), timeout, time.monotonic() + timeout, self, asyncio.get_running_loop())
         job.request = Request(
             lambda index: self._decoding(job, index),
-            [p.prompt_ids for p in choices],
-            [len(p.prompt_ids) + p.max_tokens for p in choices],
+            [c.prompt_ids for c in choices],
+            [len(c.prompt_ids) + c.params.max_tokens for c in choices],
             deadline=job.deadline,
             tag=job,
         )
@@ -325,27 +313,12 @@ class Worker:
             job._post("error", event.error)
 
     def _decoding(self, job: Job, index: int) -> Decoding:
-        p = job.choices[index]
-        constraint = None
-        if p.grammar is not None:
-            constraint = Constraint(p.grammar, self.vocabulary())
+        choice = job.choices[index]
         decoding = Decoding(
             self.model,
             self.tokenizer,
-            p.prompt_ids,
-            p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            seed=p.seed,
-            stop=p.stop,
-            ignore_eos=p.ignore_eos,
-            logit_bias=p.logit_bias,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            constraint=constraint,
-            logprobs=p.logprobs,
-            prompt_logprobs=p.prompt_logprobs,
-            special_tokens=p.special_tokens,
+            choice.prompt_ids,
+            choice.params,
             on_text=lambda text: job._post("text", Piece(index, text, decoding.take_logprobs())),
             on_first_token=lambda: self._first_token(job),
             cancel=job.request.cancel,

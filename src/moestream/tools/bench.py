@@ -55,7 +55,8 @@ from ..core.kernel_timing import KernelReport
 from ..core.memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
 from ..core.supply.reader import RecordReader
 from ..errors import UsageError
-from ..frontends.generate import Timing, timed
+from ..frontends.generate import Timing
+from ..frontends.serving import timed
 from ..units import format_bytes, parse_bytes
 
 

@@ -21,7 +21,8 @@ from ..conversion.store import Store
 from ..conversion.synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
 from ..core.loading import close, load, stats
 from ..core.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from ..frontends.generate import encode, stream
+from ..frontends.generate import SamplingParams, encode
+from ..frontends.serving import stream
 from ..native import fused_build
 from ..units import format_bytes
 
@@ -68,7 +69,7 @@ def _run(store: Path, budget: int, tokens: int) -> dict:
     model, tokenizer = load(store, budget)
     # Sampling, not greedy: a random model's greedy output repeats one token, which would route every
     # step to the same experts and make any budget look good.
-    result = stream(model, tokenizer, encode(tokenizer, PROMPT), tokens, temperature=1.0, top_p=1.0, seed=0, ignore_eos=True)
+    result = stream(model, tokenizer, encode(tokenizer, PROMPT), SamplingParams(tokens, seed=0, ignore_eos=True))
     s = stats(model)
     close(model)
     del model

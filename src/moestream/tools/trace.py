@@ -301,10 +301,10 @@ def record_text(
 
     The first `prefill` tokens go in as one call per layer (a prompt); every later token is fed alone with
     the KV cache, as decoding does (teacher forcing: the routing of generating exactly this text;
-    generate.teacher_forced).
+    serving.teacher_forced).
     """
     from ..core.loading import close, load
-    from ..frontends.generate import teacher_forced
+    from ..frontends.serving import teacher_forced
 
     if max_tokens < 1 or prefill < 0:
         raise UsageError("--max-tokens must be at least 1 and --prefill at least 0")
