@@ -20,11 +20,11 @@ def _float_activations_unless_asked():
     # rounding. The int8-activation kernels round each activation to 8 bits (as llama.cpp does), so load()
     # takes float activations here unless a test passes activations= (tests/test_int8_activations.py does,
     # against the float64 reference of exactly that arithmetic and against the float path).
-    from moestream.core.compute import kernels
+    from moestream.core.compute import plan
 
-    kernels.DEFAULT_ACTIVATIONS = "float"
+    plan.DEFAULT_ACTIVATIONS = "float"
     yield
-    kernels.DEFAULT_ACTIVATIONS = "auto"
+    plan.DEFAULT_ACTIVATIONS = "auto"
 
 
 @pytest.fixture(scope="session", autouse=True)

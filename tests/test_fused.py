@@ -213,7 +213,7 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name,
     from moestream.core.compute.kernels import cpu_record, expert_linear, table_values
 
     if name in quant.TABLES and not int8_activations:
-        pytest.skip("a table format's one-token kernel takes int8 activations (fused.one_token_experts)")
+        pytest.skip("a table format's one-token kernel takes int8 activations (plan.compiled_format)")
 
     g = torch.Generator().manual_seed(43)
     hidden, inner, n = 64, 128, 3

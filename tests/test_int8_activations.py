@@ -10,7 +10,7 @@ from moestream.conversion.quant import QuantFormat, pack, quantize, reference_de
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.core import loading
-from moestream.core.compute import fused, kernels
+from moestream.core.compute import fused, kernels, plan
 from moestream.core.engine import engine_of
 from moestream.errors import UsageError
 from moestream.native import fused_build
@@ -72,7 +72,7 @@ def test_kernels_compute_exactly_the_defined_arithmetic(loop, name, group, dtype
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     q, qweight, params = _matrix(fmt, n, k, g)
     x = _activations(m, k, dtype, g)
-    assert kernels.int8_activations_fit(fmt, n, k)
+    assert plan.int8_activations_fit(fmt, n, k)
     got = kernels.quantized_matmul(x, qweight, params, fmt, int8_activations=True)
     assert got.shape == (m, n) and got.dtype == dtype
     exact = kernels.int8_activations_reference(x, qweight, params, fmt)
@@ -126,28 +126,28 @@ def test_each_simd_variant_agrees_with_the_portable_loops(ext):
 def test_the_choice_of_activations(ext, monkeypatch):
     int4 = QuantFormat.make("int4", 64)
     shapes = [(int4, 128, 256), (int4, 256, 128)]
-    assert kernels.choose_activations("float", shapes, False) == (False, "float activations, as chosen")
-    assert kernels.choose_activations("int8", shapes, True)[0] is False  # a GPU takes float activations
+    assert plan.choose_activations("float", shapes, False) == (False, "float activations, as chosen")
+    assert plan.choose_activations("int8", shapes, True)[0] is False  # a GPU takes float activations
     loops = f"; {ext.lowbit_isa('')} loops"  # the fast-paths line names the variant the CPU runs
-    assert kernels.choose_activations("int8", shapes, False) == (True, "int8 activations, as chosen" + loops)
+    assert plan.choose_activations("int8", shapes, False) == (True, "int8 activations, as chosen" + loops)
     narrow = [(QuantFormat.make("int4", 32), 16, 32)]  # K = 32: not a multiple of 64
-    assert kernels.choose_activations("int8", narrow, False)[0] is False
-    used, why = kernels.choose_activations("auto", shapes, False)
-    integer, floating = kernels.measure_activations(int4, 128, 256)
+    assert plan.choose_activations("int8", narrow, False)[0] is False
+    used, why = plan.choose_activations("auto", shapes, False)
+    integer, floating = plan.measure_activations(int4, 128, 256)
     assert integer > 0 and floating > 0
-    assert used == (floating / integer >= kernels.INT8_ACTIVATIONS_MARGIN) and f"{floating / integer:.1f}x"[:3] in why
+    assert used == (floating / integer >= plan.INT8_ACTIVATIONS_MARGIN) and f"{floating / integer:.1f}x"[:3] in why
     with pytest.raises(UsageError, match="activations must be one of"):
-        kernels.choose_activations("int4", shapes, False)
+        plan.choose_activations("int4", shapes, False)
     table = [(QuantFormat.make("mxfp4"), 128, 256)]  # a table format's float path dequantizes per call
-    assert kernels.choose_activations("auto", shapes + table, False) == (
+    assert plan.choose_activations("auto", shapes + table, False) == (
         True,
         "int8 activations: the only fast kernel for mxfp4 weights" + loops,
     )
     monkeypatch.setattr(fused_build, "extension", lambda: None)
     with pytest.raises(UsageError, match="needs the compiled kernels"):
-        kernels.choose_activations("int8", shapes, False)
-    assert kernels.choose_activations("auto", shapes, False) == (False, "float activations: no compiled kernels")
-    used, why = kernels.choose_activations("auto", shapes + table, False)
+        plan.choose_activations("int8", shapes, False)
+    assert plan.choose_activations("auto", shapes, False) == (False, "float activations: no compiled kernels")
+    used, why = plan.choose_activations("auto", shapes + table, False)
     assert not used and "mxfp4 weights are dequantized at every matmul" in why and "--experts-dtype int4" in why
 
 

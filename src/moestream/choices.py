@@ -34,7 +34,7 @@ VERIFY_MODES = ("first", "always", "off")
 #: `--compute-dtype`: the dtype float weights and activations compute in (core/compute/kernels.py).
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 #: `--activations`: what the CPU's low-bit matmuls take. "auto": int8 where the compiled kernels exist and
-#: are measured faster on the model's shapes (core/compute/kernels.py, `choose_activations`).
+#: are measured faster on the model's shapes (core/compute/plan.py, `choose_activations`).
 ACTIVATIONS = ("auto", "int8", "float")
 #: `--attention`: a decode step's attention function. "auto": the compiled flash-decoding kernel for one query
 #: where it is compiled and the model's attention is sdpa, sdpa for prompts (core/compute/attention.py).

@@ -115,7 +115,7 @@ class ExpertEngine:
 
     def one_token_kernel(self, module, layer: int, x: torch.Tensor) -> tuple | None:
         """The fused one-token experts kernel for this layer and activation dtype (its plan's), or None."""
-        return self.plans[layer].one_token_kernel(module, x, self.supply.tier is not None)
+        return self.plans[layer].one_token_kernel(module, x)
 
     # -- reporting --------------------------------------------------------------------------------------
 

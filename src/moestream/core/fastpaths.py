@@ -1,9 +1,8 @@
 """Which fast paths a loaded model runs, and why the others are off, so a slower path is never silent.
 
-The choices themselves are made where they belong: the matmul for each storage format and device in
-kernels.py; per MoE layer, int8 activations or not, what a record needs where it lands and the one-token
-experts kernel per activation dtype in the layer's plan (compute/plan.py); each fused kernel per module, by
-its agreement check, in fused.py.
+The kernel choices are made in compute/plan.py (the activations; per MoE layer and per quantized linear,
+int8 activations or not, what a record needs where it lands, the one-token experts kernel or why none);
+each fused kernel's per module, by its agreement check, in fused.py.
 `survey` reads what they decided once `load` has made every choice (it resolves the experts kernel for
 the model's compute dtype there, rather than at the first token), and `describe` says it in one line,
 which `generate`, `chat`, `bench` and `serve` print and `stats()["fast_paths"]` carries.
@@ -42,7 +41,7 @@ def survey(
     model, engine, routers, compute_dtype: torch.dtype, on_gpu: bool, activations: str = "", attention: str = ""
 ) -> list[FastPath]:
     """What `load` decided for this model; resolves the one-token experts kernel for `compute_dtype`.
-    `activations`: what kernels.choose_activations said of the low-bit matmuls' activations; `attention`:
+    `activations`: what plan.choose_activations said of the low-bit matmuls' activations; `attention`:
     what attention.install said of the model's attention function."""
     paths = []
     why_not = f"{compute_dtype}".removeprefix("torch.")
@@ -70,7 +69,7 @@ def survey(
         attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
         on = sum(_partial_of(m.forward) is fused._fused_attention for m in attention)
         paths.append(FastPath("attention (one token)", on, len(attention), "" if on == len(attention) else _kept(attention)))
-    paths.append(_experts(model, engine, compute_dtype, ext is not None))
+    paths.append(_experts(model, engine, compute_dtype))
     records = _records(engine, on_gpu)
     if records is not None:
         paths.append(records)
@@ -82,28 +81,16 @@ def _kept(modules) -> str:
     return f"{', '.join(kept)} keep their own forward: a part the kernels do not compute, or their check disagreed"
 
 
-def _experts(model, engine, compute_dtype: torch.dtype, compiled: bool) -> FastPath:
-    """The fused one-token experts kernel, per layer, resolved here for the compute dtype."""
+def _experts(model, engine, compute_dtype: torch.dtype) -> FastPath:
+    """The fused one-token experts kernel, per layer, resolved here for the compute dtype, and why each
+    plan that has none has none."""
     modules = [module for _, module in experts_modules(model)]
     hidden, _ = dense.embedding_output(model)
     x = torch.zeros(1, hidden, dtype=compute_dtype)
-    on, off = 0, set()
-    for layer, module in enumerate(modules):
-        fmt = engine.layers[layer].quantization
-        if compiled and engine.one_token_kernel(module, layer, x) is not None:
-            on += 1
-        elif fmt is None:
-            off.add("float records")
-        elif fmt.name not in ("int4", "int8"):  # int3, int2 and the table formats
-            off.add(f"{fmt.name} records")
-        elif engine.supply.tier is not None:
-            off.add("a device tier")
-        elif compiled:
-            off.add("a gate the kernel does not compute")
-        else:
-            off.add("no compiled kernels")
-    note = f"off for {', '.join(sorted(off))}: the engine's own path" if off else ""
-    return FastPath("experts (one token)", on, len(modules), note)
+    reasons = [plan.one_token_reason(module, x) for plan, module in zip(engine.plans, modules)]
+    off = sorted({reason for reason in reasons if reason is not None})
+    note = f"off for {', '.join(off)}: the engine's own path" if off else ""
+    return FastPath("experts (one token)", reasons.count(None), len(modules), note)
 
 
 def _records(engine, on_gpu: bool) -> FastPath | None:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..conversion.store import DTYPES, Store
-from .compute import kernels
+from .compute import kernels, plan
 
 ROTATION_BYTES = 1 << 30  # weights cycled through per kernel: above any CPU's last-level cache here (480 MiB)
 MAX_COPIES = 4096  # tiny matrices: enough calls to time, without a Python loop of millions
@@ -120,7 +120,7 @@ def _variants(layer, name: str, shape: tuple[int, int]):
         return
     n, k = shape
     stored = {part: record[f"{name}.{part}"] for part in ("qweight", fmt.params)}
-    if kernels.int8_activations_fit(fmt, n, k):
+    if plan.int8_activations_fit(fmt, n, k):
         yield "int8 activations", stored, lambda x, w: kernels.quantized_matmul(x, w["qweight"], w[fmt.params], fmt, True)
     if fmt.torch_kernel and fmt.portable:
         prepared = kernels.cpu_record({f"{name}.{p}": t for p, t in stored.items()}, fmt)

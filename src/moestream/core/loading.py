@@ -28,7 +28,7 @@ from . import engine as engine_module
 from . import fastpaths
 from .compute import attention as attention_module
 from .compute import dense, fused, kernels
-from .compute.plan import experts_plans
+from .compute.plan import choose_activations, experts_plans, plan_linears
 from .devices import CudaDevice, Device
 from .engine import IMPLEMENTATION, ExpertEngine
 from .routing import CacheAwareRouting
@@ -89,7 +89,7 @@ def load(
     compute_dtype: "auto" (default: the model's dtype, except a bf16 model on a CPU without bf16
         arithmetic computes in float32, its float resident weights then held at twice their stored
         size), "bf16" or "fp32" (kernels.compute_dtype).
-    activations: what the CPU's low-bit matmuls take: "auto" (the default, kernels.DEFAULT_ACTIVATIONS:
+    activations: what the CPU's low-bit matmuls take: "auto" (the default, plan.DEFAULT_ACTIVATIONS:
         int8 where the compiled kernels are measured faster on this model's shapes here, else float),
         "int8" (llama.cpp's arithmetic: each activation row quantized to int8, the dot products in
         integers; `moestream eval --activations` prices it) or "float" (the activations as they are:
@@ -126,7 +126,7 @@ def load(
         )
     for layer, (_, module) in zip(manifest.layers, modules):
         _check_record_layout(layer, module)
-    int8_activations, activations_note = kernels.choose_activations(activations, _quantized_shapes(model, manifest), on_gpu)
+    int8_activations, activations_note = choose_activations(activations, _quantized_shapes(model, manifest), on_gpu)
     budget = parse_bytes(memory)
     check_budget(opened, budget)  # before seconds of resident weights, not after
     for index, (_, module) in enumerate(modules):
@@ -147,8 +147,9 @@ def load(
     result = model.load_state_dict(state, strict=False, assign=True)
     del state
     model.tie_weights()
+    plan_linears(model, int8_activations, cpu_kernels=not on_gpu)  # how each quantized linear computes
     if not on_gpu:
-        dense.prepare_for_cpu(model, int8_activations)
+        dense.prepare_for_cpu(model)
     dense.align_weights(model)
     dense.set_compute_dtype(model, stored, dtype)
     attention_note = attention_module.install(
@@ -167,7 +168,7 @@ def load(
     model.eval()
     # The device tier's budget is what the GPU has free once the resident weights are on it.
     device_budget = _resident_on_device(model, opened, accelerator, gpu_memory) if accelerator is not None else 0
-    plans = experts_plans(manifest.layers, not on_gpu, int8_activations)  # how each layer's experts compute
+    plans = experts_plans(manifest.layers, not on_gpu, int8_activations, tiered=accelerator is not None)  # each layer's experts
     prefetcher = Prefetcher(routers, routed_top_k(manifest.model_config), prefetch)
     supply = ExpertSupply(
         opened, budget, preparers=[plan.preparer for plan in plans], prefetcher=prefetcher, io_threads=io_threads, direct_io=direct_io,

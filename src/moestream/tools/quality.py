@@ -68,7 +68,7 @@ class QualityReport:
     store_cache: dict = field(default_factory=dict)  # hit rate, bytes read, rerouted choices during the forwards
     decode: bool = False  # the store decoded token by token (--decode)
     route_to_cached: float = 0.0  # the store's cache-aware routing margin (0: off)
-    activations: str = ""  # what the store's low-bit matmuls took (kernels.choose_activations' note)
+    activations: str = ""  # what the store's low-bit matmuls took (plan.choose_activations' note)
     reference_activations: str = ""  # the same of a store reference
 
     def to_json(self) -> dict:

@@ -4,7 +4,8 @@ embedding kept quantized: the modules that run them.
 The converter quantizes the weight of each linear that conversion.skeleton.dense_linears names and
 stores it in the layout its kernel consumes (quant.py), so loading is a plain state-dict load: `install`
 swaps those nn.Linear modules of the meta-device skeleton for QuantizedLinear before the weights arrive.
-The matmul is the experts' kernel table (kernels.py), so the dense path and the experts run the same code.
+Each one's plan (plan.py, `LinearPlan`) runs the experts' kernel table (kernels.py), so the dense path and
+the experts run the same code.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from ...conversion.quant import QuantFormat, stored_codes
 from ...errors import StoreError
-from .kernels import int8_activations_fit, quantized_matmul, table_values
+from .kernels import table_values
 from .repack import kernel_layout
 
 
@@ -30,11 +31,11 @@ class QuantizedLinear(nn.Module):
         for name, dtype, shape in fmt.record_specs("w", out_features, in_features):
             self.register_buffer(name.removeprefix("w."), torch.empty(shape, dtype=dtype, device="meta"))
         self.bias = bias
-        self.int8_activations = False  # set by `prepare_for_cpu`: the matmul takes int8 activations (kernels.py)
+        self.plan = None  # how it computes: a plan.LinearPlan, given at load (plan.plan_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = quantized_matmul(rows, self.qweight, getattr(self, self.fmt.params), self.fmt, self.int8_activations)
+        y = self.plan.matmul(rows, self.qweight, getattr(self, self.fmt.params))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -106,16 +107,14 @@ def embedding_output(model: nn.Module) -> tuple[int, torch.dtype]:
     return embedding.weight.shape[-1], embedding.weight.dtype
 
 
-def prepare_for_cpu(model: nn.Module, int8_activations: bool) -> None:
-    """On the CPU, once at load: with `int8_activations`, the linears whose matrices fit them run the
-    int8-activation kernels on their weights as stored; the other portable int4 weights become the layout
-    of torch's CPU int4 kernel (repack.py). A version 3 store's weights are in it already."""
+def prepare_for_cpu(model: nn.Module) -> None:
+    """On the CPU, once at load, after the plans (plan.plan_linears): the portable int4 weights of the
+    linears whose plan takes float activations become the layout of torch's CPU int4 kernel (repack.py);
+    int8-activation kernels read them as stored, and a version 3 store's weights are in it already."""
     for module in model.modules():
-        if not isinstance(module, QuantizedLinear):
+        if not isinstance(module, QuantizedLinear) or module.plan.int8_activations:
             continue
-        if int8_activations and int8_activations_fit(module.fmt, module.out_features, module.in_features):
-            module.int8_activations = True
-        elif module.fmt.bits == 4 and module.fmt.portable and module.fmt.table is None:  # tables: read as stored
+        if module.fmt.bits == 4 and module.fmt.portable and module.fmt.table is None:  # tables: read as stored
             module.qweight = kernel_layout(module.qweight)
 
 

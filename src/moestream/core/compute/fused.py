@@ -25,7 +25,7 @@ torch ops called from C++, for a router whose forward it reproduces bit for bit 
 
 Experts: `experts_decode` runs one token through a layer's cached quantized experts (int4 or int8) with
 torch's own kernels and its silu and mul called from C++, for an experts module whose gate agrees with
-the kernel's (`experts_kernel`); the engine uses it for one-token calls (engine._compute). The router and
+the kernel's (`experts_kernel`); each layer's plan holds it for one-token calls (plan.py, `ExpertsPlan`). The router and
 experts kernels call torch's own ops and the rotary one rounds as they do, so all three give the model's
 own bits; what they save is the Python and dispatch between the ops (docs/DECISIONS.md, "Fused rotary, routers and experts").
 
@@ -323,30 +323,21 @@ def gate_agrees(module: nn.Module, kernel, width: int, dtype: torch.dtype) -> bo
 _GATE_VERDICTS: dict[tuple, bool] = {}  # (class, activation class, width, dtype) -> gate_agrees
 
 
-def one_token_experts(module, layer, x: torch.Tensor, tiered: bool, int8_activations: bool = False) -> tuple | None:
-    """The fused kernel for one token through a layer's experts (`experts_decode`) with the
-    record tensors' names it takes, its bits, group size, whether it takes int8 activations (the
-    layer's `int8_activations`, whose records are then as stored) and a table format's values (else None);
-    or None where it does not apply: a device tier, float or int3/int2 records, a table format's or int6's in
-    float activations, or a module whose gate differs from the kernel's (int8 in bf16 at widths torch's kernel
-    gets wrong runs in float32 inside it, as kernels.py's `_int8` does). int4 with float32 activations casts them to bf16 and back,
-    as kernels.py's `_int4` does, so both compute the same numbers."""
+def experts_call(module, layer, dtype: torch.dtype, int8_activations: bool) -> tuple | None:
+    """`experts_decode` with its arguments for one token through a layer's experts, whose format its plan
+    admitted (plan.compiled_format): the record tensors' names it takes, its bits, group size, whether it
+    takes int8 activations (the records are then as stored) and a table format's values (else None); or
+    None without the extension or where the module's gate differs from the kernel's (`experts_kernel`).
+    int8 in bf16 at widths torch's kernel gets wrong runs in float32 inside it, and int4 with float32
+    activations casts them to bf16 and back, as kernels.py's `_int8` and `_int4` do: the same numbers."""
     fmt = layer.quantization
-    if tiered or x.device.type != "cpu" or fmt is None:
-        return None
-    table = None
-    if fmt.table is not None:  # a table format: with int8 activations, its values handed to the kernel
-        if not int8_activations:
-            return None
-        table = kernels.table_values(fmt.name)
-    elif fmt.name not in ("int4", "int8") and not (fmt.name == "int6" and int8_activations):
-        return None
     first = "gate_up_proj" if module.has_gate else "up_proj"
     shapes = {t.name: t.shape for t in layer.layout.tensors}
     width = shapes[f"{first}.qweight"][0]  # the first matrix's rows: gate and up stacked
-    kernel = experts_kernel(module, width, x.dtype)
+    kernel = experts_kernel(module, width, dtype)
     if kernel is None:
         return None
+    table = kernels.table_values(fmt.name) if fmt.table is not None else None
     names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
     return kernel, names, fmt.bits, fmt.group_size or 0, int8_activations, table
 
@@ -371,15 +362,13 @@ _NO_TABLE = torch.empty(0, dtype=torch.int8)  # what the attention kernels take 
 
 def _projection(linear: nn.Module) -> tuple | None:
     """(weight, params, bits, group, int8 activations, a table format's values or _NO_TABLE) of a bias-free
-    resident linear as the kernel takes it, or None (a table format's only with int8 activations)."""
+    resident linear as the kernel takes it, or None where its plan says the C++ does not compute it."""
     if isinstance(linear, dense.QuantizedLinear) and linear.bias is None:
-        fmt = linear.fmt
-        params = linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, linear.int8_activations
-        if fmt.name in ("int8", "int4") or (fmt.name == "int6" and linear.int8_activations):
-            return *params, _NO_TABLE
-        if fmt.table is not None and linear.int8_activations:
-            return *params, kernels.table_values(fmt.name)
-        return None
+        fmt, plan = linear.fmt, linear.plan
+        if not plan.compiled:
+            return None
+        table = kernels.table_values(fmt.name) if fmt.table is not None else _NO_TABLE
+        return linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, plan.int8_activations, table
     if type(linear) is nn.Linear and linear.bias is None:
         return linear.weight, linear.weight, 0, 0, False, _NO_TABLE
     return None

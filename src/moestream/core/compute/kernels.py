@@ -1,12 +1,12 @@
 """Matmuls on weights as stored: y = x @ W.T for a float or quantized W [N, K] (quant.py).
 
-Expert records go through `expert_linear` (called by each layer's plan, plan.py, which holds whether the
-layer takes int8 activations), resident quantized linears (dense.py) through `quantized_matmul`: the matmul
-for each storage format and device is chosen here (the registries below; the C++ has its one dispatch too,
-native/matmuls.h's `project`).
+Expert records go through `expert_linear`, resident quantized linears (dense.py) through
+`quantized_matmul`, each called by its plan (plan.py, where every choice of kernel is made: the
+activations, and which matrices take int8 ones). What is here is each storage format's matmul per device
+and activations (the registries below; the C++ has its one dispatch too, native/matmuls.h's `project`).
 
 CPU kernels with int8 activations (`load(activations=...)`, the default where they are measured faster,
-`choose_activations`): the compiled kernels of native/lowbit_dot.h quantize each activation row to int8 (a
+plan.choose_activations): the compiled kernels of native/lowbit_dot.h quantize each activation row to int8 (a
 scale per 32 inputs) and keep the dot products in integers, as llama.cpp does; they read the int4 family's
 portable bytes as stored (no repack) and int8 weights as they are. Their arithmetic is defined in
 lowbit_dot.h and computed in float64 by `int8_activations_reference`.
@@ -36,13 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from ... import choices
-from ...choices import ACTIVATIONS
 from ...conversion.quant import (
     TABLES,
     QuantFormat,
     expand_int4_bytes,
-    pack,
-    quantize,
     stored_codes,
     torch_int4_packing,
     unpack_nibbles,
@@ -145,24 +142,7 @@ def _affine_dequantized(x: torch.Tensor, codes: torch.Tensor, scales_zeros: torc
     return F.linear(x, ((groups - 8) * scales + zeros).view(n, k))
 
 
-def takes_int8_activations(layer) -> bool:
-    """Whether every quantized matrix of an expert layer's records fits the int8-activation kernels."""
-    if layer.quantization is None:
-        return False
-    return all(int8_activations_fit(layer.quantization, n, k) for n, k in layer.quantized_matrices)
-
-
-def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_activations: bool = False):
-    """What makes a layer's records, as read, into the bytes its kernels take (called on the I/O thread
-    with the record's tensors), or None where they take them as stored: float and int8 records, the formats
-    torch has no kernel for (`QuantFormat.torch_kernel`), a GPU, int8-activation kernels, and a version 3
-    store's records (already in this machine's kernel layout, `check_packing`)."""
-    if not _repacked_for_torch(fmt) or not cpu_kernels or int8_activations or not fmt.portable:
-        return None
-    return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
-
-
-def _repacked_for_torch(fmt: QuantFormat | None) -> bool:
+def repacked_for_torch(fmt: QuantFormat | None) -> bool:
     """Whether torch's CPU kernel for this format takes its records in a layout of its own (the int4 family's
     int4pack), not as stored: int8's and float records go in as they are, formats without a torch kernel too."""
     return fmt is not None and fmt.name != "int8" and fmt.torch_kernel
@@ -172,7 +152,7 @@ def cpu_record(record: dict[str, torch.Tensor], fmt: QuantFormat | None) -> dict
     """A portable record's tensors as torch's CPU kernels take them (a copy; what the engine does in place
     where a record lands), for callers that compute with records outside the engine."""
     record = {name: t.clone() for name, t in record.items()}
-    if _repacked_for_torch(fmt):
+    if repacked_for_torch(fmt):
         RecordPreparer(fmt, [name for name in record if name.endswith(".qweight")])(record)
     return record
 
@@ -218,41 +198,6 @@ def expert_linear(
     return quantized_matmul(x, w[f"{name}.qweight"], w[f"{name}.{fmt.params}"], fmt, int8_activations)
 
 
-# -- int8 activations ------------------------------------------------------------------------------------
-
-#: What `load` takes when not told (the test suite's exactness tests set "float").
-DEFAULT_ACTIVATIONS = "auto"
-#: "auto" takes int8 activations only when they are at least this much faster: a near tie is not worth
-#: their rounding, and keeps the choice from flipping between runs on a noisy machine.
-INT8_ACTIVATIONS_MARGIN = 1.2
-
-
-def int8_activations_fit(fmt: QuantFormat | None, n: int, k: int) -> bool:
-    """Whether a quantized [N, K] matrix of `fmt` can run the int8-activation kernels: int8 weights with K a
-    multiple of 32, or the int4 family in the portable layout with K a multiple of 64 and N of 8 (every
-    real model's widths are)."""
-    if fmt is None or not fmt.portable:
-        return False
-    if fmt.name == "int8":
-        return k % 32 == 0
-    return k % 64 == 0 and n % 8 == 0
-
-
-@functools.lru_cache(maxsize=16)
-def measure_activations(fmt: QuantFormat, n: int, k: int, repeats: int = 20) -> tuple[float, float]:
-    """(int8-activation ms, float-activation ms) of one token through a random [N, K] matrix of `fmt` on this
-    machine, with the threads the model will use: what "auto" decides by (a few ms, once per shape)."""
-    g = torch.Generator().manual_seed(0)
-    record = pack(quantize(torch.randn(n, k, generator=g), fmt), fmt, "w")
-    qweight, params = record["w.qweight"], record[f"w.{fmt.params}"]
-    fast = cpu_record(record, fmt)["w.qweight"]  # torch's layout for the float-activation kernel
-    x = torch.randn(1, k, generator=g)
-    return (
-        fastest_ms(lambda: quantized_matmul(x, qweight, params, fmt, True), repeats),
-        fastest_ms(lambda: quantized_matmul(x, fast, params, fmt, False), repeats),
-    )
-
-
 def fastest_ms(run, repeats: int) -> float:
     """The fastest of `repeats` timed calls of `run` in milliseconds, after one untimed call (first-call
     costs and cold caches left out)."""
@@ -263,49 +208,6 @@ def fastest_ms(run, repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return min(times) * 1e3
-
-
-def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, int]], on_gpu: bool) -> tuple[bool, str]:
-    """(int8 activations or not, why) for a model whose quantized matrices are `shapes` (format, N, K), from
-    the user's `choice` (ACTIVATIONS; None: DEFAULT_ACTIVATIONS). "auto" measures the largest one
-    (`measure_activations`)."""
-    choice = DEFAULT_ACTIVATIONS if choice is None else choice
-    if choice not in ACTIVATIONS:
-        raise UsageError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {choice!r}")
-    fitting = [(fmt, n, k) for fmt, n, k in shapes if int8_activations_fit(fmt, n, k)]
-    if choice == "float":
-        return False, "float activations, as chosen"
-    if on_gpu:
-        return False, "float activations: the model runs on a GPU"
-    if not fitting:
-        return False, "float activations: no quantized matrix here that the int8-activation kernels take"
-    # formats torch has no kernel for: their float path dequantizes each matrix at every matmul
-    kernelless = sorted({fmt.name for fmt, _, _ in fitting if not fmt.torch_kernel})
-    if _compiled() is None:
-        if choice == "int8":
-            why = fused_build.unavailable_reason() or "turned off in this process"
-            raise UsageError(f"--activations int8 needs the compiled kernels, which are off: {why}")
-        if kernelless:  # a cliff worth naming: each of their matrices is dequantized per call
-            return False, (
-                f"float activations: no compiled kernels, so the {', '.join(kernelless)} weights are dequantized at every "
-                "matmul (about 100x slower); install a C++ compiler, or convert with --experts-dtype int4"
-            )
-        return False, "float activations: no compiled kernels"
-    loops = f"; {_compiled().lowbit_isa('')} loops"  # the variant this CPU runs (lowbit_dot.h)
-    if choice == "int8":
-        return True, "int8 activations, as chosen" + loops
-    if kernelless:  # their float path dequantizes every matrix it multiplies: several times slower than either
-        return True, f"int8 activations: the only fast kernel for {', '.join(kernelless)} weights" + loops
-    fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
-    # At most 4096 x 8192 (32 MiB of float32 to quantize from): an LM head of 129k rows would take
-    # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
-    # of every group size.
-    n, k = min(n, 4096), min(k, 8192)
-    integer, floating = measure_activations(fmt, n, k)
-    ratio = floating / integer
-    if ratio >= INT8_ACTIVATIONS_MARGIN:
-        return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here" + loops
-    return False, f"float activations: int8 ones measured {ratio:.2f}x their speed here (under {INT8_ACTIVATIONS_MARGIN}x)"
 
 
 def int8_activations_reference(x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:

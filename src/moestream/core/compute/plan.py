@@ -1,19 +1,128 @@
-"""The experts' kernel plan: how each MoE layer's experts compute on this machine, decided once at load.
+"""Every kernel choice, made once at load: what computes each matmul of the model on this machine.
 
-For each layer one `ExpertsPlan`: the record's format, whether its matmuls take int8 activations, what a
-record needs where it lands (the supply runs it on the I/O thread), and the fused one-token kernel per
-activation dtype. The engine calls the plan (`linear`, `one_token_kernel`) instead of deciding, and
-fastpaths.py reports what the plans hold. The format's matmul itself is kernels.py's registry, and the
-C++ has its one dispatch (native/matmuls.h, `project`).
+- The activations of the CPU's low-bit matmuls (`choose_activations`): int8 ones (the compiled kernels of
+  native/lowbit_dot.h, in the ISA variant this CPU runs, capped by MOESTREAM_LOWBIT_ISA: native/fused_build.py)
+  or float ones, from the user's choice or measured on the model's largest quantized matrix.
+- Each MoE layer's experts (`ExpertsPlan`): int8 activations or not (every matrix must fit them), what a
+  record needs where it lands (the supply runs it on the I/O thread), and the fused one-token kernel per
+  activation dtype, or why there is none.
+- Each resident quantized linear (`LinearPlan`, set on every `dense.QuantizedLinear` by `plan_linears`):
+  int8 activations or not, and whether the compiled attention kernels can run it.
+
+The engine, the dense layers and the fused kernels call their plan and decide nothing; fastpaths.py reports
+the plans. The kernels themselves are kernels.py's (one per format and device), fused.py's (each installed
+only after its agreement check) and the C++'s, whose one format dispatch (native/matmuls.h, `project`)
+computes what `compiled_format` admits.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
+from ...choices import ACTIVATIONS
+from ...conversion.quant import QuantFormat, pack, quantize
+from ...errors import UsageError
+from ...native import fused_build
 from . import fused, kernels
+from .dense import QuantizedLinear
+from .repack import RecordPreparer
+
+#: What `load` takes when not told (the test suite's exactness tests set "float").
+DEFAULT_ACTIVATIONS = "auto"
+#: "auto" takes int8 activations only when they are at least this much faster: a near tie is not worth
+#: their rounding, and keeps the choice from flipping between runs on a noisy machine.
+INT8_ACTIVATIONS_MARGIN = 1.2
+
+
+def int8_activations_fit(fmt: QuantFormat | None, n: int, k: int) -> bool:
+    """Whether a quantized [N, K] matrix of `fmt` can run the int8-activation kernels: int8 weights with K a
+    multiple of 32, or the int4 family in the portable layout with K a multiple of 64 and N of 8 (every
+    real model's widths are)."""
+    if fmt is None or not fmt.portable:
+        return False
+    if fmt.name == "int8":
+        return k % 32 == 0
+    return k % 64 == 0 and n % 8 == 0
+
+
+def compiled_format(fmt: QuantFormat | None, int8_activations: bool) -> str | None:
+    """None where the C++ (native/matmuls.h, `project`) computes a matrix of `fmt` as kernels.py does: int8
+    and int4 always, int6 and the table formats with int8 activations; else why not, in a few words."""
+    if fmt is None:
+        return "float records"
+    if fmt.name in ("int4", "int8") or int8_activations and (fmt.name == "int6" or fmt.table is not None):
+        return None
+    if fmt.name == "int6" or fmt.table is not None:
+        return f"{fmt.name} records in float activations"
+    return f"{fmt.name} records"  # int3, int2
+
+
+# -- the activations -------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def measure_activations(fmt: QuantFormat, n: int, k: int, repeats: int = 20) -> tuple[float, float]:
+    """(int8-activation ms, float-activation ms) of one token through a random [N, K] matrix of `fmt` on this
+    machine, with the threads the model will use: what "auto" decides by (a few ms, once per shape)."""
+    g = torch.Generator().manual_seed(0)
+    record = pack(quantize(torch.randn(n, k, generator=g), fmt), fmt, "w")
+    qweight, params = record["w.qweight"], record[f"w.{fmt.params}"]
+    fast = kernels.cpu_record(record, fmt)["w.qweight"]  # torch's layout for the float-activation kernel
+    x = torch.randn(1, k, generator=g)
+    return (
+        kernels.fastest_ms(lambda: kernels.quantized_matmul(x, qweight, params, fmt, True), repeats),
+        kernels.fastest_ms(lambda: kernels.quantized_matmul(x, fast, params, fmt, False), repeats),
+    )
+
+
+def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, int]], on_gpu: bool) -> tuple[bool, str]:
+    """(int8 activations or not, why) for a model whose quantized matrices are `shapes` (format, N, K), from
+    the user's `choice` (ACTIVATIONS; None: DEFAULT_ACTIVATIONS). "auto" measures the largest one
+    (`measure_activations`)."""
+    choice = DEFAULT_ACTIVATIONS if choice is None else choice
+    if choice not in ACTIVATIONS:
+        raise UsageError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {choice!r}")
+    fitting = [(fmt, n, k) for fmt, n, k in shapes if int8_activations_fit(fmt, n, k)]
+    if choice == "float":
+        return False, "float activations, as chosen"
+    if on_gpu:
+        return False, "float activations: the model runs on a GPU"
+    if not fitting:
+        return False, "float activations: no quantized matrix here that the int8-activation kernels take"
+    # formats torch has no kernel for: their float path dequantizes each matrix at every matmul
+    kernelless = sorted({fmt.name for fmt, _, _ in fitting if not fmt.torch_kernel})
+    if fused_build.extension() is None:
+        if choice == "int8":
+            why = fused_build.unavailable_reason() or "turned off in this process"
+            raise UsageError(f"--activations int8 needs the compiled kernels, which are off: {why}")
+        if kernelless:  # a cliff worth naming: each of their matrices is dequantized per call
+            return False, (
+                f"float activations: no compiled kernels, so the {', '.join(kernelless)} weights are dequantized at every "
+                "matmul (about 100x slower); install a C++ compiler, or convert with --experts-dtype int4"
+            )
+        return False, "float activations: no compiled kernels"
+    loops = f"; {fused_build.lowbit_isa()} loops"  # the variant this CPU runs (lowbit_dot.h)
+    if choice == "int8":
+        return True, "int8 activations, as chosen" + loops
+    if kernelless:  # their float path dequantizes every matrix it multiplies: several times slower than either
+        return True, f"int8 activations: the only fast kernel for {', '.join(kernelless)} weights" + loops
+    fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
+    # At most 4096 x 8192 (32 MiB of float32 to quantize from): an LM head of 129k rows would take
+    # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
+    # of every group size.
+    n, k = min(n, 4096), min(k, 8192)
+    integer, floating = measure_activations(fmt, n, k)
+    ratio = floating / integer
+    if ratio >= INT8_ACTIVATIONS_MARGIN:
+        return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here" + loops
+    return False, f"float activations: int8 ones measured {ratio:.2f}x their speed here (under {INT8_ACTIVATIONS_MARGIN}x)"
+
+
+# -- the experts ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -21,30 +130,85 @@ class ExpertsPlan:
     layer: object  # the store's LayerSpec: the record's layout and format
     int8_activations: bool  # the matmuls take int8 activations and read the records as stored
     preparer: object | None  # what turns a record, as read, into its kernels' layout (None: used as stored)
+    one_token_off: str | None  # why no fused one-token kernel can run this layer (None: one may, per module)
     one_token: dict = field(default_factory=dict)  # activation dtype -> the fused kernel's arguments, or None
 
     @property
-    def fmt(self):
+    def fmt(self) -> QuantFormat | None:
         return self.layer.quantization
 
     def linear(self, x: torch.Tensor, record: dict, name: str, transposed: bool) -> torch.Tensor:
         """x [M, K] -> [M, N] with the record's matrix `name` (kernels.expert_linear, as this plan says)."""
         return kernels.expert_linear(x, record, name, self.fmt, transposed, self.int8_activations)
 
-    def one_token_kernel(self, module, x: torch.Tensor, tiered: bool) -> tuple | None:
-        """The fused one-token experts kernel for this layer and x's dtype (fused.one_token_experts decides,
-        once per dtype; load resolves the model's compute dtype), or None."""
+    def one_token_kernel(self, module: nn.Module, x: torch.Tensor) -> tuple | None:
+        """The fused one-token experts kernel's arguments for this layer and x's dtype, or None: decided once
+        per dtype (load resolves the model's compute dtype)."""
+        if self.one_token_off is not None or x.device.type != "cpu":
+            return None
         if x.dtype not in self.one_token:
-            self.one_token[x.dtype] = fused.one_token_experts(module, self.layer, x, tiered, self.int8_activations)
+            self.one_token[x.dtype] = fused.experts_call(module, self.layer, x.dtype, self.int8_activations)
         return self.one_token[x.dtype]
 
+    def one_token_reason(self, module: nn.Module, x: torch.Tensor) -> str | None:
+        """Why `one_token_kernel` gives None for x (None: it gives the kernel)."""
+        if self.one_token_kernel(module, x) is not None:
+            return None
+        if self.one_token_off is not None:
+            return self.one_token_off
+        return "a gate the kernel does not compute" if fused_build.extension() is not None else "no compiled kernels"
 
-def experts_plans(layers, cpu_kernels: bool, int8_activations: bool) -> list[ExpertsPlan]:
+
+def takes_int8_activations(layer) -> bool:
+    """Whether every quantized matrix of an expert layer's records fits the int8-activation kernels."""
+    if layer.quantization is None:
+        return False
+    return all(int8_activations_fit(layer.quantization, n, k) for n, k in layer.quantized_matrices)
+
+
+def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_activations: bool = False):
+    """What makes a layer's records, as read, into the bytes its kernels take (called on the I/O thread
+    with the record's tensors), or None where they take them as stored: float and int8 records, the formats
+    torch has no kernel for (`QuantFormat.torch_kernel`), a GPU, int8-activation kernels, and a version 3
+    store's records (already in this machine's kernel layout, `kernels.check_packing`)."""
+    if not kernels.repacked_for_torch(fmt) or not cpu_kernels or int8_activations or not fmt.portable:
+        return None
+    return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
+
+
+def experts_plans(layers, cpu_kernels: bool, int8_activations: bool, tiered: bool = False) -> list[ExpertsPlan]:
     """Per MoE layer of a store: int8 activations where asked for, on the CPU's kernels, and every matrix
-    fits them (kernels.takes_int8_activations); and the record preparer that goes with that choice
-    (kernels.record_preparer)."""
+    fits them; the record preparer that goes with that choice; and whether a fused one-token kernel may
+    run it (the CPU's kernels, no device tier, a format the C++ computes)."""
     plans = []
     for layer in layers:
-        integer = int8_activations and cpu_kernels and kernels.takes_int8_activations(layer)
-        plans.append(ExpertsPlan(layer, integer, kernels.record_preparer(layer.quantization, layer.layout, cpu_kernels, integer)))
+        integer = int8_activations and cpu_kernels and takes_int8_activations(layer)
+        preparer = record_preparer(layer.quantization, layer.layout, cpu_kernels, integer)
+        off = "a device tier" if tiered else None if cpu_kernels else "a GPU"
+        plans.append(ExpertsPlan(layer, integer, preparer, off or compiled_format(layer.quantization, integer)))
     return plans
+
+
+# -- the resident linears ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How one resident quantized linear computes: its format's kernel, with int8 activations or not."""
+
+    fmt: QuantFormat
+    int8_activations: bool = False
+    compiled: bool = False  # the C++ computes it as `matmul` does (the fused attention kernels may run it)
+
+    def matmul(self, x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        return kernels.quantized_matmul(x, qweight, params, self.fmt, self.int8_activations)
+
+
+def plan_linears(model: nn.Module, int8_activations: bool, cpu_kernels: bool) -> None:
+    """Give every QuantizedLinear of `model` its plan: int8 activations where asked for, on the CPU's
+    kernels, and its matrix fits them."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            fmt = module.fmt
+            integer = int8_activations and cpu_kernels and int8_activations_fit(fmt, module.out_features, module.in_features)
+            module.plan = LinearPlan(fmt, integer, cpu_kernels and compiled_format(fmt, integer) is None)

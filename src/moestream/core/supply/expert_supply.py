@@ -96,7 +96,7 @@ class ExpertSupply:
         device_budget: int = 0,
     ):
         """preparers: per layer, what turns a record as read into its kernels' layout on the I/O thread, or
-        None (kernels.record_preparer). prefetcher: a prefetch.Prefetcher (reads ahead of need), or None.
+        None (plan.record_preparer). prefetcher: a prefetch.Prefetcher (reads ahead of need), or None.
         device, device_budget: an accelerator whose memory holds a tier of `device_budget` bytes of experts
         above the host cache (the host slots are pinned for its copies), or None."""
         if verify not in VERIFY_MODES:
