@@ -4,7 +4,7 @@ continuous batching (`model.generate_batch`, paged attention) on the same loaded
     python benchmarks/batching_check.py STORE --memory 8MiB --prompts heldout.txt [--compute-dtype fp32] [--json OUT]
 
 1. Exactness: --count prompts (paragraphs of --prompts, their first 200 characters), --tokens greedy
-   tokens each, decoded alone (`generate.stream`) and --batches at a time (`moestream.generate_batch`):
+   tokens each, decoded alone (`serving.stream`) and --batches at a time (`moestream.generate_batch`):
    how many equal, and where the others part.
 2. Speed: the same prompts all at once, moestream's `generate_batch` and transformers' `generate_batch`
    (end-of-sequence disabled in both), alternating for --rounds rounds: aggregate tok/s (tokens over the
@@ -23,7 +23,8 @@ from transformers import GenerationConfig
 
 import moestream
 from moestream.frontends.batching import BatchGenerator
-from moestream.frontends.generate import Decoding, stream
+from moestream.frontends.generate import Decoding, SamplingParams
+from moestream.frontends.serving import stream
 
 
 def main() -> None:
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=0, help="part 3: the newcomer's prompt length (0: skip)")
     parser.add_argument("--chunk", type=int, default=256, help="part 3: prompt tokens fed per step (against one pass)")
     parser.add_argument("--json", help="write the figures here too")
+    machine.add_record_argument(parser, "batching-exactness")
     args = parser.parse_args()
 
     model, tokenizer = moestream.load(args.store, memory=args.memory, compute_dtype=args.compute_dtype)
@@ -56,9 +58,9 @@ def main() -> None:
         "joining": {},
     }
 
-    solo = [stream(model, None, p, n, greedy=True, ignore_eos=True).token_ids for p in prompts]
+    solo = [stream(model, None, p, SamplingParams.timed(n)).token_ids for p in prompts]
     for batch in (int(b) for b in args.batches.split(",")):
-        together = moestream.generate_batch(model, None, prompts, n, max_batch=batch, greedy=True, ignore_eos=True)
+        together = moestream.generate_batch(model, None, prompts, SamplingParams.timed(n), max_batch=batch)
         parted = [next((i for i, (a, b) in enumerate(zip(x, r.token_ids)) if a != b), None) for x, r in zip(solo, together)]
         report["exact"][batch] = {"equal": sum(p is None for p in parted), "part_at": sorted(p for p in parted if p is not None)}
         print(
@@ -73,7 +75,7 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
     for r in range(args.rounds):
         start = time.perf_counter()
-        ours = moestream.generate_batch(model, None, prompts, n, max_batch=len(prompts), greedy=True, ignore_eos=True)
+        ours = moestream.generate_batch(model, None, prompts, SamplingParams.timed(n), max_batch=len(prompts))
         mine = time.perf_counter() - start
         start = time.perf_counter()
         out = model.generate_batch(prompts, generation_config=config, progress_bar=False)
@@ -104,19 +106,42 @@ def main() -> None:
     moestream.close(model)
     if args.json:
         machine.write_json(args.json, {"store": args.store, "memory": args.memory, **report})
+    if args.record:
+        record(args, report)
+
+
+def record(args, report: dict) -> None:
+    count = report["prompts"]
+    cells = []
+    for exact in report["exact"].values():
+        parted = f" (the others part at tokens {', '.join(map(str, exact['part_at']))})" if exact["part_at"] else ""
+        cells.append(f"{exact['equal']} of {count}{parted}")
+    theirs = ", ".join(str(s["equal"]) for s in report["speed"])
+    columns = [
+        "compute dtype",
+        *(f"{b} at a time: equal to solo" for b in report["exact"]),
+        "transformers' `generate_batch` equal to moestream's, per round",
+    ]
+    caption = (
+        f"`--compute-dtype {args.compute_dtype}` ({report['compute_dtype']}): {count} prompts of `--prompts`, {report['tokens']} greedy "
+        f"tokens each, decoded several at a time against each alone, `--memory {args.memory}`:"
+    )
+    table = machine.table(caption, columns, [[report["compute_dtype"], *cells, f"{theirs} of {count}"]])
+    path = machine.write_result(args.record, "Batched decoding: exactness", machine.invocation(), [table])
+    print(f"wrote {path}")
 
 
 def joining(model, running_prompts, long_prompt, chunk: int | None) -> tuple[float, float]:
     """(the running sequences' longest time between two tokens while `long_prompt` is prefilled beside
     them, the seconds that prefill took)."""
     batch = BatchGenerator(model, max_batch=3, prefill_chunk=chunk)
-    running = [Decoding(model, None, p, 10**6, greedy=True, ignore_eos=True) for p in running_prompts]
+    running = [Decoding(model, None, p, SamplingParams.timed(10**6)) for p in running_prompts]
     for d in running:
         batch.admit(d)
         batch.decode()
     for _ in range(3):
         batch.decode()
-    newcomer = Decoding(model, None, long_prompt, 4, greedy=True, ignore_eos=True)
+    newcomer = Decoding(model, None, long_prompt, SamplingParams.timed(4))
     start = last = time.perf_counter()
     batch.admit(newcomer)
     gap = 0.0

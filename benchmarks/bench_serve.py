@@ -4,7 +4,8 @@ decoded together, and over a multi-turn chat that reuses its KV.
     python benchmarks/bench_serve.py STORE --memory 8MiB [--rounds 3] [--tokens 64] [--concurrent 20]
     python benchmarks/bench_serve.py STORE --memory 768MiB --rounds 0 --concurrent 0 --streams 1,4,16 --tokens 32
     python benchmarks/bench_serve.py STORE --memory 8MiB --rounds 0 --concurrent 0 --chat-turns 10
-    (--rounds 0, --concurrent 0, no --streams, --chat-turns 0: skip that part; --json OUT: write every part's figures)
+    (--rounds 0, --concurrent 0, no --streams, --chat-turns 0: skip that part; --json OUT: write every part's figures;
+    --record: part 1 as this machine's record of serving-one-request, benchmarks/machine.py)
 
 1. Single request, greedy, the same prompt: `moestream generate --greedy --json` (a fresh process each
    round) and a streamed /v1/completions request through the `openai` client to one `moestream serve`
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--batch-kv-memory", default="2GiB", help="the server's running-KV budget")
     ap.add_argument("--kv-memory", default="1GiB", help="the server's prefix-cache budget (parts 1-3)")
     ap.add_argument("--json", help="write every part's figures here too")
+    machine.add_record_argument(ap, "serving-one-request")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the server too
 
@@ -144,6 +146,8 @@ def main() -> None:
         if args.rounds:
             ratios = [a / c for a, c in zip(api_rates, cli_rates)]
             report["single"] = {"generate": cli_rates, "api_client": api_rates, "api_server": server_rates}
+            if args.record:
+                record_single(args, cli_rates, api_rates, server_rates, ratios)
             print(
                 f"  median: generate {statistics.median(cli_rates):.1f} tok/s, API {statistics.median(api_rates):.1f} tok/s "
                 f"(server side {statistics.median(server_rates):.1f}), "
@@ -167,6 +171,26 @@ def main() -> None:
             server.wait(timeout=60)
     if args.json:
         machine.write_json(args.json, report)
+
+
+def record_single(args, cli_rates: list, api_rates: list, server_rates: list, ratios: list) -> None:
+    rows = [
+        [label, f"{statistics.median(rates):.1f}", f"{min(rates):.1f}-{max(rates):.1f}"]
+        for label, rates in (
+            ("`moestream generate`", cli_rates),
+            ("API, measured by the client (first to last streamed piece)", api_rates),
+            ("API, the server's own timing (`/metrics`)", server_rates),
+        )
+    ]
+    caption = (
+        f"`--memory {args.memory}`, greedy, {args.tokens} tokens of `{args.prompt}`, {len(cli_rates)} alternating rounds of "
+        "`moestream generate --greedy --json` and a streamed `/v1/completions` request from the `openai` client to one `moestream serve`:"
+    )
+    columns = ["", f"decode tok/s, median of {len(cli_rates)}", "range"]
+    notes = f"The API at {min(ratios):.2f}-{max(ratios):.2f}x `generate` per round (median {statistics.median(ratios):.2f}x)."
+    title = "Serving one request: the API against `moestream generate`"
+    path = machine.write_result(args.record, title, machine.invocation(), [machine.table(caption, columns, rows)], notes)
+    print(f"wrote {path}", flush=True)
 
 
 def start_server(store: str, memory: str, extra: list[str]):

@@ -24,7 +24,9 @@ a PATH (one tree on two stores). --warmup-tokens same makes the warm-up the time
 that with a --memory that holds every expert the timed pass is all hits (greedy decoding routes the same
 way twice); it prints the hit rate of the whole run and of the timed pass, and, with --store-for, each
 tree's store and the moestream it imported; and the machine's load average as each run started. --json writes
-every run's figures with the machine (the commit there is the running checkout's; each tree's path is in "trees").
+every run's figures with the machine (the commit there is the running checkout's; each tree's path is in "trees");
+--record writes a table per store as this machine's record of old-against-new (benchmarks/machine.py; the
+trees by name: say in the names which commits they are).
 """
 
 import argparse
@@ -141,6 +143,7 @@ def main() -> None:
         "or each tree's own (`timed`, what bench runs: the loops differ too)",
     )
     parser.add_argument("--json", help="write every run's figures here too")
+    machine.add_record_argument(parser, "old-against-new")
     args = parser.parse_args()
     if args.warmup_tokens != "same" and not args.warmup_tokens.isdigit():
         parser.error("--warmup-tokens takes a number or `same`")
@@ -154,7 +157,7 @@ def main() -> None:
     if not args.store and set(own) != set(names):
         parser.error("give --store, or a --store-for for every tree")
     print(f"machine: {machine.line()}")
-    report = []
+    report, tables = [], []
     for store in args.store or [None]:
         stores = {name: own.get(name, store) for name in names}
         rates: dict[str, list[float]] = {name: [] for name in names}
@@ -194,9 +197,27 @@ def main() -> None:
         report.append(
             dict(stores=stores, tokens_per_second=rates, hit_rate=hit_rates, timed_hit_rate=timed_hit_rates, load=loads)
         )
+        rows = []
+        for name in names:
+            against = ""
+            if name != a:
+                ratios = [y / x for x, y in zip(rates[a], rates[name])]
+                against = f"{medians[name] / medians[a]:.3f}; {statistics.median(ratios):.3f}"
+            rounds = " ".join(f"{v:.1f}" for v in rates[name])
+            rows.append([name, rounds, f"{medians[name]:.2f}", f"{hit_rates[name]:.1%}", against])
+        where = os.path.basename(os.path.normpath(what)) if store else what
+        caption = (
+            f"`{where}` at `--memory {args.memory}`, `--prefetch {args.prefetch}`, {args.tokens} greedy tokens after {args.prompt_tokens}, "
+            f"warm-up {args.warmup_tokens}, the {args.loop} loop, {args.rounds} alternating rounds of fresh processes:"
+        )
+        columns = ["tree", "tok/s per round", "median tok/s", "hit rate", f"against {a}: medians; median of per-round ratios"]
+        tables.append(machine.table(caption, columns, rows))
     if args.json:
         options = {k: v for k, v in vars(args).items() if k not in ("tree", "json")}
         machine.write_json(args.json, {"trees": dict(trees), "options": options, "runs": report})
+    if args.record:
+        path = machine.write_result(args.record, "Refactors: the old tree against the new", machine.invocation(), tables)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

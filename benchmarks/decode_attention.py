@@ -2,6 +2,7 @@
 sdpa as transformers calls it, side by side, over growing contexts.
 
     python benchmarks/decode_attention.py [--threads 2] [--positions 1024 4096 16384 32768] [--dtype bf16] [--simd avx2]
+        [--record]      # the table as this machine's record of flash-decoding (benchmarks/machine.py)
 
 32 query heads, 4 key/value heads of 128 (grouped 8 to 1), one query against T cached positions: the fastest
 of 15 calls of each, the two alternating; GB/s is the keys' and values' bytes over that time (the bytes a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import machine
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("--positions", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--simd", choices=["avx512", "avx2", "loops"], default="avx512", help="the most capable loops allowed")
+    machine.add_record_argument(parser, "flash-decoding")
     args = parser.parse_args()
     ext = fused_build.extension()
     if ext is None:
@@ -47,6 +50,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     print(f"machine: {machine.line()}; {args.threads} threads; {args.dtype}; kernel loops up to {args.simd}")
     print(f"{'positions':>9} {'kernel ms':>10} {'GB/s':>6} {'sdpa ms':>9} {'GB/s':>6} {'speed-up':>8}")
+    rows = []
     for positions in args.positions:
         g = torch.Generator().manual_seed(positions)
         q = torch.randn(1, 32, 1, 128, generator=g).to(dtype)
@@ -62,6 +66,33 @@ def main() -> None:
             f"{sdpa / kernel:>7.2f}x",
             flush=True,
         )
+        rows.append(
+            [
+                f"{positions:,}",
+                f"{kernel:.3f} ms",
+                f"{gigabytes / kernel * 1e3:.1f}",
+                f"{sdpa:.3f} ms",
+                f"{gigabytes / sdpa * 1e3:.1f}",
+                f"{sdpa / kernel:.2f}x",
+            ]
+        )
+    if args.record:
+        aten = os.environ.get("ATEN_CPU_CAPABILITY", "its own")
+        caption = (
+            f"One decode query at the 30B shape (32 query heads, 4 key/value heads of 128), {args.dtype} keys and values: "
+            f"the kernel (loops up to {args.simd}) against torch's sdpa (`enable_gqa`, torch's {aten} dispatch), "
+            f"alternating, fastest of 15 calls, {args.threads} threads:"
+        )
+        columns = ["positions", "kernel", "GB/s", "sdpa", "GB/s", "speed-up"]
+        notes = "GB/s: the keys' and values' bytes over the time, the floor of a long-context decode step."
+        path = machine.write_result(
+            args.record,
+            "Long context: the flash-decoding kernel",
+            machine.invocation(),
+            [machine.table(caption, columns, rows)],
+            notes,
+        )
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

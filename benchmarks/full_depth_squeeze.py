@@ -18,6 +18,9 @@ while the 8-layer GGUF is made, 36 GB after):
      only AVAILABLE of the machine's memory left, moestream with a MEMORY expert cache (results/squeeze-*.json);
    - `moestream bench --text` under the same squeeze: hit rate, bytes missed per token, the disk's bandwidth on
      those reads, all-hits compute and the floors they allow (results/bench-*.json).
+
+`--record` hands `squeeze_text.py` its `--record ssd-full-depth`: each budget's table of both engines goes
+into this machine's record (benchmarks/machine.py); bench's figures are in results/bench-*.json.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="squeeze_text.py rounds (the engines alternate)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--prefetch", default="auto", help="moestream's --prefetch (auto, the default, probes it after 16 steps)")
+    machine.add_record_argument(parser, "ssd-full-depth")
     args = parser.parse_args()
 
     from moestream.units import format_bytes, parse_bytes
@@ -94,6 +98,8 @@ def main() -> None:
             "--available", available, "--memory", memory, "--tokens", str(args.tokens), "--prefill", "32",
             "--rounds", str(args.rounds), "--prefetch", args.prefetch, "--json", str(results / f"squeeze-{name}.json"), *threads,
         ]  # fmt: skip
+        if args.record:
+            squeeze_text += ["--record", args.record]
         print("$ " + " ".join(shlex.quote(part) for part in squeeze_text), flush=True)
         subprocess.run(squeeze_text, check=True)
         squeeze = max(0, memory_available() - parse_bytes(available))

@@ -9,7 +9,8 @@ tokenizer) are fed teacher-forced through both: moestream (`moestream.load`, one
 the same, the first position where they differ, the mean KL(llama.cpp || moestream) of the next-token
 distributions, and each one's perplexity of the text. Both run on this CPU with float32 activations
 (llama.cpp quantizes activations to 8 bits for its K-quant dot products, so the two are not bit-equal).
---json writes the same figures.
+--json writes the same figures; --record writes them as a table of this machine's record of
+gguf-vs-llamacpp (benchmarks/machine.py), one table per file.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the figures here too")
+    machine.add_record_argument(parser, "gguf-vs-llamacpp")
     args = parser.parse_args()
     if not Path(args.store).exists():
         command = ["moestream", "convert", args.gguf, args.store, "--experts-dtype", "fp32", "--dense-dtype", "float"]
@@ -80,6 +82,21 @@ def main() -> None:
         machine.write_json(
             args.json, {"gguf": Path(args.gguf).name, **figures, "perplexity": dict(zip(("moestream", "llama.cpp"), ppl))}
         )
+    if args.record:
+        name = Path(args.gguf).name
+        columns = [
+            "file",
+            f"top-1 identical ({len(targets)} positions)",
+            "first divergence",
+            "mean KL(llama.cpp, moestream)",
+            "perplexity moestream",
+            "llama.cpp",
+        ]
+        row = [name, f"{same.mean():.1%}", "none" if first is None else first, f"{kl:.1e}", f"{ppl[0]:.2f}", f"{ppl[1]:.2f}"]
+        caption = f"`{name}` imported into `{Path(args.store).name}` and run by both engines, the text's first {len(targets) + 1} tokens teacher forced:"
+        title = "GGUF files imported, against llama.cpp on the same file"
+        path = machine.write_result(args.record, title, machine.invocation(), [machine.table(caption, columns, [row])])
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

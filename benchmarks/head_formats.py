@@ -2,7 +2,7 @@
 GGUF's Q6_K blocks: int8 by rows (what moestream stored them in before int6), int6 in groups of 64 (6.5
 bits a weight; Q6_K is 6.56) and, for scale, int4 in groups of 64.
 
-    python benchmarks/head_formats.py [--threads 2] [--vocab 151936] [--json OUT]
+    python benchmarks/head_formats.py [--threads 2] [--vocab 151936] [--json OUT] [--record]
 
 1. The machine's read bandwidth (a float32 sum over 512 MiB, best of 5): what a kernel streaming weights
    from DRAM can reach.
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the results here too")
+    machine.add_record_argument(parser, "int6-weights")
     args = parser.parse_args()
     bandwidth = start_benchmark(args.threads)
     label = {name: f"{name}-g{group}" if group else name for name, group in FORMATS}
@@ -93,6 +94,22 @@ def main() -> None:
     )
     if args.json:
         machine.write_json(args.json, results)
+    if args.record:
+        names = [r["format"] for r in results["lm_head"]]
+        rows = [
+            [
+                f"LM head [{args.vocab:,}, 2048]",
+                *(f"{r['ms']:.2f} ms, {r['mib']:.0f} MiB, {r['gbs']:.1f} GB/s" for r in results["lm_head"]),
+            ],
+            ["expert down [2048, 768], per matrix", *(f"{r['ms']:.3f} ms, {r['gbs']:.1f} GB/s" for r in results["down"])],
+        ]
+        caption = (
+            f"One token through the LM head and through 64 distinct expert down projections, int8 activations, formats alternating, "
+            f"best of {args.rounds} rounds, {args.threads} threads; a float32 sum read {bandwidth:.1f} GB/s:"
+        )
+        table = machine.table(caption, ["matrix", *names], rows)
+        path = machine.write_result(args.record, "6-bit weights (int6): LM heads and Q6_K blocks", machine.invocation(), [table])
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

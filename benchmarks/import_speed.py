@@ -9,7 +9,9 @@ peak RSS; then the disk's write speed is measured as `dd if=/dev/zero of=F bs=16
 conv=fdatasync` measures it (4 GiB written, then flushed) in the same directory. With --baseline-src (the
 `src` directory of another checkout), a convert by that code runs before each of this checkout's, the
 same way: A/B in alternation, as this machine's speed moves within minutes. Printed per run: wall time,
-user and system CPU, peak RSS, store bytes, MB/s and the ratio to that round's disk speed.
+user and system CPU, peak RSS, store bytes, MB/s and the ratio to that round's disk speed. `--record`
+writes them as a table of this machine's record of gguf-import-speed (benchmarks/machine.py), one table
+per file.
 """
 
 from __future__ import annotations
@@ -75,12 +77,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline-src", help="the src directory of another checkout, run in alternation")
     parser.add_argument("--convert-args", default="", help="options passed to moestream convert")
+    machine.add_record_argument(parser, "gguf-import-speed")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(machine.line())
     print(f"file: {args.gguf} ({args.gguf.stat().st_size / 1e9:.2f} GB)")
     extra = shlex.split(args.convert_args)
     runs = [("baseline", args.baseline_src), ("this", None)] if args.baseline_src else [("this", None)]
+    rows = []
     for r in range(args.rounds):
         for name, pythonpath in runs:
             got = timed_convert(args.gguf, args.workdir / "store", extra, pythonpath)
@@ -92,7 +96,30 @@ def main() -> None:
                 f"disk {disk / 1e6:4.0f} MB/s  ratio {rate / disk:.2f}",
                 flush=True,
             )
+            rows.append(
+                [r + 1, "`--baseline-src`" if name == "baseline" else "this checkout", f"{got['wall']:.2f} s", f"{got['user']:.1f} + {got['sys']:.1f} s",
+                 f"{got['rss_mib']:.0f} MiB", f"{rate / 1e6:.0f} MB/s", f"{disk / 1e6:.0f} MB/s", f"{rate / disk:.2f}x"]
+            )  # fmt: skip
     shutil.rmtree(args.workdir / "store", ignore_errors=True)
+    if args.record:
+        options = f" {args.convert_args}" if args.convert_args else ""
+        caption = (
+            f"`{args.gguf.name}` ({args.gguf.stat().st_size / 1e9:.2f} GB), `moestream convert FILE STORE{options}`, a cold file, "
+            "fresh processes, the disk's write speed measured after each:"
+        )
+        columns = [
+            "round",
+            "code",
+            "wall time",
+            "user + system CPU",
+            "peak RSS",
+            "store written",
+            "disk alone",
+            "against the disk",
+        ]
+        table = machine.table(caption, columns, rows)
+        path = machine.write_result(args.record, "GGUF import speed against the disk", machine.invocation(), [table])
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The CPU's low-bit matmuls with int8 activations against float ones, and against the memory bus.
 
-    python benchmarks/int8_activations.py [--threads 2] [--json OUT]
+    python benchmarks/int8_activations.py [--threads 2] [--json OUT] [--record]
 
 1. The machine's read bandwidth: torch's float32 sum over 512 MiB (one pass, best of 5), the ceiling a
    kernel streaming weights from DRAM can reach.
@@ -60,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the results here too")
+    machine.add_record_argument(parser, "int8-activation-kernels")
     args = parser.parse_args()
     bandwidth = start_benchmark(args.threads)
     results: dict = {"threads": args.threads, "bandwidth_gbs": bandwidth}
@@ -108,6 +109,38 @@ def main() -> None:
     results["from_dram"] = streaming
     if args.json:
         machine.write_json(args.json, results)
+    if args.record:
+        record(args, bandwidth, rows, streaming)
+
+
+def record(args, bandwidth: float, rows: list[dict], streaming: list[dict]) -> None:
+    """The document's two tables: from DRAM with the bus's share, and the expert gate+up matrix from cache."""
+    dram = []
+    for fmt in dict.fromkeys(r["format"] for r in streaming):
+        cells = {r["int8_activations"]: r for r in streaming if r["format"] == fmt}
+        dram.append(
+            [fmt] + [f"{cells[k]['ms']:.3f}, {cells[k]['gbs']:.1f}, {cells[k]['gbs'] / bandwidth:.0%}" for k in (True, False)]
+        )
+    cached = []
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        cells = {r["rows"]: r for r in rows if r["format"] == fmt and (r["n"], r["k"]) == (1536, 2048)}
+        cached.append(
+            [fmt] + [f"{c['int8_ms']:.3f} / {c['float_ms']:.3f} ({c['float_ms'] / c['int8_ms']:.2f}x)" for c in cells.values()]
+        )
+    tables = [
+        machine.table(
+            f"One token through 64 distinct 1536x2048 matrices (weights streamed from DRAM), {args.threads} threads; the bus read {bandwidth:.1f} GB/s (float32 sum over 512 MiB):",
+            ["format", "int8 act: ms/matrix, GB/s, share of the bus", "float act: ms/matrix, GB/s, share"],
+            dram,
+        ),
+        machine.table(
+            "From cache, one expert's gate+up matrix [1536, 2048] (ms per matmul):",
+            ["format", "1 row: int8 / float act", "4 rows", "512 rows"],
+            cached,
+        ),
+    ]
+    path = machine.write_result(args.record, "int8-activation kernels against the memory bus", machine.invocation(), tables)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -287,6 +287,13 @@ def main() -> None:
     parser.add_argument("--json", help="also write the outcomes here")
     parser.add_argument("--verbose", action="store_true", help="show pytest's output")
     parser.add_argument("--reclassify", metavar="JSON", help="classify the outcomes of an earlier --json again; run nothing")
+    parser.add_argument(
+        "--record",
+        nargs="?",
+        const="llamacpp-server-tests",
+        metavar="CAPABILITY",
+        help="write the counts as this machine's record of CAPABILITY (default llamacpp-server-tests; benchmarks/machine.py)",
+    )
     args = parser.parse_args()
     outcomes = reclassify(args.reclassify) if args.reclassify else run(args)
     counts: dict[str, int] = {}
@@ -304,6 +311,24 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(outcomes, indent=1) + "\n")
         else:
             machine.write_json(args.json, outcomes)
+    if args.record and not args.reclassify:  # a record is this machine's run, not an earlier one's
+        import machine  # beside this file
+
+        total = outcomes["passed"] + outcomes["skipped"] + len(outcomes["failed"])
+        columns = ["tests", "passed", "skipped", "failed", *(f"of them {k}" for k in sorted(counts)), "time"]
+        row = [
+            total,
+            outcomes["passed"],
+            outcomes["skipped"],
+            len(outcomes["failed"]),
+            *(counts[k] for k in sorted(counts)),
+            f"{outcomes['seconds']} s",
+        ]
+        caption = f"llama.cpp's server tests ({', '.join(args.files)}){'' if args.slow else ', without those it marks slow'}, against `moestream serve`:"
+        title = "llama.cpp's server tests against `moestream serve`"
+        notes = "Every failure is classified in the script (`CLASSIFIED`): llama.cpp-only, content-only, or a gap."
+        path = machine.write_result(args.record, title, machine.invocation(), [machine.table(caption, columns, [row])], notes)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ A full-depth model (48 layers, `gguf_more_layers.py`, every expert in RAM):
         --engines moestream,llama.cpp-nofa-copy,llama.cpp-nofa
 
 Needs llama-cpp-python (a benchmark tool, not a dependency). Prints a table per context and the ratios;
-`--json FILE` writes them with the machine's record.
+`--json FILE` writes them with the machine's record; `--record` writes the two tables as this machine's
+record of long-context (`--record full-depth` for a 48-layer run; benchmarks/machine.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import machine  # noqa: E402
+
 WARMUP = 512
 WARM_STEPS = 4  # single-token steps at the warm-up's end: a first decode step's one-time work is not timed
 SEED = 1234
@@ -172,6 +176,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=WARMUP, help="tokens of the untimed warm-up prompt")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    machine.add_record_argument(parser, "long-context")
     args = parser.parse_args()
     if args.worker:
         contexts, steps, threads, flags = args.contexts, args.steps, args.threads, args.worker.split("-")
@@ -184,9 +189,6 @@ def main() -> None:
             result = run_llama_cpp(args.gguf, args.store, contexts, steps, threads, kv, flash, copy, args.text, args.warmup)
         print(json.dumps(result))
         return
-    sys.path.insert(0, str(HERE))
-    import machine
-
     print(machine.line(), flush=True)
 
     common = [args.store, args.gguf, "--contexts", *map(str, args.contexts), "--steps", str(args.steps),
@@ -219,6 +221,40 @@ def main() -> None:
             )
     if args.json:
         machine.write_json(args.json, {"args": vars(args), "results": results})
+    if args.record:
+        record(args, results, pairs)
+
+
+def record(args, results: dict, pairs: list[tuple[str, str]]) -> None:
+    engines, points = list(results), range(len(args.contexts))
+    decode, prefill = [], []
+    for i in points:
+        p = {e: results[e]["points"][i] for e in engines}
+        decode.append(
+            [f"{args.contexts[i]:,}"]
+            + [f"{args.steps / p[e]['decode_seconds']:.2f}" for e in engines]
+            + [f"{p[b]['decode_seconds'] / p[a]['decode_seconds']:.2f}x" for a, b in pairs]
+        )
+        prefill.append(
+            [f"{args.contexts[i]:,}", f"{p[engines[0]]['prefill_tokens']:,}"]
+            + [f"{p[e]['prefill_tokens'] / p[e]['prefill_seconds']:.1f}" for e in engines]
+            + [f"{p[b]['prefill_seconds'] / p[a]['prefill_seconds']:.2f}x" for a, b in pairs]
+        )
+    fed = "real text teacher-forced" if args.text else "random ids"
+    ratios = [f"{a} / {b}" for a, b in pairs]
+    tables = [
+        machine.table(
+            f"Decode tok/s after each context ({args.steps} steps, {fed}, `--memory {args.memory}`, {args.threads} threads; one run, the engines in turn):",
+            ["context", *engines, *ratios],
+            decode,
+        ),
+        machine.table(
+            "Prefill tok/s of each stretch up to the context:", ["context", "stretch tokens", *engines, *ratios], prefill
+        ),
+    ]
+    notes = "; ".join(f"{e}: {results[e]['note']}" for e in engines if "note" in results[e])
+    path = machine.write_result(args.record, "Long context against llama.cpp", machine.invocation(), tables, notes)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ For each trace and each budget (shares of all its experts, default 5, 10, 20, 30
 policy through the runtime's own cache and call order (moestream.tools.simulate; the hits are the ones the
 runtime gets) and prints hits as a share of Belady's MIN, then one summary line per model: each policy's
 mean share over the budgets, and whether the default is at or above LFU at every budget. --json FILE
-writes it all.
+writes it all; --record writes the table as the record of cache-policies (benchmarks/machine.py), under
+the machine `any`: a replay gives the same hits on every machine.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="held-out tokens to decode per checkpoint")
     parser.add_argument("--save-traces", type=Path, default=None, metavar="DIR")
     parser.add_argument("--json", type=Path, default=None)
+    machine.add_record_argument(parser, "cache-policies")
     args = parser.parse_args()
     shares_pct = [float(b) for b in args.budgets.split(",")]
     policies = [p for p in args.policies.split(",") if p]
@@ -98,6 +100,33 @@ def main() -> None:
         print(f"{name:<24} " + " ".join(f"{means[p]:>7.3f}x" for p in policies) + f"  {ok}")
     if args.json:
         machine.write_json(args.json, {"default_policy": DEFAULT_POLICY, "models": report})
+    if args.record:
+        record(args, report, policies)
+
+
+def record(args, report: dict, policies: list[str]) -> None:
+    rows = []
+    for name, r in report.items():
+        shares = r["share_of_optimum"]
+        for i, pct in enumerate(r["budgets_percent"]):
+            rows.append(
+                [
+                    name if i == 0 else "",
+                    f"{pct:g}%",
+                    f"{r['belady_hit_rate'][i]:.1%}",
+                    *(f"{shares[p][i]:.3f}x" for p in policies),
+                ]
+            )
+        rows.append(["", "mean", "", *(f"{r['mean_share_of_optimum'][p]:.3f}x" for p in policies)])
+    columns = ["model", "budget", "Belady's hit rate", *(f"{p} (default)" if p == DEFAULT_POLICY else p for p in policies)]
+    caption = (
+        "Each policy's hits as a share of Belady's MIN, replayed through the runtime's own cache and call order; "
+        "budgets as shares of all experts:"
+    )
+    info = {**machine.describe(), "cpu": "any machine: a deterministic replay", "cores": None, "cpu_capability": "any"}
+    table = machine.table(caption, columns, rows)
+    path = machine.write_result(args.record, "Cache policies against Belady's optimum", machine.invocation(), [table], info=info)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ about 25 GB, 13 GB after --delete-bf16-gguf):
    name, the top ones with their share of the profiled ops' total, and the wall time no op accounts for
    (Python, the engine's bookkeeping).
 
-Results go to WORKDIR/results/*.json (with the machine: CPU, torch, commit) as well as to the terminal.
+Results go to WORKDIR/results/*.json (with the machine: CPU, torch, commit) as well as to the terminal;
+`--record` also writes the warm rounds as this machine's record of decode-30b-shape (`--record
+real-vocabulary` or `--record small-model` for those checkpoints; benchmarks/machine.py).
 
 llama.cpp must run here before anything is timed, so a short llama.cpp generation goes first: `moestream
 bench` waits forever for a peer process that dies. One way it dies: a build with GGML_NATIVE (pip's
@@ -177,7 +179,7 @@ def measure_moestream(store: str, memory: str, new_tokens: int, threads: int, pr
     import torch
 
     import moestream
-    from moestream.frontends.generate import timed
+    from moestream.frontends.serving import timed
 
     torch.set_num_threads(threads)
     long, short = torch.tensor([prompt_ids(LONG_PROMPT)]), torch.tensor([prompt_ids(SHORT_PROMPT)])
@@ -312,6 +314,35 @@ def side_by_side(args, store: Path, q4: Path) -> dict:
     return {"rounds": rounds, "summary": summary}
 
 
+def record(args, store: Path, side: dict) -> None:
+    """The warm rounds as the document's table: per round each moestream mode against llama.cpp."""
+    names = [n for n in side["rounds"][0] if n not in ("llama.cpp", "ratio")]
+    rows = []
+    for i, r in enumerate(side["rounds"]):
+        theirs = r["llama.cpp"]
+        for name in names:
+            ours, ratio = r[name], r["ratio"][name]
+            rows.append(
+                [i + 1, *([name] if len(names) > 1 else []), f"{ours['decode_tokens_per_second']:.2f}", f"{theirs['decode_tokens_per_second']:.2f}",
+                 f"{ratio['decode']:.2f}x", f"{ours['prefill_tokens_per_second']:.1f} / {theirs['prefill_tokens_per_second']:.1f}", f"{ratio['prefill']:.2f}x"]
+            )  # fmt: skip
+    columns = ["round", *(["moestream"] if len(names) > 1 else []), "moestream tok/s", "llama.cpp tok/s", "decode ratio"]
+    columns += ["prefill tok/s moestream / llama.cpp", "prefill ratio"]
+    caption = (
+        f"Store `{store.name}` against llama.cpp's Q4_0 file, warm, alternating fresh processes: decode {args.new_tokens} tokens after a "
+        f"{SHORT_PROMPT}-token prompt, prefill of {LONG_PROMPT} tokens, {args.threads} threads, moestream `--memory {args.memory} "
+        f"--prefetch {args.prefetch} --activations {args.activations}`:"
+    )
+    s = side["summary"]
+    notes = " ".join(
+        f"Medians of the per-round ratios ({name}): decode **{s[f'{name}_decode_ratio_median']:.2f}x**, prefill **{s[f'{name}_prefill_ratio_median']:.2f}x**."
+        for name in names
+    )
+    title = "Decode and prefill against llama.cpp at the Qwen3-30B-A3B shape"
+    path = machine.write_result(args.record, title, machine.invocation(), [machine.table(caption, columns, rows)], notes)
+    log(f"wrote {path}")
+
+
 # ---- per-op profile of all-hits decode ----
 
 
@@ -322,7 +353,7 @@ def profile_moestream(
     from torch.profiler import ProfilerActivity, profile
 
     import moestream
-    from moestream.frontends.generate import timed
+    from moestream.frontends.serving import timed
 
     torch.set_num_threads(threads)
     long, short = torch.tensor([prompt_ids(LONG_PROMPT)]), torch.tensor([prompt_ids(SHORT_PROMPT)])
@@ -444,6 +475,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also profile moestream's all-hits decode")
     parser.add_argument("--profile-only", action="store_true", help="build if needed, then only the profile")
     parser.add_argument("--top", type=int, default=12, help="ops in the profile table")
+    machine.add_record_argument(parser, "decode-30b-shape")
     args = parser.parse_args()
     args.convert_args = shlex.split(args.convert_args)
     if args.llama_lib:
@@ -472,6 +504,8 @@ def main() -> None:
             start = time.perf_counter()
             report["side_by_side"] = side_by_side(args, store, q4)
             timings["side-by-side"] = time.perf_counter() - start
+            if args.record:
+                record(args, store, report["side_by_side"])
     if args.profile or args.profile_only:
         start = time.perf_counter()
         argv = [str(store), args.memory, str(args.new_tokens), str(args.threads), args.prefetch, str(args.top)]

@@ -16,7 +16,9 @@ random model's own output, which loops. With a calibrated synthetic router
 model's. Each run is a fresh process; for each: decode tokens/s, bytes read from the disk per token
 (/proc/self/io read_bytes: O_DIRECT reads and mmap page-ins alike), moestream's hit rate, peak RSS.
 Rounds alternate the engines. Prints a line per run and the ratio of the medians of the runs whose peak
-RSS stayed within --available (one above it was not squeezed, and is left out); --json writes the runs.
+RSS stayed within --available (one above it was not squeezed, and is left out); --json writes the runs;
+--record writes the table as this machine's record of squeeze (benchmarks/machine.py; `--record
+ssd-full-depth` for the 48-layer model).
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", help="write the runs here too")
     parser.add_argument("--child", choices=["moestream", "llama.cpp"], help=argparse.SUPPRESS)
+    machine.add_record_argument(parser, "squeeze")
     args = parser.parse_args()
     if args.child:
         result = run_moestream(args) if args.child == "moestream" else run_llama_cpp(args)
@@ -173,6 +176,37 @@ def main() -> None:
     if args.json:
         options = {k: v for k, v in vars(args).items() if k not in ("child", "json")}
         machine.write_json(args.json, {"options": options, "squeeze_bytes": squeeze, "runs": rows, "ratio_of_medians": ratio})
+    if args.record:
+        table = []
+        for r in range(args.rounds):
+            for kind, runs in rows.items():
+                if r < len(runs):
+                    x = runs[r]
+                    hit = f"{x['hit_rate']:.1%}" if "hit_rate" in x else ""
+                    left_out = "" if x["squeezed"] else " (not squeezed: left out)"
+                    table.append(
+                        [
+                            r + 1,
+                            kind,
+                            f"{x['tokens_per_second']:.2f}",
+                            format_bytes(x["read_per_token"]),
+                            hit,
+                            format_bytes(x["peak_rss_bytes"]) + left_out,
+                        ]
+                    )
+        caption = (
+            f"{args.available} left for the run (`--available`), moestream's cache `--memory {args.memory}`, `--prefetch {args.prefetch}`, "
+            f"{args.tokens} tokens of real text teacher-forced after a {args.prefill}-token prompt, {args.threads} threads, fresh processes:"
+        )
+        columns = ["round", "engine", "decode tok/s", "read per token", "hit rate", "peak RSS"]
+        notes = (
+            f"moestream / llama.cpp (medians of the squeezed runs): **{ratio:.2f}x**."
+            if ratio
+            else "No ratio: one engine has no run that stayed within `--available`."
+        )
+        title = "Budgets far below the model: the squeeze"
+        path = machine.write_result(args.record, title, machine.invocation(), [machine.table(caption, columns, table)], notes)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ completions and the Responses API, on a served store whose chat template has a k
 
 Starts `moestream serve` on a free port, sends forced calls (tool_choice required, one call) with the
 `openai` client, and prints per endpoint: the time to the name, to the first argument delta, the median
-gap between deltas, and the first delta's lag in decode steps.
+gap between deltas, and the first delta's lag in decode steps. `--record` writes the table as this
+machine's record of tool-call-stream (benchmarks/machine.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import time
 from pathlib import Path
 
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
 
 TOOL = {
     "name": "get_weather",
@@ -109,7 +113,9 @@ def main() -> None:
     parser.add_argument("--chat-template", help="a chat template file with a known tool-call format")
     parser.add_argument("--memory", default="4GiB")
     parser.add_argument("--runs", type=int, default=5)
+    machine.add_record_argument(parser, "tool-call-stream")
     args = parser.parse_args()
+    rows = []
     extra = ["--memory", args.memory] + (["--chat-template", args.chat_template] if args.chat_template else [])
     with tempfile.TemporaryDirectory() as tmp:
         process, url = start_server(args.store, extra, Path(tmp) / "server.log")
@@ -130,9 +136,30 @@ def main() -> None:
                     f"one decode step (median gap between deltas) {step * 1e3:7.2f} ms; lag {first / step:4.2f} steps; "
                     f"{statistics.median(counts):.0f} argument deltas per call"
                 )
+                rows.append(
+                    [
+                        name,
+                        f"{first * 1e3:.2f} ms",
+                        f"{step * 1e3:.2f} ms",
+                        f"{first / step:.2f} steps",
+                        f"{statistics.median(counts):.0f}",
+                    ]
+                )
         finally:
             process.terminate()
             process.wait(timeout=30)
+    if args.record:
+        columns = [
+            "endpoint",
+            "name -> first argument delta",
+            "one decode step (median gap between deltas)",
+            "lag",
+            "argument deltas per call",
+        ]
+        caption = f"A forced call (tool_choice required, one call) through the `openai` client, medians of {args.runs} runs:"
+        table = machine.table(caption, columns, rows)
+        path = machine.write_result(args.record, "Tool calls streamed as they are written", machine.invocation(), [table])
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
