@@ -179,7 +179,8 @@ class BatchGenerator:
         last = logits[:, -1, :].to("cpu", torch.float32)
         ended = []
         for d in (decoding, *p.siblings):
-            token = int(d.choose(last.clone())[0])  # a copy: not an inference tensor, and each sampler's own
+            with torch.inference_mode():  # (as every choice: tensors a decoding keeps stay usable in place)
+                token = int(d.choose(last.clone())[0])  # a copy: each sampler changes its logits in place
             if d.accept(token):
                 self._keep_prefix(d, p.forward.cache)
                 ended.append(d)
@@ -199,6 +200,8 @@ class BatchGenerator:
         try:
             with torch.inference_mode():
                 logits = forward(ids, **self.kv.step_inputs())[:, -1, :].to("cpu", torch.float32)
+                # Each row's logits are its own decoding's to change in place: no copy.
+                tokens = [int(decoding.choose(logits[i : i + 1])[0]) for i, decoding in enumerate(self.running)]
         except BaseException:
             self.running, self.kv = [], BatchKV()
             raise
@@ -207,8 +210,7 @@ class BatchGenerator:
         self.stats.steps += 1
         self.stats.rows += len(self.running)
         ended, keep = [], []
-        for i, decoding in enumerate(self.running):
-            token = int(decoding.choose(logits[i : i + 1].clone())[0])
+        for i, (decoding, token) in enumerate(zip(self.running, tokens)):
             if decoding.accept(token):
                 ended.append(decoding)
                 self._keep_prefix(decoding, self.kv.row(i) if self.prefix_cache is not None else None)
