@@ -94,29 +94,23 @@ def _experts(model, engine, compute_dtype: torch.dtype) -> FastPath:
 
 
 def _records(engine, on_gpu: bool) -> FastPath | None:
-    """How int4-family records become what their kernel reads (None: the store has none)."""
-    indices = [i for i, layer in enumerate(engine.layers) if layer.quantization is not None and layer.quantization.name != "int8"]
-    if not indices:
+    """How int4-family records become what their kernel reads, as each layer's plan says (None: the store
+    has none): repacked where they land (the plan's preparer), or read as stored."""
+    plans = [plan for plan in engine.plans if plan.fmt is not None and plan.fmt.name != "int8"]
+    if not plans:
         return None
-    layers = [engine.layers[i] for i in indices]
     if on_gpu:
-        return FastPath("int4 records", len(layers), len(layers), "read by the GPU kernels as stored")
-
-    # int8-activation kernels, and the float paths of formats torch has no kernel for, read records as stored
-    def read_as_stored(i: int) -> bool:
-        return engine.plans[i].int8_activations or not engine.layers[i].quantization.torch_kernel
-
-    as_stored = sum(map(read_as_stored, indices))
-    if as_stored == len(layers):
-        return FastPath("int4 records", len(layers), len(layers), "read as stored by the int8-activation kernels")
-    portable = [engine.layers[i] for i in indices if engine.layers[i].quantization.portable and not read_as_stored(i)]
-    if not portable:
-        return FastPath("int4 records", len(layers), len(layers), "stored in this machine's kernel layout (format 3)")
-    fast = sum(all(repack.in_cpp(n, k) for n, k in layer.quantized_matrices) for layer in portable)
+        return FastPath("int4 records", len(plans), len(plans), "read by the GPU kernels as stored")
+    prepared = [plan for plan in plans if plan.preparer is not None]
+    if not prepared:
+        if all(plan.fmt.portable for plan in plans):
+            return FastPath("int4 records", len(plans), len(plans), "read as stored by their kernels")
+        return FastPath("int4 records", len(plans), len(plans), "stored in this machine's kernel layout (format 3)")
+    fast = sum(all(repack.in_cpp(n, k) for n, k in plan.layer.quantized_matrices) for plan in prepared)
     note = "repacked where they land, in C++"
-    if fast < len(portable):
-        note += f"; {len(portable) - fast} layers by torch's own packing function (several times slower): no compiled kernels"
-    return FastPath("int4 records", fast, len(portable), note)
+    if fast < len(prepared):
+        note += f"; {len(prepared) - fast} layers by torch's own packing function (several times slower): no compiled kernels"
+    return FastPath("int4 records", fast, len(prepared), note)
 
 
 def describe(paths: list[FastPath]) -> str:
