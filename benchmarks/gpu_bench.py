@@ -11,7 +11,7 @@ store in --workdir (once), then, in one process, alternating --rounds times:
 2. transformers + accelerate (`device_map="auto"`) with `max_memory` giving the GPU the same bytes
    (resident weights plus the VRAM budget) and the CPU the same host budget, the rest offloaded to disk;
 3. moestream with every expert in VRAM, and 4. transformers with the whole model on the GPU.
-Decode tokens/s is `generate.timed` (greedy, exactly --tokens tokens after a 16-token prompt, the prefill
+Decode tokens/s is `serving.timed` (greedy, exactly --tokens tokens after a 16-token prompt, the prefill
 not counted), the same definition for every engine. Prints each run and the ratios of the medians; --json
 writes them with the machine (GPU, CPU, torch, commit).
 """

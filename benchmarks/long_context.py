@@ -99,7 +99,7 @@ def run_moestream(
         for start, end in plan(contexts, steps):
             begin = time.perf_counter()
             forward(torch.tensor([ids[start:end]]))
-            grow_in_place(forward.cache)  # after a prefill, as generate_step does: decode appends into room
+            grow_in_place(forward.cache)  # after a prefill, as the batch does (kv_cache.BatchKV.add): decode appends into room
             prefill = time.perf_counter() - begin
             begin = time.perf_counter()
             for t in range(end, end + steps):

@@ -65,7 +65,7 @@ class ShuttingDown(WorkerError):
 
 
 class GenerationFailed(WorkerError):
-    """`generate.stream` raised (a disk error, a damaged record): this job fails, the worker goes on."""
+    """The scheduler's step raised (a disk error, a damaged record): this job fails, the worker goes on."""
 
     def __init__(self, cause: Exception):
         super().__init__(str(cause))

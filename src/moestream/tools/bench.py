@@ -263,7 +263,7 @@ def _prompt_ids(tokenizer, vocab: int, prompt_tokens: int, new_tokens: int, text
 
 def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace_out=None, forced=None, **load_kwargs):
     """Load the store under `memory` and time one generation of exactly `new_tokens` after `ids`
-    (generate.timed: greedy, or the `forced` tokens); returns (RunResult with the decode part's hit rate, bytes
+    (serving.timed: greedy, or the `forced` tokens); returns (RunResult with the decode part's hit rate, bytes
     read, read waits, bytes per step and time with a read in flight; the (file, offset, length) of every
     decode read). `load_kwargs` go to moestream.load."""
     from ..core.loading import close, load
@@ -322,8 +322,8 @@ def read_ahead_of(before: dict | None, after: dict | None) -> dict | None:
 
 def _llama_cpp_decode(gguf_path: str, ids: list, new_tokens: int, forced: list | None = None) -> Timing:
     """llama.cpp (llama-cpp-python) on a GGUF file, mmap'd, from the same prompt ids, greedy or taking the
-    `forced` tokens. Its own loop (llama.cpp is not a transformers model), timed by the same definition as
-    generate.stream."""
+    `forced` tokens. Its own loop (llama.cpp is not a transformers model), timed by the same definition (`Timing`) as
+    serving.stream."""
     from llama_cpp import Llama
 
     llm = Llama(

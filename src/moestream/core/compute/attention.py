@@ -3,7 +3,7 @@
 
 transformers looks a model's attention function up by `config._attn_implementation` in its
 AttentionInterface on every call. `install` registers `attend` there as "moestream" (with sdpa's mask
-function) and points the model's config at it, so the model's own code runs the kernel: the lone path,
+function) and points the model's config at it, so the model's own code runs the kernel: a lone row,
 the batched decode step (its padding mask included) and the fused one-token attention (fused.py, which
 then calls the same kernel and so still gives the model's own bits). Prefill, and any call the kernel does
 not cover (a sliding window, softcapping, attention sinks, dropout, another device or dtype), go to sdpa
