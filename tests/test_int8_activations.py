@@ -99,6 +99,20 @@ def test_each_row_gets_the_same_bits_alone_or_with_others(ext):
             assert torch.equal(together[row : row + 1], kernels.quantized_matmul(x[row : row + 1], qweight, params, fmt, True))
 
 
+def test_the_variant_a_matrix_runs_is_the_cpus_best_where_its_loop_takes_the_shape(loop, ext):
+    """`lowbit_variant` (what each plan reports) follows the dispatch's rules under every cap: VNNI where K
+    is an even number of its 32- or 64-input blocks and the int4 family's groups are not 32, else AVX2."""
+    vnni = ISAS.index(loop) >= ISAS.index("avx512-vnni")
+    plainer = "avx2" if ISAS.index(loop) >= ISAS.index("avx2") else "portable"
+    assert ext.lowbit_variant(8, 0, 64) == (loop if vnni else plainer)
+    assert ext.lowbit_variant(8, 0, 96) == plainer  # three blocks of 32
+    assert ext.lowbit_variant(4, 64, 128) == ext.lowbit_variant(6, 64, 128) == (loop if vnni else plainer)
+    assert ext.lowbit_variant(4, 64, 192) == plainer  # three blocks of 64
+    assert ext.lowbit_variant(4, 32, 128) == plainer  # group 32 stays on AVX2
+    int4 = QuantFormat.make("int4", 64)
+    assert plan.loops_variant(int4, [(8, 128), (8, 192)]) == ", ".join(sorted({ext.lowbit_variant(4, 64, 128), plainer}))
+
+
 def test_each_simd_variant_agrees_with_the_portable_loops(ext):
     g = torch.Generator().manual_seed(8)
     previous = ext.lowbit_isa("")
@@ -128,8 +142,7 @@ def test_the_choice_of_activations(ext, monkeypatch):
     shapes = [(int4, 128, 256), (int4, 256, 128)]
     assert plan.choose_activations("float", shapes, False) == (False, "float activations, as chosen")
     assert plan.choose_activations("int8", shapes, True)[0] is False  # a GPU takes float activations
-    loops = f"; {ext.lowbit_isa('')} loops"  # the fast-paths line names the variant the CPU runs
-    assert plan.choose_activations("int8", shapes, False) == (True, "int8 activations, as chosen" + loops)
+    assert plan.choose_activations("int8", shapes, False) == (True, "int8 activations, as chosen")
     narrow = [(QuantFormat.make("int4", 32), 16, 32)]  # K = 32: not a multiple of 64
     assert plan.choose_activations("int8", narrow, False)[0] is False
     used, why = plan.choose_activations("auto", shapes, False)
@@ -141,7 +154,7 @@ def test_the_choice_of_activations(ext, monkeypatch):
     table = [(QuantFormat.make("mxfp4"), 128, 256)]  # a table format's float path dequantizes per call
     assert plan.choose_activations("auto", shapes + table, False) == (
         True,
-        "int8 activations: the only fast kernel for mxfp4 weights" + loops,
+        "int8 activations: the only fast kernel for mxfp4 weights",
     )
     monkeypatch.setattr(fused_build, "extension", lambda: None)
     with pytest.raises(UsageError, match="needs the compiled kernels"):
@@ -174,7 +187,9 @@ def test_a_model_with_int8_activations_stays_close_to_float_ones(ext, wide_store
     )  # records read as stored
     assert not any(plan.int8_activations for plan in engine_of(floating).plans)
     line = loading.fast_paths(integer)
-    assert f"low-bit matmuls (int8 activations, as chosen; {ext.lowbit_isa('')} loops)" in line and "read as stored" in line
+    assert "low-bit matmuls (int8 activations, as chosen)" in line and "read as stored" in line
+    variants = {name for p in engine.plans for name in p.isa.split(", ")}  # each layer's matrices' loops
+    assert variants and variants <= set(ISAS) and "int8-activation loops (" in line and "experts layers and linears)" in line
     assert "attention (one token) 2/2" in line  # the fused attention agrees with the int8 linears' own forward
     ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():
@@ -196,7 +211,7 @@ def test_eval_prices_int8_activations_against_float_ones_on_the_same_store(ext, 
 
     text = "".join(chr(c) for c in torch.randint(97, 123, (300,), generator=torch.Generator().manual_seed(4)).tolist())
     report = compare(wide_store, wide_store, text, max_tokens=200, context=64, activations="int8")
-    assert report.activations == f"int8 activations, as chosen; {ext.lowbit_isa('')} loops"
+    assert report.activations == "int8 activations, as chosen"
     assert report.reference_activations == "float activations, as chosen"
     assert 0 < report.kl_mean < 1e-2 and report.top1_agreement > 0.8
     assert "low-bit matmuls" in report.table()

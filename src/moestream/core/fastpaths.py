@@ -11,6 +11,7 @@ which `generate`, `chat`, `bench` and `serve` print and `stats()["fast_paths"]` 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
@@ -50,6 +51,9 @@ def survey(
     paths.append(FastPath("compute dtype", 0, 0, why_not))
     if activations:
         paths.append(FastPath("low-bit matmuls", 0, 0, activations))
+    loops = _loops(model, engine)
+    if loops is not None:
+        paths.append(loops)
     if attention:
         paths.append(FastPath("attention function", 0, 0, attention))
     ext = None if on_gpu else fused_build.extension()
@@ -91,6 +95,17 @@ def _experts(model, engine, compute_dtype: torch.dtype) -> FastPath:
     off = sorted({reason for reason in reasons if reason is not None})
     note = f"off for {', '.join(off)}: the engine's own path" if off else ""
     return FastPath("experts (one token)", reasons.count(None), len(modules), note)
+
+
+def _loops(model, engine) -> FastPath | None:
+    """The variants of the int8-activation loops, as the plans of the experts layers and quantized linears
+    that take int8 activations record them (None: none does)."""
+    linears = [m.plan for m in model.modules() if isinstance(m, dense.QuantizedLinear)]
+    variants = Counter(plan.isa for plan in engine.plans + linears if plan.isa is not None)
+    if not variants:
+        return None
+    note = ", ".join(f"{name} for {count}" for name, count in variants.most_common())
+    return FastPath("int8-activation loops", 0, 0, f"{note} of {len(engine.plans) + len(linears)} experts layers and linears")
 
 
 def _records(engine, on_gpu: bool) -> FastPath | None:

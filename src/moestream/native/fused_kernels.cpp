@@ -50,6 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_matmul", &int8_matmul, no_gil);
   m.def("table_matmul", &table_matmul, no_gil);
   m.def("lowbit_isa", &lowbit_isa);
+  m.def("lowbit_variant", &lowbit_variant);
   m.def("decode_attention", &decode_attention, no_gil);
   m.def("decode_attention_simd", &decode_attention_simd);
   m.def("repack_int4", &repack_int4, no_gil);

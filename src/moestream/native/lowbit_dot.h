@@ -611,14 +611,34 @@ inline Isa isa() {
   return std::min(best, isa_cap());
 }
 
-// The dispatch: the CPU's variant (`isa()`), else the portable loops.
-inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1, float* y,
-                      const int8_t* table = nullptr) {
+// The variant a matrix's loops run: the CPU's (`isa()`) where its loop takes the matrix's shape, else the
+// next plainer one. The dispatch below and the load-time plan (`lowbit_variant`, core/compute/plan.py) both
+// ask these, so what the plan reports is what runs.
+inline Isa int4_variant(int64_t group, int64_t k) {
 #if defined(__x86_64__) && defined(__GNUC__)
   // (group 32 stays on AVX2: its two scales per chunk cost the VNNI loop what its dot products save;
   // benchmarks/isa_variants.py measured 0.91-1.05x there, 1.05-1.26x at group 64)
-  if (isa() == Isa::avx512_vnni && a.group != kBlock && (a.k / kSuper) % 2 == 0) return int4_rows_vnni(a, w, sz, bits, n, n0, n1, y, table);
-  if (isa() >= Isa::avx2) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y, table);
+  if (isa() == Isa::avx512_vnni && group != kBlock && (k / kSuper) % 2 == 0) return Isa::avx512_vnni;
+  if (isa() >= Isa::avx2) return Isa::avx2;
+#endif
+  return Isa::portable;
+}
+
+inline Isa int8_variant(int64_t k) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (isa() == Isa::avx512_vnni && (k / kBlock) % 2 == 0) return Isa::avx512_vnni;
+  if (isa() >= Isa::avx2) return Isa::avx2;
+#endif
+  return Isa::portable;
+}
+
+// The dispatch: each matrix's variant, else the portable loops.
+inline void int4_rows(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1, float* y,
+                      const int8_t* table = nullptr) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const Isa variant = int4_variant(a.group, a.k);
+  if (variant == Isa::avx512_vnni) return int4_rows_vnni(a, w, sz, bits, n, n0, n1, y, table);
+  if (variant == Isa::avx2) return int4_rows_avx2(a, w, sz, bits, n, n0, n1, y, table);
 #endif
   int4_rows_portable(a, w, sz, bits, n, n0, n1, y, table);
 }
@@ -635,8 +655,9 @@ void quantize(const T* x, int64_t rows, int64_t k, int64_t group, Activations& a
 
 inline void int8_rows(const Activations& a, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0, int64_t n1, float* y) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (isa() == Isa::avx512_vnni && (a.k / kBlock) % 2 == 0) return int8_rows_vnni(a, w, scales, bf16_scales, n, n0, n1, y);
-  if (isa() >= Isa::avx2) return int8_rows_avx2(a, w, scales, bf16_scales, n, n0, n1, y);
+  const Isa variant = int8_variant(a.k);
+  if (variant == Isa::avx512_vnni) return int8_rows_vnni(a, w, scales, bf16_scales, n, n0, n1, y);
+  if (variant == Isa::avx2) return int8_rows_avx2(a, w, scales, bf16_scales, n, n0, n1, y);
 #endif
   int8_rows_portable(a, w, scales, bf16_scales, n, n0, n1, y);
 }

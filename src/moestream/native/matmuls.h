@@ -135,6 +135,13 @@ std::string lowbit_isa(const std::string& cap) {
   return previous;
 }
 
+// The variant of the int8-activation loops that a matrix of `bits` (8: int8; else the int4 family), `group`
+// and K inputs runs (`int4_variant`, `int8_variant`): what core/compute/plan.py reports per layer.
+std::string lowbit_variant(int64_t bits, int64_t group, int64_t k) {
+  const lowbit::Isa variant = bits == 8 ? lowbit::int8_variant(k) : lowbit::int4_variant(group, k);
+  return kIsaNames[static_cast<int>(variant)];
+}
+
 // A matrix without bias as kernels.py runs it on the CPU, x [M, K] -> [M, N], for an expert's matmuls and a
 // resident linear alike (the one format dispatch here): bits 0 a float weight (at::linear); with `integer`
 // the int8-activation kernels (portable int4-family bytes, or int8); else 8 torch's int8 kernel (in float32

@@ -1,8 +1,10 @@
 """Every kernel choice, made once at load: what computes each matmul of the model on this machine.
 
 - The activations of the CPU's low-bit matmuls (`choose_activations`): int8 ones (the compiled kernels of
-  native/lowbit_dot.h, in the ISA variant this CPU runs, capped by MOESTREAM_LOWBIT_ISA: native/fused_build.py)
-  or float ones, from the user's choice or measured on the model's largest quantized matrix.
+  native/lowbit_dot.h) or float ones, from the user's choice or measured on the model's largest quantized
+  matrix. Where int8 ones run, each plan records the variant of their loops that each of its matrices
+  runs (`isa`: AVX-512 VNNI, AVX2 or portable), as the C++'s own dispatch decides it (`lowbit_variant`):
+  the CPU's best (capped by MOESTREAM_LOWBIT_ISA, native/fused_build.py) where its loop takes the shape.
 - Each MoE layer's experts (`ExpertsPlan`): int8 activations or not (every matrix must fit them), what a
   record needs where it lands (the supply runs it on the I/O thread), and the fused one-token kernel per
   activation dtype, or why there is none.
@@ -105,11 +107,10 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
                 "matmul (about 100x slower); install a C++ compiler, or convert with --experts-dtype int4"
             )
         return False, "float activations: no compiled kernels"
-    loops = f"; {fused_build.lowbit_isa()} loops"  # the variant this CPU runs (lowbit_dot.h)
     if choice == "int8":
-        return True, "int8 activations, as chosen" + loops
+        return True, "int8 activations, as chosen"
     if kernelless:  # their float path dequantizes every matrix it multiplies: several times slower than either
-        return True, f"int8 activations: the only fast kernel for {', '.join(kernelless)} weights" + loops
+        return True, f"int8 activations: the only fast kernel for {', '.join(kernelless)} weights"
     fmt, n, k = max(fitting, key=lambda shape: shape[1] * shape[2])
     # At most 4096 x 8192 (32 MiB of float32 to quantize from): an LM head of 129k rows would take
     # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
@@ -118,7 +119,7 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
     integer, floating = measure_activations(fmt, n, k)
     ratio = floating / integer
     if ratio >= INT8_ACTIVATIONS_MARGIN:
-        return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here" + loops
+        return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here"
     return False, f"float activations: int8 ones measured {ratio:.2f}x their speed here (under {INT8_ACTIVATIONS_MARGIN}x)"
 
 
@@ -131,6 +132,7 @@ class ExpertsPlan:
     int8_activations: bool  # the matmuls take int8 activations and read the records as stored
     preparer: object | None  # what turns a record, as read, into its kernels' layout (None: used as stored)
     one_token_off: str | None  # why no fused one-token kernel can run this layer (None: one may, per module)
+    isa: str | None = None  # the int8-activation loops' variant(s) its matrices run (None: float activations)
     one_token: dict = field(default_factory=dict)  # activation dtype -> the fused kernel's arguments, or None
 
     @property
@@ -185,8 +187,17 @@ def experts_plans(layers, cpu_kernels: bool, int8_activations: bool, tiered: boo
         integer = int8_activations and cpu_kernels and takes_int8_activations(layer)
         preparer = record_preparer(layer.quantization, layer.layout, cpu_kernels, integer)
         off = "a device tier" if tiered else None if cpu_kernels else "a GPU"
-        plans.append(ExpertsPlan(layer, integer, preparer, off or compiled_format(layer.quantization, integer)))
+        isa = loops_variant(layer.quantization, layer.quantized_matrices) if integer else None
+        plans.append(ExpertsPlan(layer, integer, preparer, off or compiled_format(layer.quantization, integer), isa))
     return plans
+
+
+def loops_variant(fmt: QuantFormat, matrices) -> str:
+    """The variant(s) of the int8-activation loops that the [N, K] `matrices` of `fmt` run, as the C++'s
+    dispatch decides (native/lowbit_dot.h, `int4_variant` / `int8_variant`): one name, or several joined."""
+    ext = fused_build.extension()
+    names = {ext.lowbit_variant(fmt.bits, fmt.group_size or 0, k) for _, k in matrices}
+    return ", ".join(sorted(names))
 
 
 # -- the resident linears ------------------------------------------------------------------------------------
@@ -199,6 +210,7 @@ class LinearPlan:
     fmt: QuantFormat
     int8_activations: bool = False
     compiled: bool = False  # the C++ computes it as `matmul` does (the fused attention kernels may run it)
+    isa: str | None = None  # the int8-activation loops' variant it runs (None: float activations)
 
     def matmul(self, x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         return kernels.quantized_matmul(x, qweight, params, self.fmt, self.int8_activations)
@@ -210,5 +222,7 @@ def plan_linears(model: nn.Module, int8_activations: bool, cpu_kernels: bool) ->
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             fmt = module.fmt
-            integer = int8_activations and cpu_kernels and int8_activations_fit(fmt, module.out_features, module.in_features)
-            module.plan = LinearPlan(fmt, integer, cpu_kernels and compiled_format(fmt, integer) is None)
+            n, k = module.out_features, module.in_features
+            integer = int8_activations and cpu_kernels and int8_activations_fit(fmt, n, k)
+            isa = loops_variant(fmt, [(n, k)]) if integer else None
+            module.plan = LinearPlan(fmt, integer, cpu_kernels and compiled_format(fmt, integer) is None, isa)
