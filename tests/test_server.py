@@ -540,3 +540,53 @@ def _wait_for(condition, seconds: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.02)
+
+
+# -- the thread that runs the model ----------------------------------------------------------------------------
+
+
+def test_a_model_thread_runs_every_call_on_itself_in_order():
+    from moestream.frontends.worker import ModelThread
+
+    thread = ModelThread()
+    idents = {thread.call(threading.get_ident) for _ in range(3)}
+    assert len(idents) == 1 and threading.get_ident() not in idents
+    order: list[int] = []
+    for future in [thread.submit(order.append, i) for i in range(20)]:
+        future.result()
+    assert order == list(range(20))
+    with pytest.raises(ValueError):
+        thread.call(int, "not a number")  # the call's own error, raised where it was awaited
+    assert thread.call(sum, [1, 2]) == 3  # and the thread goes on
+    thread.stop()
+
+
+def test_the_server_steps_its_model_on_the_thread_that_loaded_it(store):
+    """`serve` loads the model on a ModelThread and hands it to the worker: every forward pass (the batch's
+    probe and the requests' steps) runs there. Two threads running the kernels leave two OpenMP pools on the
+    cores, and the server decoded at a third of `generate`'s speed."""
+    import asyncio
+
+    import moestream
+    from moestream.frontends.generate import SamplingParams
+    from moestream.frontends.worker import Choice, Done, ModelThread, Worker
+
+    thread = ModelThread()
+    model, tokenizer = thread.call(moestream.load, store, BUDGET)
+    loaded_on = thread.call(threading.get_ident)
+    ran_on = set()
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: ran_on.add(threading.get_ident()))
+    worker = Worker(model, tokenizer, 4, max_batch=2, model_thread=thread)
+    worker.start()
+
+    async def ask():
+        job = worker.submit([Choice([5, 6, 7], SamplingParams.greedy(4))], timeout=60)
+        return [event async for event in job.output()]
+
+    try:
+        events = asyncio.run(ask())
+    finally:
+        worker.close()
+    assert isinstance(events[-1], Done) and len(events[-1].result.token_ids) == 4
+    assert ran_on == {loaded_on} and loaded_on != threading.get_ident()
+    thread.stop()

@@ -114,6 +114,7 @@ def cors_origins(value: str | None) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     """Check the options, load the store, and serve until interrupted."""
     from ..frontends.server import serve
+    from ..frontends.worker import ModelThread
 
     positive(args.max_queue, "--max-queue")
     positive(args.request_timeout, "--request-timeout")
@@ -135,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
             f"the server needs FastAPI and uvicorn ({e}); install them with: pip install 'moestream[server]'"
         ) from None
 
-    model, tokenizer = load_model(args, need_tokenizer=True)
+    model_thread = ModelThread()  # loads the model and then steps it: one thread on it (ModelThread says why)
+    model, tokenizer = model_thread.call(load_model, args, need_tokenizer=True)
     name = args.model_name or Path(args.store).resolve().name
     config = ServerConfig(
         name,
@@ -149,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         args.api_key or None,
         origins,
     )
-    app = create_app(model, tokenizer, config)
+    app = create_app(model, tokenizer, config, model_thread)
 
     def ready(port: int) -> None:
         where = f"[{args.host}]" if ":" in args.host else args.host

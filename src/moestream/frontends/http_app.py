@@ -47,7 +47,7 @@ from .openai_api import (
 )
 from .responses_api import Responses
 from .serving import TooManyChoices
-from .worker import ClientGone, Done, Job, Worker, WorkerError, WorkerStats
+from .worker import ClientGone, Done, Job, ModelThread, Worker, WorkerError, WorkerStats
 
 # A request body larger than this is refused (413) before it is parsed: prompts are text, and a body
 # of gigabytes would otherwise be read into memory.
@@ -68,9 +68,10 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # origins whose browser pages may call the API ("*": any)
 
 
-def create_app(model, tokenizer, config: ServerConfig) -> FastAPI:
-    """The FastAPI app serving `model` (loaded by moestream.load) under the name `config.model_name`."""
-    service = Service(model, tokenizer, config)
+def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (loaded by moestream.load, on `model_thread` if given: the thread
+    that will step it, worker.ModelThread) under the name `config.model_name`."""
+    service = Service(model, tokenizer, config, model_thread)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -140,7 +141,7 @@ class Service:
     """What the routes share: the worker, the two endpoints' translators, the request counts; and the one
     core that answers a generation request, whichever endpoint it came to."""
 
-    def __init__(self, model, tokenizer, config: ServerConfig):
+    def __init__(self, model, tokenizer, config: ServerConfig, model_thread: ModelThread | None = None):
         self.model = model
         self.config = config
         self.prefix_cache = PrefixCache(config.kv_memory) if config.kv_memory > 0 else None
@@ -152,6 +153,7 @@ class Service:
             prefix_cache=self.prefix_cache,
             kv_budget_bytes=config.batch_kv_memory,
             prefill_chunk=config.prefill_chunk,
+            model_thread=model_thread,
         )
         context = context_length(model)
         shared = dict(vocabulary=self.worker.vocabulary, fingerprint=system_fingerprint(model))

@@ -18,9 +18,14 @@ job never outlives its deadline by more than one step, queued or running.
 from __future__ import annotations
 
 import asyncio
+import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..core.runtime import runtime_of
@@ -196,6 +201,50 @@ class WorkerStats:
     batch_kv_peak_bytes: int = 0  # the most they held after any step
 
 
+class ModelThread:
+    """One thread that makes every call on a model, in order: its load, its scheduler, its steps.
+
+    Why one: torch's CPU kernels run their parallel regions on OpenMP, which keeps a pool of threads for
+    each thread that ever started one. A model loaded on one thread (its load runs the kernels' checks)
+    and stepped on another leaves two pools on the cores, and OpenMP then stops spinning between regions
+    (more threads than cores): each kernel waits for sleeping threads to wake, and the server decoded at
+    a third of `generate`'s speed (docs/DECISIONS.md, "The server's model thread")."""
+
+    def __init__(self, name: str = "moestream-model"):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, function: Callable, *args, **kwargs) -> Future:
+        """Run `function(*args, **kwargs)` on the thread, after what was submitted before."""
+        future: Future = Future()
+        self._calls.put((future, function, args, kwargs))
+        return future
+
+    def call(self, function: Callable, *args, **kwargs):
+        """`submit`, then wait for its result (its exception is raised here)."""
+        return self.submit(function, *args, **kwargs).result()
+
+    def stop(self) -> None:
+        """End the thread once what was submitted has run."""
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, function, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(*args, **kwargs))
+                except BaseException as e:  # the caller's to handle
+                    future.set_exception(e)
+
+
+def _said_if_failed(looping: Future) -> None:
+    # The loop handles a step's errors itself (the requests fail); anything else is a bug, said, not lost.
+    if looping.exception() is not None:
+        traceback.print_exception(looping.exception(), file=sys.stderr)
+
+
 class Worker:
     """The one thread that runs the model, stepping the serving scheduler; see the module's doc."""
 
@@ -209,7 +258,9 @@ class Worker:
         prefix_cache: PrefixCache | None = None,
         kv_budget_bytes: int | None = None,
         prefill_chunk: int | None = None,
+        model_thread: ModelThread | None = None,
     ):
+        """`model_thread`: the thread that loaded the model, which then steps it (a thread of its own if None)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_queue = max_queue
@@ -220,19 +271,29 @@ class Worker:
         self._cond = threading.Condition()  # wakes the thread; guards _closed and _stats
         self._closed = False
         self._stats = WorkerStats()
-        self._thread = threading.Thread(target=self._loop, name="moestream-generate", daemon=True)
+        self._own_thread = model_thread is None
+        self._thread = model_thread or ModelThread("moestream-generate")
+        self._looping: Future | None = None
 
     def start(self) -> None:
-        self.scheduler = Scheduler(self.model, **self._batch_options, listener=self._handle)
-        runtime_of(self.model).reset_stats()  # the batch's one-token probe is no request's
-        self._thread.start()
+        # Made on the model's thread: the batch's one-token probe is a forward pass (ModelThread says why).
+        self.scheduler = self._thread.call(Scheduler, self.model, **self._batch_options, listener=self._handle)
+        runtime_of(self.model).reset_stats()  # the probe is no request's
+        self._looping = self._thread.submit(self._loop)
+        self._looping.add_done_callback(_said_if_failed)
 
     def close(self) -> None:
         """Cancel every job, queued or running, and wait for the thread to end."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=30)
+        if self._looping is not None:
+            try:
+                self._looping.result(timeout=30)
+            except FutureTimeout:
+                pass  # a step that does not end (a stalled disk): the thread is a daemon
+        if self._own_thread:
+            self._thread.stop()
 
     def submit(self, choices: list[Choice], timeout: float) -> Job:
         """Queue a request's choices from the running event loop; raises QueueFull when `max_queue` jobs
