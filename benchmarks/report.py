@@ -65,6 +65,7 @@ SCRIPTS = [
     ("prefill_pieces.py", "a long prompt in pieces of 4,096 against one pass"),
     ("int8_activations.py", "the CPU's low-bit matmuls, int8 against float activations, against the memory bus"),
     ("head_formats.py", "one token through an LM head and expert matrices in int8, int6 and int4"),
+    ("format_quality.py", "each expert format's perplexity, KL and top-1 agreement against the checkpoint"),
     ("decode_ab.py", "decode of two source trees (or two policies) in alternating rounds"),
     ("policy_validation.py", "each cache policy's share of Belady's hits on trained models' routing"),
     ("bench_serve.py, batching_check.py", "the server through its API; batched decoding's exactness and speed"),
