@@ -53,6 +53,7 @@ ORDER = [
     "plan",
     "kernel-build",
     "old-against-new",
+    "test-suite",
 ]
 
 # The maintained scripts, as the header lists them.
