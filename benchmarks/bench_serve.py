@@ -5,7 +5,8 @@ decoded together, and over a multi-turn chat that reuses its KV.
     python benchmarks/bench_serve.py STORE --memory 768MiB --rounds 0 --concurrent 0 --streams 1,4,16 --tokens 32
     python benchmarks/bench_serve.py STORE --memory 8MiB --rounds 0 --concurrent 0 --chat-turns 10
     (--rounds 0, --concurrent 0, no --streams, --chat-turns 0: skip that part; --json OUT: write every part's figures;
-    --record: part 1 as this machine's record of serving-one-request, benchmarks/machine.py)
+    --record: part 1 as this machine's record of serving-one-request, benchmarks/machine.py;
+    --record-parts: parts 2-4, those that ran, as this machine's record of serving-concurrent)
 
 1. Single request, greedy, the same prompt: `moestream generate --greedy --json` (a fresh process each
    round) and a streamed /v1/completions request through the `openai` client to one `moestream serve`
@@ -106,6 +107,14 @@ def main() -> None:
     ap.add_argument("--kv-memory", default="1GiB", help="the server's prefix-cache budget (parts 1-3)")
     ap.add_argument("--json", help="write every part's figures here too")
     machine.add_record_argument(ap, "serving-one-request")
+    ap.add_argument(
+        "--record-parts",
+        nargs="?",
+        const="serving-concurrent",
+        metavar="CAPABILITY",
+        help="write parts 2-4 (those that ran) as this machine's record of CAPABILITY (default serving-concurrent); runs "
+        "at one commit add their tables to it",
+    )
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the server too
 
@@ -171,6 +180,115 @@ def main() -> None:
             server.wait(timeout=60)
     if args.json:
         machine.write_json(args.json, report)
+    if args.record_parts and any(k in report for k in ("concurrent", "streams", "chat_with_prefix_cache")):
+        record_parts(args, report, streams)
+
+
+def record_parts(args, report: dict, counts: list[int]) -> None:
+    """Parts 2-4 as tables of one record; each table's caption names its options, so that runs of the parts
+    by separate commands at one commit add up to one record (machine.write_result)."""
+    mib = 2**20
+    tables = []
+
+    def spread(xs: list) -> str:
+        return f"{xs[0]:.2f} / {statistics.median(xs):.2f} / {xs[-1]:.2f}"
+
+    if "concurrent" in report:
+        c = report["concurrent"]
+        caption = (
+            f"Part 2: {c['requests']} concurrent streamed `/v1/chat/completions` (different questions, seeded sampling at "
+            f"temperature 1.0, {args.tokens} tokens max), `--memory {args.memory}`, after each was asked alone:"
+        )
+        columns = [
+            "requests",
+            "each equal to its solo answer",
+            "wall s",
+            "tokens",
+            "tok/s over all",
+            "first text s, min / median / max",
+            "latency s, min / median / max",
+            "server RSS at ready, peak (MiB)",
+        ]
+        row = [
+            c["requests"],
+            f"{c['equal_to_solo']} of {c['requests']}",
+            f"{c['wall_seconds']:.1f}",
+            f"{c['tokens']:.0f}",
+            f"{c['tokens'] / c['wall_seconds']:.1f}",
+            spread(c["first_text_seconds"]),
+            spread(c["latency_seconds"]),
+            f"{c['rss_ready_bytes'] / mib:.0f}, {c['rss_peak_bytes'] / mib:.0f} (+{(c['rss_peak_bytes'] - c['rss_ready_bytes']) / mib:.0f})",
+        ]
+        tables.append(machine.table(caption, columns, [row]))
+    if "streams" in report:
+        st = report["streams"]
+        rates, base = st["tokens_per_second"], st["tokens_per_second"][counts[0]]
+        caption = (
+            f"Part 3: N concurrent streamed `/v1/completions` of exactly {args.tokens} tokens each (`ignore_eos`, seeded "
+            f"sampling at temperature 0.7), `--memory {args.memory}`, `--max-batch {max(counts)}`, `--batch-kv-memory "
+            f"{args.batch_kv_memory}`, `--kv-memory {args.kv_memory}`, {args.stream_rounds} rounds alternating the order "
+            "of the counts after a warm-up; aggregate tok/s is tokens over the phase's wall time, prefills included; bytes "
+            "and batch from the server's `/metrics`:"
+        )
+        columns = ["streams", "aggregate tok/s, per round", f"against {counts[0]}, median (per round)"]
+        columns += ["expert MB read per token, per round", "mean batch, per round"]
+        rows = []
+        for n in counts:
+            ratios = [a / b for a, b in zip(rates[n], base)]
+            mine = [r for r in st["rounds"] if r["streams"] == n]
+            per_token = [r["expert_bytes_read_total"] / r["completion_tokens_total"] / 1e6 for r in mine]
+            batch = [r["decode_step_sequences_total"] / max(1, r["decode_steps_total"]) for r in mine]
+            rows.append(
+                [
+                    n,
+                    ", ".join(f"{x:.1f}" for x in rates[n]),
+                    "1" if n == counts[0] else f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})",
+                    ", ".join(f"{x:.2f}" for x in per_token),
+                    ", ".join(f"{x:.1f}" for x in batch),
+                ]
+            )
+        tables.append(machine.table(caption, columns, rows))
+        m, prefix = st["budgets_mib"], st["prefix_mib"]
+        grown = (st["rss_peak_bytes"] - st["rss_ready_bytes"]) / mib
+        beyond = grown - m["expert_cache_budget_bytes"] - m["batch_kv_peak_bytes"] - prefix
+        caption = "Part 3's memory: the server's peak RSS over the streams above against its RSS when it started answering (MiB):"
+        columns = ["RSS at ready", "peak", "growth", "expert budget", "running KV held at most (budget)"]
+        columns += ["prefix KV held at the end (budget)", "beyond the three"]
+        row = [
+            f"{st['rss_ready_bytes'] / mib:.0f}",
+            f"{st['rss_peak_bytes'] / mib:.0f}",
+            f"+{grown:.0f}",
+            f"{m['expert_cache_budget_bytes']:.0f}",
+            f"{m['batch_kv_peak_bytes']:.0f} ({m['batch_kv_budget_bytes']:.0f})",
+            f"{prefix:.0f} ({m['prefix_cache_budget_bytes']:.0f})",
+            f"{beyond:.0f}",
+        ]
+        tables.append(machine.table(caption, columns, [row]))
+    if "chat_with_prefix_cache" in report:
+        with_, without = report["chat_with_prefix_cache"], report.get("chat_without", [])
+        turns = len(with_)
+        caption = (
+            f"Part 4: one {turns}-turn conversation through `/v1/chat/completions`, greedy, {args.tokens}-token answers, "
+            f"`--memory {args.memory}`, with the prefix cache (`--kv-memory {args.kv_memory}`) and against a second server "
+            "with `--kv-memory 0`; time to first token is the server's own (`/metrics`):"
+        )
+        columns = ["", *(f"turn {t['turn']}" for t in with_), f"turn {turns} / turn 1"]
+        rows = [
+            [f"prefix cache (`--kv-memory {args.kv_memory}`): TTFT ms"]
+            + [f"{t['ttft_server_s'] * 1e3:.0f}" for t in with_]
+            + [f"{with_[-1]['ttft_server_s'] / with_[0]['ttft_server_s']:.2f}x"],
+            ["prompt tokens reused", *(f"{t['reused']:.0f}" for t in with_), ""],
+        ]
+        if without:
+            rows.append(
+                ["no reuse (`--kv-memory 0`): TTFT ms"]
+                + [f"{t['ttft_server_s'] * 1e3:.0f}" for t in without]
+                + [f"{without[-1]['ttft_server_s'] / without[0]['ttft_server_s']:.2f}x"]
+            )
+        tables.append(machine.table(caption, columns, rows))
+    title = "Serving beyond one request: concurrent streams, a multi-turn chat, memory"
+    path = machine.write_result(args.record_parts, title, machine.invocation(), tables)
+    print(f"wrote {path}", flush=True)
 
 
 def record_single(args, cli_rates: list, api_rates: list, server_rates: list, ratios: list) -> None:
