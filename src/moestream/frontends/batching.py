@@ -91,7 +91,7 @@ class BatchGenerator:
         self.prefilling: _Prefill | None = None  # one newcomer at a time
         self.prefix_cache = prefix_cache
         self.kv_budget_bytes = kv_budget_bytes
-        self.not_batchable = self._probe[1] if max_batch > 1 or kv_budget_bytes is not None else None
+        self.not_batchable = self._probed[1] if max_batch > 1 or kv_budget_bytes is not None else None
         self.max_batch = 1 if self.not_batchable else max_batch
         self.running: list[Decoding] = []
         self.kv = BatchKV()
@@ -99,13 +99,13 @@ class BatchGenerator:
         self.stats = BatchStats()
 
     @cached_property
-    def _probe(self) -> tuple[int, str | None]:
+    def _probed(self) -> tuple[int, str | None]:
         return _probe(self.model)
 
     @property
     def position_bytes(self) -> int:
         """Bytes of KV one position takes in one row."""
-        return self._probe[0]
+        return self._probed[0]
 
     def kv_needed(self, positions: int) -> int:
         """Bytes of KV a sequence of `positions` positions (prompt + max new tokens) holds at its longest, alone."""
@@ -124,7 +124,7 @@ class BatchGenerator:
             return False
         if self.kv_budget_bytes is None or (not self.running and rows == 1):
             return True
-        widest = max([positions] + [len(d.prompt_ids) + d.max_new_tokens for d in self.running])
+        widest = max([positions] + [len(d.prompt_ids) + d.params.max_tokens for d in self.running])
         return (len(self.running) + rows) * widest * self.position_bytes <= self.kv_budget_bytes
 
     def admit(self, decoding: Decoding, siblings: Sequence[Decoding] = ()) -> list[Decoding]:
@@ -136,8 +136,8 @@ class BatchGenerator:
         for its prompt's log-probabilities has all of its prompt but the last token fed now, every
         position's logits kept (generate.prompt_logprobs), and no prefix reused."""
         start = None
-        if decoding.prompt_logprobs is not None:
-            entries, start = prompt_logprobs(self.model, decoding.prompt_ids, decoding.prompt_logprobs)
+        if decoding.params.prompt_logprobs is not None:
+            entries, start = prompt_logprobs(self.model, decoding.prompt_ids, decoding.params.prompt_logprobs)
             for d in (decoding, *siblings):
                 d.prompt_token_logprobs = entries
         if self.not_batchable and siblings:

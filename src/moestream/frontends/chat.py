@@ -62,7 +62,6 @@ class ChatSession:
         self.tokenizer = tokenizer
         self.system = system
         params = params or SamplingParams(512, temperature=0.7, top_p=0.95)  # the command's defaults
-        self.max_new_tokens = params.max_tokens
         self.params = replace(params, seed=None)  # (the seed is the conversation's: see reset)
         self.seed = params.seed
         self.context = context_length(model)
@@ -113,8 +112,8 @@ class ChatSession:
     def _fit(self, notice) -> tuple[list[int] | None, int]:
         while True:
             ids = encode(self.tokenizer, chat_prompt(self.tokenizer, self.messages), templated=True)
-            if self.context is None or len(ids) + self.max_new_tokens <= self.context:
-                return ids, self.max_new_tokens
+            if self.context is None or len(ids) + self.params.max_tokens <= self.context:
+                return ids, self.params.max_tokens
             first = 1 if self.messages[0]["role"] == "system" else 0
             if len(self.messages) - first > 1:
                 # Drop the oldest exchange: its user message and what followed it up to the next user message.
@@ -128,7 +127,7 @@ class ChatSession:
                 continue
             room = self.context - len(ids)
             if room >= 1:
-                return ids, min(room, self.max_new_tokens)
+                return ids, min(room, self.params.max_tokens)
             notice(
                 f"(that message is {len(ids)} tokens with the template; the model's context is {self.context}: send a shorter one)"
             )

@@ -291,7 +291,7 @@ def prompt_logprobs(model, prompt_ids: Sequence[int], top: int) -> tuple[list[To
     (logprob None). Feeds all but the last token, in pieces of PROMPT_LOGPROBS_PIECE, and returns with the
     entries the (KV cache, tokens it holds) that a prefill continues from (`BatchGenerator.admit`), so
     the prompt is not fed twice."""
-    ids = _token_list(prompt_ids)
+    ids = token_list(prompt_ids)
     entries = [TokenLogprob(ids[0], None, ())] if ids else []
     forward = Forward(model)
     with torch.inference_mode():
@@ -378,30 +378,25 @@ class Decoding:
         cancel: threading.Event | None = None,
         deadline: float | None = None,
     ):
-        self.prompt_ids = _token_list(prompt_ids)
-        self.params = params
-        self.max_new_tokens = params.max_tokens
+        self.prompt_ids = token_list(prompt_ids)
+        self.params = params  # read where its fields are needed, not copied
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         if params.forced is not None:
             self.sampler = forced_sampler(params.forced)
         else:
             self.sampler = make_sampler(params.temperature, params.top_p, generator)
         self.eos = eos_ids(model, tokenizer)
-        self.ignore_eos = params.ignore_eos
         self.suppress = sorted(self.eos) if params.ignore_eos else []
         self.text = IncrementalText(tokenizer, params.stop, params.special_tokens) if tokenizer is not None else None
         self.on_text, self.on_first_token, self.on_logits = on_text, on_first_token, on_logits
         self.cancel, self.deadline = cancel, deadline
         self.bias = _bias_tensors(params.logit_bias)
-        self.presence_penalty, self.frequency_penalty = params.presence_penalty, params.frequency_penalty
         self.counts: dict[int, int] = {}  # how often each new token has come (the penalties)
         self.constraint = None
         if params.grammar is not None:  # compiled here, on the thread that steps (it can take a while)
             self.constraint = Constraint(params.grammar, vocabulary_of(model, tokenizer))
-        self.logprobs = params.logprobs
         self.token_logprobs: list[TokenLogprob] = []  # one per new token when `logprobs` is not None
         self._logprobs_taken = 0
-        self.prompt_logprobs = params.prompt_logprobs  # how many alternatives per prompt token (None: not asked for)
         self.prompt_token_logprobs: list[TokenLogprob] | None = None  # set by who prefills (prompt_logprobs())
         self._prompt_logprobs_taken = False
         self.cached_tokens = 0  # prompt tokens whose KV came from a prefix cache (set by who prefills)
@@ -418,13 +413,13 @@ class Decoding:
         own distribution, before any of these (as vLLM reports them by default)."""
         if self.on_logits is not None:
             self.on_logits(logits[0].clone())
-        model_logprobs = torch.log_softmax(logits, dim=-1) if self.logprobs is not None else None
+        model_logprobs = torch.log_softmax(logits, dim=-1) if self.params.logprobs is not None else None
         if self.suppress:
             logits[:, self.suppress] = float("-inf")
         if self.counts:
             ids = torch.tensor(list(self.counts), dtype=torch.long)
             seen = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
-            logits[:, ids] -= self.frequency_penalty * seen + self.presence_penalty
+            logits[:, ids] -= self.params.frequency_penalty * seen + self.params.presence_penalty
         if self.bias is not None:
             ids, values = self.bias
             within = ids < logits.shape[-1]  # (a tokenizer may know ids past the model's logits)
@@ -433,14 +428,14 @@ class Decoding:
             self.constraint.mask(logits)
         token = self.sampler(logits)
         if model_logprobs is not None:
-            self.token_logprobs.append(TokenLogprob.of(model_logprobs[0], int(token[0]), self.logprobs))
+            self.token_logprobs.append(TokenLogprob.of(model_logprobs[0], int(token[0]), self.params.logprobs))
         return token
 
     def accept(self, token: int) -> bool:
         """Record the new token; True once the sequence has ended (`finish_reason` says why)."""
         self.last = time.perf_counter()
         self.new.append(token)
-        if self.presence_penalty or self.frequency_penalty:
+        if self.params.presence_penalty or self.params.frequency_penalty:
             self.counts[token] = self.counts.get(token, 0) + 1
         if self.constraint is not None:
             self.constraint.advance(token)
@@ -454,21 +449,21 @@ class Decoding:
             self.finish_reason = "stop"
         elif self.interrupted():
             pass
-        elif token in self.eos and not self.ignore_eos:
+        elif token in self.eos and not self.params.ignore_eos:
             self.finish_reason = "stop"
             self.ended_on_eos = True
             if self.token_logprobs:
                 self.token_logprobs.pop()  # not part of the answer's text: not reported
         elif self.constraint is not None and self.constraint.stopped:
             self.finish_reason = "stop"  # the grammar is complete: nothing may follow
-        elif len(self.new) >= self.max_new_tokens:
+        elif len(self.new) >= self.params.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
     def _text_ids(self) -> list[int]:
         """The new tokens that make the text: with special tokens kept, an ending end-of-sequence token is
         not part of the answer (it would otherwise appear in it as its spelling)."""
-        ends = self.new and self.new[-1] in self.eos and not self.ignore_eos
+        ends = self.new and self.new[-1] in self.eos and not self.params.ignore_eos
         return self.new[:-1] if ends and self.text.special_tokens else self.new
 
     def interrupted(self) -> bool:
@@ -489,7 +484,7 @@ class Decoding:
         result = GenerationResult.of(text, len(self.prompt_ids), self.new, timing, self.finish_reason)
         result.cached_tokens = self.cached_tokens
         result.eos = self.ended_on_eos
-        result.logprobs = self.token_logprobs if self.logprobs is not None else None
+        result.logprobs = self.token_logprobs if self.params.logprobs is not None else None
         result.prompt_logprobs = self.prompt_token_logprobs
         return result
 
@@ -528,7 +523,7 @@ def _bias_tensors(logit_bias: dict[int, float] | None) -> tuple[torch.Tensor, to
     return torch.tensor(list(logit_bias), dtype=torch.long), torch.tensor(values, dtype=torch.float32)
 
 
-def _token_list(ids) -> list[int]:
+def token_list(ids) -> list[int]:
     """Prompt ids as a list, from a list or a [1, T] / [T] tensor; never empty."""
     ids = torch.as_tensor(ids).reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
     if not ids:

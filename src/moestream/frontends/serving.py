@@ -36,11 +36,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from ..core.runtime import runtime_of
 from .batching import BatchGenerator
-from .generate import Decoding, GenerationResult, SamplingParams, encode
+from .generate import Decoding, GenerationResult, SamplingParams, encode, token_list
 from .kv_cache import PrefixCache
 
 
@@ -85,7 +83,7 @@ class Request:
         return Request(
             lambda _: decoding,
             [decoding.prompt_ids],
-            [len(decoding.prompt_ids) + decoding.max_new_tokens],
+            [len(decoding.prompt_ids) + decoding.params.max_tokens],
             cancel=decoding.cancel if decoding.cancel is not None else threading.Event(),
             deadline=decoding.deadline,
         )
@@ -347,7 +345,7 @@ def teacher_forced(model, ids: Sequence[int], prefill: int = 0, on_logits: Calla
     ids (at least one) as the prompt, every later id alone with the KV cache, whatever the model would
     have chosen. `on_logits` sees each forward pass's next-token logits [vocab] (`eval --decode`); a
     routing trace wants only the passes' side effects. Returns the number of forward passes."""
-    ids = torch.as_tensor(ids).reshape(-1).tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    ids = token_list(ids)
     prompt = max(1, min(prefill, len(ids)))
     forced = ids[prompt:] + [0]  # the last token is chosen, never fed: any will do
     passes = len(forced)

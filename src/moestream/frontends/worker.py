@@ -208,7 +208,10 @@ class ModelThread:
     each thread that ever started one. A model loaded on one thread (its load runs the kernels' checks)
     and stepped on another leaves two pools on the cores, and OpenMP then stops spinning between regions
     (more threads than cores): each kernel waits for sleeping threads to wake, and the server decoded at
-    a third of `generate`'s speed (docs/DECISIONS.md, "The server's model thread")."""
+    a third of `generate`'s speed (docs/DECISIONS.md, "The server's model thread").
+
+    Not a ThreadPoolExecutor: its thread is joined at the interpreter's exit, and a step that never ends
+    (a stalled disk) would then keep the process from exiting; this one is a daemon."""
 
     def __init__(self, name: str = "moestream-model"):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()

@@ -346,14 +346,6 @@ def load_if_built():
         _lock.release()
 
 
-def lowbit_isa() -> str | None:
-    """The variant of the int8-activation loops this process runs (native/lowbit_dot.h: "avx512-vnni",
-    "avx2" or "portable"): this CPU's most capable, chosen once as the kernels load, capped by
-    MOESTREAM_LOWBIT_ISA (`_cap_lowbit_isa`); None without the kernels."""
-    module = extension()
-    return module.lowbit_isa("") if module is not None else None
-
-
 def unavailable_reason() -> str | None:
     """None when the kernels load, else why not (a line for a user). Runs `load`, which is instant once it
     has loaded or failed for this source and torch build in this process."""

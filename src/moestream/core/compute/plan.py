@@ -146,7 +146,7 @@ class ExpertsPlan:
     def one_token_kernel(self, module: nn.Module, x: torch.Tensor) -> tuple | None:
         """The fused one-token experts kernel's arguments for this layer and x's dtype, or None: decided once
         per dtype (load resolves the model's compute dtype)."""
-        if self.one_token_off is not None or x.device.type != "cpu":
+        if self.one_token_off is not None:  # (a GPU, a device tier, or a format the C++ does not compute)
             return None
         if x.dtype not in self.one_token:
             self.one_token[x.dtype] = fused.experts_call(module, self.layer, x.dtype, self.int8_activations)
