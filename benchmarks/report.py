@@ -57,6 +57,7 @@ ORDER = [
     "demo",
     "kernel-build",
     "old-against-new",
+    "model-thread",
     "test-suite",
 ]
 
