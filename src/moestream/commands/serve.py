@@ -69,6 +69,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "512; completions: 16, as OpenAI). Agents often send none: a long tool call needs room",
     )
     parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the context window served, in tokens: prompt plus answer (default: the model's own, from its config; "
+        "a larger N is refused). /v1/models and /props report it; a longer prompt gets each API's "
+        "context-length error, which agents answer by compacting",
+    )
+    parser.add_argument(
         "--max-batch",
         type=int,
         default=8,
@@ -113,6 +122,7 @@ def cors_origins(value: str | None) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Check the options, load the store, and serve until interrupted."""
+    from ..frontends.generate import context_length
     from ..frontends.server import serve
     from ..frontends.worker import ModelThread
 
@@ -136,8 +146,16 @@ def run(args: argparse.Namespace) -> int:
             f"the server needs FastAPI and uvicorn ({e}); install them with: pip install 'moestream[server]'"
         ) from None
 
+    if args.context is not None:
+        positive(args.context, "--context")
     model_thread = ModelThread()  # loads the model and then steps it: one thread on it (ModelThread says why)
     model, tokenizer = model_thread.call(load_model, args, need_tokenizer=True)
+    own_context = context_length(model)
+    if args.context is not None and own_context is not None and args.context > own_context:
+        raise UsageError(
+            f"--context {args.context} is beyond this model's context window ({own_context} tokens, its config's "
+            f"max_position_embeddings); give at most {own_context}, or leave --context out"
+        )
     name = args.model_name or Path(args.store).resolve().name
     config = ServerConfig(
         name,
@@ -150,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         args.prefill_chunk,
         args.api_key or None,
         origins,
+        args.context,
     )
     app = create_app(model, tokenizer, config, model_thread)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..core.compute.attention import packable_layers, quantizes_kv
 from ..errors import MoestreamError
@@ -81,6 +81,7 @@ class IncrementalText:
         self.special_tokens = special_tokens  # keep special tokens in the text (tool-call markers often are)
         self.text = ""  # what has been handed out so far
         self.stopped = False
+        self.matched: str | None = None  # the stop sequence that ended the text (Anthropic's API names it)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=not self.special_tokens)
@@ -90,10 +91,11 @@ class IncrementalText:
         if self.stopped:
             return ""
         full = self._decode(ids)
-        hits = [i for i in (full.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((full.find(s), s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
-            return self._take(full[: min(hits)])
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            return self._take(full[:at])
         end = len(full)
         while end and full[end - 1] == "\ufffd":  # may still become a character with the next token
             end -= 1
@@ -165,6 +167,7 @@ class GenerationResult:
     timing: Timing | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     eos: bool = False  # the last token is an end-of-sequence token (not part of the text)
+    stop_sequence: str | None = None  # the stop sequence that ended the answer, if one did
     logprobs: list | None = None  # TokenLogprob per new token, when they were asked for
     prompt_logprobs: list | None = None  # TokenLogprob per prompt token (the first's logprob None), when asked for
 
@@ -208,15 +211,18 @@ def vocabulary_of(model, tokenizer) -> Vocabulary:
 Sampler = Callable[[torch.Tensor], torch.Tensor]  # float32 logits [1, vocab] -> token id [1]
 
 
-def make_sampler(temperature: float, top_p: float, generator: torch.Generator | None = None) -> Sampler:
+def make_sampler(temperature: float, top_p: float, generator: torch.Generator | None = None, top_k: int = 0) -> Sampler:
     """Temperature 0: the most likely token. Otherwise a token drawn from `generator` (torch's
-    global one if None) at `temperature` from the smallest set whose probability reaches `top_p`, with the
-    warpers (and the order, and the skipping of no-op ones) that transformers' `generate(do_sample=True,
-    top_k=0)` uses, so a seed gives the tokens transformers would give."""
+    global one if None) at `temperature` from the `top_k` most likely (0: all), then from the smallest set
+    whose probability reaches `top_p`, with the warpers (and the order, and the skipping of no-op ones)
+    that transformers' `generate(do_sample=True, top_k=top_k)` uses, so a seed gives the tokens transformers
+    would give."""
     if temperature == 0:
         return lambda logits: logits.argmax(dim=-1)
-    warpers = ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []) + (
-        [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    warpers = (
+        ([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else [])
+        + ([TopKLogitsWarper(top_k)] if top_k > 0 else [])
+        + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
     )
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
@@ -308,8 +314,8 @@ class SamplingParams:
     """How one answer's tokens are chosen and when it ends, whoever asks for it (vLLM's SamplingParams):
     the commands build one from their options, the API from a request's fields.
 
-    `temperature` 0 is greedy; otherwise a token is drawn at `temperature` from the top-`top_p` mass,
-    from a generator seeded with `seed` (torch's global one when None). `max_tokens` new tokens at most;
+    `temperature` 0 is greedy; otherwise a token is drawn at `temperature` from the `top_k` most likely
+    (0: no limit) and the top-`top_p` mass, from a generator seeded with `seed` (torch's global one when None). `max_tokens` new tokens at most;
     `ignore_eos`: exactly that many, end-of-sequence never chosen (benchmarks time a fixed length).
     `stop`: strings that end the answer (not part of its text). `logit_bias` (token id -> value, -100
     bans), `presence_penalty` and `frequency_penalty` as in OpenAI's API. `grammar`: the answer follows
@@ -320,6 +326,7 @@ class SamplingParams:
     max_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -384,7 +391,7 @@ class Decoding:
         if params.forced is not None:
             self.sampler = forced_sampler(params.forced)
         else:
-            self.sampler = make_sampler(params.temperature, params.top_p, generator)
+            self.sampler = make_sampler(params.temperature, params.top_p, generator, params.top_k)
         self.eos = eos_ids(model, tokenizer)
         self.suppress = sorted(self.eos) if params.ignore_eos else []
         self.text = IncrementalText(tokenizer, params.stop, params.special_tokens) if tokenizer is not None else None
@@ -484,6 +491,7 @@ class Decoding:
         result = GenerationResult.of(text, len(self.prompt_ids), self.new, timing, self.finish_reason)
         result.cached_tokens = self.cached_tokens
         result.eos = self.ended_on_eos
+        result.stop_sequence = self.text.matched if self.text is not None else None
         result.logprobs = self.token_logprobs if self.params.logprobs is not None else None
         result.prompt_logprobs = self.prompt_token_logprobs
         return result

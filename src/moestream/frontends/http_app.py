@@ -1,8 +1,11 @@
 """The HTTP app of `moestream serve` (FastAPI): routes, error handlers, server-sent events, metrics.
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream` true:
-server-sent events ending in `data: [DONE]`, or false), the same three without /v1, GET /health, GET
-/metrics (Prometheus text). With an API key, all but /health and /metrics need it.
+server-sent events ending in `data: [DONE]`, or false), POST /v1/responses, POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's API), the same without /v1, GET /props (llama.cpp's: the context
+window and chat template front-ends read), GET /health, GET /metrics (Prometheus text), GET and HEAD /
+(clients probe it). With an API key, all but /health, /metrics and / need it, as `Authorization: Bearer KEY`
+or Anthropic's `x-api-key: KEY`. Errors on the Messages API's paths have Anthropic's shape, the rest OpenAI's.
 
 The async handlers only read, validate and tokenize (openai_api), then submit the generation to the
 one worker thread (worker), which decodes up to --max-batch requests together, and wait for its
@@ -32,6 +35,7 @@ from ..conversion.store import MANIFEST, file_checksum
 from ..core import loading
 from ..core.memory import current_rss_bytes, peak_rss_bytes
 from ..core.runtime import runtime_of
+from .anthropic_api import Messages, anthropic_error
 from .batching import KVBudgetExceeded
 from .generate import context_length
 from .kv_cache import PrefixCache, PrefixStats
@@ -47,7 +51,7 @@ from .openai_api import (
 )
 from .responses_api import Responses
 from .serving import TooManyChoices
-from .worker import ClientGone, Done, Job, ModelThread, Worker, WorkerError, WorkerStats
+from .worker import ClientGone, Done, Job, ModelThread, Quiet, Worker, WorkerError, WorkerStats
 
 # A request body larger than this is refused (413) before it is parsed: prompts are text, and a body
 # of gigabytes would otherwise be read into memory.
@@ -66,6 +70,7 @@ class ServerConfig:
     prefill_chunk: int | None = None  # a newcomer's prompt tokens per step while others decode (None: one pass)
     api_key: str | None = None  # when set, /v1 requests must carry `Authorization: Bearer <api_key>`
     cors_origins: tuple[str, ...] = ()  # origins whose browser pages may call the API ("*": any)
+    context: int | None = None  # the context window served (--context); None: the model's own
 
 
 def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread | None = None) -> FastAPI:
@@ -89,10 +94,14 @@ def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread
     app.add_exception_handler(Exception, _unexpected)
     app.add_api_route("/health", service.health, methods=["GET"])
     app.add_api_route("/metrics", service.metrics, methods=["GET"])
+    app.add_api_route("/", service.health, methods=["GET", "HEAD"])
+    app.add_api_route("/props", service.props, methods=["GET"])
     # The API under /v1 (OpenAI's base URL) and, as llama.cpp's server does, without the prefix, for clients
     # whose base URL is the bare host.
     for prefix in ("/v1", ""):
         app.add_api_route(f"{prefix}/responses", service.responses, methods=["POST"])
+        app.add_api_route(f"{prefix}/messages", service.messages_api, methods=["POST"])
+        app.add_api_route(f"{prefix}/messages/count_tokens", service.count_tokens, methods=["POST"])
         app.add_api_route(f"{prefix}/models", service.models, methods=["GET"])
         app.add_api_route(f"{prefix}/models/{{name:path}}", service.retrieve_model, methods=["GET"])
         app.add_api_route(f"{prefix}/chat/completions", service.chat_completions, methods=["POST"])
@@ -112,26 +121,30 @@ def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread
     return app
 
 
-# Paths anyone may read when the server has an API key: a load balancer's probe and a metrics scraper.
-OPEN_PATHS = ("/health", "/metrics")
+# Paths anyone may read when the server has an API key: a load balancer's probe, a metrics scraper, and
+# the root that clients probe before their first request.
+OPEN_PATHS = ("/health", "/metrics", "/")
 
 
 def _api_key_check(api_key: str):
-    """Middleware that answers 401, as OpenAI does, to a request without `Authorization: Bearer <api_key>`."""
+    """Middleware that answers 401, as OpenAI and Anthropic do, to a request that carries neither
+    `Authorization: Bearer <api_key>` (OpenAI's clients) nor `x-api-key: <api_key>` (Anthropic's)."""
     expected = f"Bearer {api_key}".encode()
 
     async def check(request: Request, call_next):
         if request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):  # constant time: the key is not guessed byte by byte
-                told = "no API key was sent" if not given else "the API key is not this server's"
+            bearer = request.headers.get("authorization", "").encode()
+            key = request.headers.get("x-api-key", "").encode()
+            # constant time: the key is not guessed byte by byte
+            if not (hmac.compare_digest(bearer, expected) or hmac.compare_digest(key, api_key.encode())):
+                told = "no API key was sent" if not (bearer or key) else "the API key is not this server's"
                 error = APIError(
                     401,
-                    f"{told}; send the server's key (moestream serve --api-key) as `Authorization: Bearer KEY`, "
-                    "e.g. OpenAI(api_key=KEY)",
+                    f"{told}; send the server's key (moestream serve --api-key) as `Authorization: Bearer KEY` or "
+                    "`x-api-key: KEY`, e.g. OpenAI(api_key=KEY) or Anthropic(api_key=KEY)",
                     code="invalid_api_key",
                 )
-                return _json_error(error)
+                return _json_error(error, request.url.path)
         return await call_next(request)
 
     return check
@@ -155,11 +168,14 @@ class Service:
             prefill_chunk=config.prefill_chunk,
             model_thread=model_thread,
         )
-        context = context_length(model)
+        self.context = config.context or context_length(model)
+        context = self.context
         shared = dict(vocabulary=self.worker.vocabulary, fingerprint=system_fingerprint(model))
         self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens, **shared)
         self.completion = Completions(tokenizer, config.model_name, context, **shared)
         self.response = Responses(tokenizer, config.model_name, context, config.default_max_tokens, **shared)
+        self.messages = Messages(tokenizer, config.model_name, context, config.default_max_tokens, **shared)
+        self.tokenizer = tokenizer
         self.created = int(time.time())
         # (endpoint, outcome) -> requests answered; touched only on the event loop, so it needs no lock.
         self.requests: dict[tuple[str, str], int] = {}
@@ -174,6 +190,13 @@ class Service:
 
     async def responses(self, request: Request) -> Response:
         return await self.answer(self.response, request)
+
+    async def messages_api(self, request: Request) -> Response:
+        return await self.answer(self.messages, request)
+
+    async def count_tokens(self, request: Request) -> dict:
+        data = await _read_json(request)
+        return await asyncio.to_thread(self.messages.count_tokens, data)
 
     async def answer(self, endpoint: Endpoint, request: Request) -> Response:
         """Translate, queue and answer a request: one JSON object, or server-sent events. Every way it can
@@ -219,8 +242,10 @@ class Service:
                 for chunk in reply.opening(index):
                     yield reply.sse(chunk)
             results = {}
-            async for item in job.output():
-                if isinstance(item, Done):
+            async for item in job.output(quiet_after=reply.keepalive_seconds):
+                if isinstance(item, Quiet):
+                    chunks = reply.keepalive()
+                elif isinstance(item, Done):
                     results[item.index] = item.result
                     chunks = reply.last_chunks(item)
                 else:
@@ -257,12 +282,35 @@ class Service:
         }
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [model_card(self.config.model_name, self.created)]}
+        card = self._card()
+        # OpenAI's list, with Anthropic's paging fields (one page)
+        return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
 
     async def retrieve_model(self, name: str) -> dict:
         if name != self.config.model_name:
             raise model_not_found(name, self.config.model_name)
-        return model_card(self.config.model_name, self.created)
+        return self._card()
+
+    def _card(self) -> dict:
+        card = model_card(self.config.model_name, self.created, self.context)
+        # llama.cpp's server describes its model under `meta`: front-ends read the trained context from it
+        card["meta"] = {"n_ctx_train": context_length(self.model), "n_ctx": self.context, "n_vocab": len(self.tokenizer)}
+        return card
+
+    async def props(self) -> dict:
+        """llama.cpp's GET /props, the fields front-ends read: the context window, the chat template, the
+        model's name and path, the slots (here: the batch)."""
+        store = str(runtime_of(self.model).store.directory)
+        return {
+            "default_generation_settings": {"n_ctx": self.context, "params": {"n_predict": self.config.default_max_tokens}},
+            "n_ctx": self.context,
+            "total_slots": self.config.max_batch,
+            "model_alias": self.config.model_name,
+            "model_path": store,
+            "chat_template": getattr(self.tokenizer, "chat_template", None) or "",
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"moestream {system_fingerprint(self.model)}",
+        }
 
     async def metrics(self) -> Response:
         # The engine reads its statistics under the lock it holds around each experts call, so this is
@@ -394,34 +442,35 @@ async def _read_json(request: Request) -> dict:
     return data
 
 
-# -- error handlers: every error is an OpenAI error object ----------------------------------------------------
+# -- error handlers: every error is an OpenAI error object, or Anthropic's on its API's paths ---------------
 
 
-def _json_error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body, status_code=e.status)
+def _json_error(e: APIError, path: str) -> JSONResponse:
+    anthropic = path.startswith(("/v1/messages", "/messages"))
+    return JSONResponse(anthropic_error(e) if anthropic else e.body, status_code=e.status)
 
 
 async def _api_error(request, e: APIError):
-    return _json_error(e)
+    return _json_error(e, request.url.path)
 
 
-# What a client that asks for a path this server does not have is told (e.g. /v1/responses, /v1/embeddings).
+# What a client that asks for a path this server does not have is told (e.g. /v1/embeddings).
 ENDPOINTS = (
-    "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET /v1/models (each also without /v1), "
-    "GET /health, GET /metrics"
+    "POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/messages, "
+    "POST /v1/messages/count_tokens, GET /v1/models (each also without /v1), GET /props, GET /health, GET /metrics"
 )
 
 
 async def _http_error(request, e: StarletteHTTPException):
     if e.status_code == 404:
         message = f"{request.method} {request.url.path} does not exist on this server; it serves {ENDPOINTS}"
-        return _json_error(APIError(404, message, code="not_found"))
-    return _json_error(APIError(e.status_code, str(e.detail)))
+        return _json_error(APIError(404, message, code="not_found"), request.url.path)
+    return _json_error(APIError(e.status_code, str(e.detail)), request.url.path)
 
 
 async def _validation_error(request, e: RequestValidationError):
-    return _json_error(APIError(400, f"invalid request: {e.errors()[:1]}"))
+    return _json_error(APIError(400, f"invalid request: {e.errors()[:1]}"), request.url.path)
 
 
 async def _unexpected(request, e: Exception):
-    return _json_error(error_for(e))
+    return _json_error(error_for(e), request.url.path)

@@ -90,6 +90,21 @@ def error_for(e: Exception) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
 
+class ContextTooLong(APIError):
+    """A prompt that, with the answer's room, does not fit the context window (each API words it its own way:
+    agents compact the conversation when they see it)."""
+
+    def __init__(self, prompt_tokens: int, requested: int, limit: int, param: str):
+        super().__init__(
+            400,
+            f"this model's maximum context length is {limit} tokens; the request has {prompt_tokens} in the "
+            f"prompt and asks for {requested} more: shorten the prompt or lower max_tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
+        self.prompt_tokens, self.requested, self.limit = prompt_tokens, requested, limit
+
+
 def model_not_found(name: str, served: str) -> APIError:
     return APIError(
         404,
@@ -99,8 +114,15 @@ def model_not_found(name: str, served: str) -> APIError:
     )
 
 
-def model_card(name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "moestream"}
+def model_card(name: str, created: int, context: int | None) -> dict:
+    """A model as /v1/models lists it: OpenAI's fields, the context window under the names clients read
+    (vLLM's `max_model_len`, `context_length`), and Anthropic's fields (`type`, `display_name`,
+    `created_at`), so that either API's client reads the one list."""
+    card = {"id": name, "object": "model", "created": created, "owned_by": "moestream"}
+    if context is not None:
+        card.update(max_model_len=context, context_length=context)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    return {**card, "type": "model", "display_name": name, "created_at": stamp}
 
 
 # -- request models -------------------------------------------------------------------------------------
@@ -220,6 +242,7 @@ class _Common(_Strict):
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension: the k most likely tokens (0 or -1: all)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -322,6 +345,10 @@ class Endpoint(ABC):
     name: ClassVar[str]  # its label in metrics
     request_model: ClassVar[type[_Common]]
     prompt_param: ClassVar[str]  # the request field that holds the prompt, named in errors about it
+    max_stop_sequences: ClassVar[int] = MAX_STOP_SEQUENCES
+    # Whether `max_tokens` is only a cap, lowered to the room the context leaves after the prompt
+    # (Anthropic's agents send 32,000 whatever the model), rather than a length the context must hold.
+    max_tokens_is_a_cap: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -399,14 +426,17 @@ class Endpoint(ABC):
     def _generation(self, req: _Common, prompts: list[list[int]], grammar: Grammar | None) -> SamplingParams:
         """The parameters every choice shares, checked (the prompt and seed are set per choice)."""
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
-            raise APIError(400, f"'stop' takes up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop")
+        if len(stops) > self.max_stop_sequences or any(not s for s in stops):
+            raise APIError(400, f"'stop' takes up to {self.max_stop_sequences} non-empty strings", param="stop")
         if req.seed is not None and not -(2**63) <= req.seed < 2**64:
             raise APIError(400, "'seed' must fit in 64 bits", param="seed")
         if not prompts or any(not p for p in prompts):
             raise APIError(400, "the prompt is empty: send at least one character", param=self.prompt_param)
         limit = self.context or 2**31
         requested = req.requested_max_tokens()
+        longest = max(len(p) for p in prompts)
+        if requested is not None and self.max_tokens_is_a_cap and longest < limit:
+            requested = min(requested, limit - longest)
         if requested is not None and not 1 <= requested <= limit:
             raise APIError(
                 400,
@@ -414,19 +444,13 @@ class Endpoint(ABC):
                 param="max_tokens",
                 code="invalid_value",
             )
-        longest = max(len(p) for p in prompts)
         if longest >= limit or (requested is not None and longest + requested > limit):
-            raise APIError(
-                400,
-                f"this model's maximum context length is {limit} tokens; the request has {longest} in the "
-                f"prompt and asks for {requested or 1} more: shorten the prompt or lower max_tokens",
-                param=self.prompt_param,
-                code="context_length_exceeded",
-            )
+            raise ContextTooLong(longest, requested or 1, limit, self.prompt_param)
         return SamplingParams(
             max_tokens=requested or min(self.default_max_tokens, limit - longest),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
             seed=0,
             stop=stops,
             ignore_eos=req.ignore_eos,
@@ -501,6 +525,18 @@ class ChatCompletions(Endpoint):
 
     def _template(self) -> str | None:
         return getattr(self.tokenizer, "chat_template", None)
+
+    def thinking_options(self, thinking: bool | None, effort: str | None) -> dict:
+        """The chat fields that set the template's thinking, for the APIs that ask for it in their own words
+        (a reasoning effort, thinking on or off): `effort` as the template's `reasoning_effort` where it
+        takes one, else `thinking` as its `enable_thinking`; None, or a template with neither switch,
+        thinks as it always does."""
+        template = self._template() or ""
+        if effort is not None and "reasoning_effort" in template:
+            return {"reasoning_effort": effort}
+        if thinking is not None and "enable_thinking" in template:
+            return {"chat_template_kwargs": {"enable_thinking": thinking}}
+        return {}
 
     def reply(self, req: ChatCompletionRequest) -> ChatReply:
         return ChatReply(
@@ -659,6 +695,12 @@ class Reply(ABC):
     def error_event(self, body: dict) -> dict:
         """The event that tells a client its stream failed (the status line went out already)."""
         return body
+
+    # Seconds without output (a long prefill) after which a stream sends `keepalive()`; None: never.
+    keepalive_seconds: ClassVar[float | None] = None
+
+    def keepalive(self) -> list[dict]:
+        return []
 
     def start(self, prompts: list[list[int]], n: int) -> None:
         self.prompt_of = [p for p in range(len(prompts)) for _ in range(n)]

@@ -181,7 +181,8 @@ class Responses(ChatCompletions):
             chat["tools"] = tools
         if req.tool_choice is not None and (tools or req.tool_choice != "auto"):
             chat["tool_choice"] = _chat_tool_choice(req.tool_choice)
-        chat.update(self._reasoning_options(req.reasoning))
+        effort = req.reasoning.effort if req.reasoning is not None else None
+        chat.update(self.thinking_options(None if effort is None else effort not in ("none", "minimal"), effort))
         try:
             translated = _Translated.model_validate({**chat, "source": req, "custom_tools": custom, "namespaces": namespaces})
         except ValidationError as e:
@@ -189,20 +190,6 @@ class Responses(ChatCompletions):
             raise APIError(400, error.body["error"]["message"].replace("messages", "input"), param="input") from None
         translated.refused()
         return translated
-
-    def _reasoning_options(self, reasoning: _Reasoning | None) -> dict:
-        """The template's thinking switch for `reasoning.effort`: its `reasoning_effort` where it takes
-        one, else `enable_thinking` (off for "none" and "minimal"); a template with neither thinks as it
-        always does."""
-        effort = reasoning.effort if reasoning is not None else None
-        template = self._template() or ""
-        if effort is None:
-            return {}
-        if "reasoning_effort" in template:
-            return {"reasoning_effort": effort}
-        if "enable_thinking" in template:
-            return {"chat_template_kwargs": {"enable_thinking": effort not in ("none", "minimal")}}
-        return {}
 
     def reply(self, req: _Translated) -> ResponsesReply:
         tool_format = self.tool_format(req)

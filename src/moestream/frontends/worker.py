@@ -103,6 +103,12 @@ class Done:
     result: GenerationResult
 
 
+@dataclass(frozen=True)
+class Quiet:
+    """Nothing has come for a while (a long prompt is being prefilled): a stream may tell its client it
+    is alive (Anthropic's `ping`)."""
+
+
 @dataclass(eq=False)  # a job is equal only to itself
 class Job:
     """One submitted request: its choices (one Choice each), its deadline, its scheduler request,
@@ -134,17 +140,22 @@ class Job:
         kind, _ = await self._next_event(disconnected)
         assert kind == "start", kind  # the worker posts nothing before it
 
-    async def output(self, disconnected: Disconnected | None = None) -> AsyncIterator[Piece | Done]:
+    async def output(
+        self, disconnected: Disconnected | None = None, quiet_after: float | None = None
+    ) -> AsyncIterator[Piece | Done | Quiet]:
         """The job's text, piece by piece as it is generated (choices interleaved), and a Done as each
-        choice ends; it returns after the last one.
+        choice ends; it returns after the last one. With `quiet_after`, a Quiet whenever nothing has come
+        for that many seconds.
 
         Raises TimedOut, ClientGone (when `disconnected()` turns true), ShuttingDown or GenerationFailed;
         each of them has cancelled the job, so the worker is free for the next one by the next token.
         """
         left = len(self.choices)
         while left:
-            kind, value = await self._next_event(disconnected)
-            if kind == "text":
+            kind, value = await self._next_event(disconnected, quiet_after)
+            if kind == "quiet":
+                yield Quiet()
+            elif kind == "text":
                 yield value
             elif kind == "error":
                 raise GenerationFailed(value)
@@ -159,12 +170,16 @@ class Job:
                 yield value
             # "start": the output begins after it
 
-    async def _next_event(self, disconnected: Disconnected | None):
+    async def _next_event(self, disconnected: Disconnected | None, quiet_after: float | None = None):
+        waited_since = time.monotonic()
         while True:
-            remaining = self.deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = self.deadline - now
             if remaining <= 0:
                 self.cancel()
                 raise TimedOut(self.timeout, queued=not self.request.started)
+            if quiet_after is not None and now - waited_since >= quiet_after:
+                return "quiet", None
             try:
                 return await asyncio.wait_for(self._events.get(), min(remaining, DISCONNECT_POLL_SECONDS))
             except TimeoutError:
