@@ -51,6 +51,7 @@ ORDER = [
     "structured-outputs",
     "llamacpp-server-tests",
     "tool-call-stream",
+    "agent-sessions",
     "checksums",
     "converter-memory",
     "plan",

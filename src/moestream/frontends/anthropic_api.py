@@ -154,6 +154,7 @@ class _Translated(ChatCompletionRequest):
     """The chat request a messages request becomes, with the request itself for the answer's shape."""
 
     source: MessagesRequest
+    top_k: int | None = None
 
 
 class Messages(ChatCompletions):

@@ -242,7 +242,6 @@ class _Common(_Strict):
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension: the k most likely tokens (0 or -1: all)
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
@@ -450,7 +449,7 @@ class Endpoint(ABC):
             max_tokens=requested or min(self.default_max_tokens, limit - longest),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
+            top_k=getattr(req, "top_k", None) or 0,  # (Anthropic's API has it; OpenAI's has not)
             seed=0,
             stop=stops,
             ignore_eos=req.ignore_eos,
