@@ -17,8 +17,9 @@ work dir with two files under `git init`, then runs the agent there with stdin f
   fresh HOME, ANTHROPIC_BASE_URL at the proxy, an API key, DISABLE_TELEMETRY=1 and
   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 (nothing reached but the base URL), and
   CLAUDE_CODE_MAX_CONTEXT_TOKENS set to the window /v1/models reports (`max_model_len`; without it Claude Code
-  warns that it does not know the model and assumes 1M tokens); `claude -p PROMPT --model NAME --allowedTools
-  Bash`.
+  warns that it does not know the model and assumes 1M tokens) and CLAUDE_CODE_MAX_OUTPUT_TOKENS to an eighth
+  of it unless set (with its default 32,000 reserved for the answer, a 32k window holds no prompt and it
+  compacts the conversation every turn); `claude -p PROMPT --model NAME --allowedTools Bash`.
 
 Prints one row per request: its status, input, cached and output tokens, the output item types, the
 function calls, and whether the next request carried each call's function_call_output (its first line and
@@ -254,18 +255,19 @@ def summary(http_dir: Path) -> list[list[str]]:
     return rows
 
 
-def agent_command(args, agent_bin: str, home: Path, work: Path, out: Path, base: str) -> tuple[list[str], dict]:
-    """The agent's command line and environment, pointed at `base` (the proxy, without /v1)."""
+def agent_command(args, agent_bin: str, home: Path, work: Path, out: Path, base: str, window: int) -> tuple[list[str], dict]:
+    """The agent's command line and environment, pointed at `base` (the proxy, without /v1); `window`: the
+    context window the server reports."""
     if args.agent == "codex":
         (home / "config.toml").write_text(codex_config(args.model_name, base + "/v1", args.slim))
         command = [agent_bin, "exec", "--skip-git-repo-check", "-C", str(work), "-m", args.model_name]
         return [*command, "-o", str(out / "last_message.txt"), args.prompt], {**os.environ, "CODEX_HOME": str(home)}
-    # The window the server reports (/v1/models), which Claude Code otherwise guesses as 1M tokens.
-    with urllib.request.urlopen(base + "/v1/models") as answer:
-        window = json.load(answer)["data"][0]["max_model_len"]
+    # The served window, which Claude Code otherwise guesses as 1M tokens, and room for its answers that
+    # leaves its prompt in the window: with its default 32,000 it would compact the conversation every turn.
     env = {
         **os.environ,
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(window),
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": os.environ.get("CLAUDE_CODE_MAX_OUTPUT_TOKENS", str(min(32000, window // 8))),
         "HOME": str(home),
         "ANTHROPIC_BASE_URL": base,
         "ANTHROPIC_API_KEY": "local",
@@ -290,10 +292,11 @@ def main() -> int:
     machine.add_record_argument(parser, "agent-sessions")
     args = parser.parse_args()
     package = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code"}[args.agent]
-    if not (agent_bin := shutil.which(getattr(args, args.agent))):
+    if not (agent_bin := shutil.which(getattr(args, args.agent))):  # (made absolute below: the agent runs in WORKDIR)
         raise SystemExit(
             f"no {args.agent} executable: `npm install {package}`, then pass --{args.agent} node_modules/.bin/{args.agent}"
         )
+    agent_bin = os.path.abspath(agent_bin)
     version = subprocess.run([agent_bin, "--version"], capture_output=True, text=True).stdout.strip()
     out = (args.out or Path(tempfile.mkdtemp(prefix="agent_session-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -319,7 +322,9 @@ def main() -> int:
         proxy = start_proxy(match.group(1), out, args.force_tool)
         base = f"http://127.0.0.1:{proxy.server_address[1]}"
         print(f"server {match.group(1)}, proxy {base}, agent home {home}", flush=True)
-        argv, env = agent_command(args, agent_bin, home, work, out, base)
+        with urllib.request.urlopen(match.group(1) + "/v1/models") as answer:
+            window = json.load(answer)["data"][0]["max_model_len"]
+        argv, env = agent_command(args, agent_bin, home, work, out, base, window)
         with (out / f"{args.agent}.out").open("w") as transcript:
             agent = subprocess.Popen(
                 argv, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
