@@ -12,6 +12,7 @@ import threading
 
 import anthropic
 import jsonschema
+import openai
 import pytest
 from test_openai_features import SCHEMA, TOOL_TEMPLATE, WEATHER, checkpoint, server  # noqa: F401 (fixtures)
 from test_server import MODEL, Server
@@ -246,6 +247,11 @@ def test_the_context_window_is_where_clients_read_it_and_a_key_may_come_as_x_api
         assert again.usage.cache_read_input_tokens >= warm.usage.input_tokens - 1
         with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
             client.messages.create(model=MODEL, messages=[{"role": "user", "content": "y" * 140}], max_tokens=8)
+        # the Responses API's own error, which Responses-API agents answer by compacting
+        keyed = openai.OpenAI(base_url=s.url + "/v1", api_key="secret", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            keyed.responses.create(model=MODEL, input="y" * 140, max_output_tokens=8)
+        assert e.value.code == "context_length_exceeded" and e.value.param == "input"
         with pytest.raises(anthropic.AuthenticationError) as e:
             anthropic.Anthropic(base_url=s.url, api_key="wrong", max_retries=0).messages.create(
                 model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1

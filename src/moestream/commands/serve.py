@@ -12,8 +12,9 @@ from ..options import add_chat_template_argument, add_kv_memory_argument, add_st
 from ..units import format_bytes, parse_bytes
 
 DESCRIPTION = (
-    "Serve a store over HTTP with OpenAI's API, so that the `openai` package and other clients work unchanged: "
-    "GET /v1/models, POST /v1/chat/completions and /v1/completions (also without the /v1 prefix; streamed or not; "
+    "Serve a store over HTTP with OpenAI's and Anthropic's APIs, so that the `openai` and `anthropic` packages, "
+    "agent CLIs and other clients work unchanged: GET /v1/models, POST /v1/chat/completions, /v1/completions, "
+    "/v1/responses and /v1/messages (also without the /v1 prefix; streamed or not; "
     "sampling, stop sequences, seed, n, logprobs, logit_bias, JSON-schema outputs, tool calls; the README lists "
     "every field, and one that is not honoured is refused by name), GET /health, GET /metrics (Prometheus). Up "
     "to --max-batch requests "
