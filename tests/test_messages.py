@@ -78,6 +78,11 @@ def test_a_greedy_answer_is_chat_and_responses_answer_to_the_same_conversation(s
     assert blocks.usage.input_tokens + blocks.usage.cache_read_input_tokens == prompt
     # the second time, the prompt's KV comes from the prefix cache
     assert blocks.usage.cache_read_input_tokens > 0
+    # a system message inside the conversation, as agents send it since 2026
+    inner = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go"}]
+    answer = claude.messages.create(model=MODEL, messages=inner, max_tokens=6, extra_body={"temperature": 0})
+    chat = server.client.chat.completions.create(model=MODEL, messages=inner, max_tokens=6, temperature=0)
+    assert _text(answer) == chat.choices[0].message.content
 
 
 def test_stop_sequences_and_the_max_tokens_cut(claude):

@@ -44,7 +44,7 @@ from .openai_api import (
     ChatCompletionRequest,
     ChatCompletions,
     ContextTooLong,
-    Reply,
+    OneAnswerReply,
     _error_from_validation,
     _Strict,
 )
@@ -447,7 +447,7 @@ def stop_reason(result: GenerationResult, final: FinalAnswer, window_cap: bool =
     return "stop_sequence" if result.stop_sequence is not None else "end_turn"
 
 
-class MessagesReply(Reply):
+class MessagesReply(OneAnswerReply):
     """One answer as an Anthropic message, or as its event stream. Its content blocks are built as the answer
     streams (thinking, then text, then each tool call); a non-streamed answer builds the same blocks at once."""
 
@@ -552,12 +552,6 @@ class MessagesReply(Reply):
         events = self._events(deltas) + self._close()
         delta = {"stop_reason": self._stop_reason(result, final), "stop_sequence": result.stop_sequence}
         return [*events, {"type": "message_delta", "delta": delta, "usage": self._usage(result)}, {"type": "message_stop"}]
-
-    def usage_chunk(self, results: dict[int, GenerationResult]) -> dict:
-        raise AssertionError("a messages stream carries its usage in message_delta")
-
-    def _whole(self, index: int, result: GenerationResult) -> dict:
-        raise AssertionError("a message is built by response()")
 
     # -- blocks ----------------------------------------------------------------------------------------------
 

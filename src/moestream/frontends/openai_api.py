@@ -772,6 +772,17 @@ class Reply(ABC):
         """Choice `index` of the non-streamed response, without its index."""
 
 
+class OneAnswerReply(Reply):
+    """A reply of one answer whose response is built whole from the answer's parts (`response`), and whose
+    stream carries its usage in its last event (the Responses and Messages APIs): no per-choice shapes."""
+
+    def usage_chunk(self, results: dict[int, GenerationResult]) -> dict:
+        raise AssertionError(f"{type(self).__name__}'s stream carries its usage in its last event")
+
+    def _whole(self, index: int, result: GenerationResult) -> dict:
+        raise AssertionError(f"{type(self).__name__} builds its response whole, in response()")
+
+
 class ChatReply(Reply):
     """A chat answer: its reasoning (`reasoning_content`, where the template has a reasoning block or the
     format a reasoning channel), its content and its tool calls, told apart as they stream (AnswerStream):

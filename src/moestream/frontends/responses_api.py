@@ -29,7 +29,7 @@ from .openai_api import (
     APIError,
     ChatCompletionRequest,
     ChatCompletions,
-    Reply,
+    OneAnswerReply,
     _error_from_validation,
     _Strict,
 )
@@ -361,7 +361,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesReply(Reply):
+class ResponsesReply(OneAnswerReply):
     """One answer as a Responses object, or as its event stream. The items are built as the answer streams
     (reasoning, then the message, then each call); a non-streamed answer builds the same items at once."""
 
@@ -503,12 +503,6 @@ class ResponsesReply(Reply):
         status = self._status(result)
         whole = self._object(status, self.items, self._usage(result, final), result)
         return [*events, self._event("response.completed" if status == "completed" else "response.incomplete", response=whole)]
-
-    def usage_chunk(self, results: dict[int, GenerationResult]) -> dict:
-        raise AssertionError("a responses stream carries its usage in response.completed")
-
-    def _whole(self, index: int, result: GenerationResult) -> dict:
-        raise AssertionError("a response is built by response()")
 
     # -- items ------------------------------------------------------------------------------------------------
 
