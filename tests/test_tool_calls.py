@@ -15,10 +15,13 @@ from moestream.frontends.tool_calls import (
     FAMILIES,
     CallDraft,
     DeepSeekFormat,
+    DsmlFormat,
     GlmFormat,
     HarmonyFormat,
     HermesFormat,
+    KimiFormat,
     LlamaFormat,
+    MiniMaxFormat,
     MistralFormat,
     ParsedOutput,
     Qwen3CoderFormat,
@@ -119,6 +122,42 @@ def glm_text(content, calls, after=""):
     return f"{content}\n{blocks}{after}<|observation|>"
 
 
+def dsml_text(content, calls, after="", block="tool_calls"):
+    """DeepSeek V3.2/V4: each value says whether it is a string; no schema needed."""
+    t = "｜DSML｜"
+
+    def parameter(k, v):
+        kind = "true" if isinstance(v, str) else "false"
+        return f'<{t}parameter name="{k}" string="{kind}">{xml_value(v)}</{t}parameter>\n'
+
+    invokes = "".join(
+        f'<{t}invoke name="{n}">\n' + "".join(parameter(k, v) for k, v in a.items()) + f"</{t}invoke>\n" for n, a in calls
+    )
+    blocks = f"\n\n<{t}{block}>\n{invokes}</{t}{block}>" if calls else ""
+    return f"{content}{blocks}{after}<｜end▁of▁sentence｜>"
+
+
+def minimax_text(content, calls, after=""):
+    record_schemas(calls)
+    invokes = "".join(
+        f'<invoke name="{n}">\n'
+        + "".join(f'<parameter name="{k}">{xml_value(v)}</parameter>\n' for k, v in a.items())
+        + "</invoke>\n"
+        for n, a in calls
+    )
+    blocks = f"\n<minimax:tool_call>\n{invokes}</minimax:tool_call>" if calls else ""
+    return f"{content}{blocks}{after}[e~["
+
+
+def kimi_text(content, calls, after=""):
+    section = "".join(
+        f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
+        for i, (n, a) in enumerate(calls)
+    )
+    blocks = f"<|tool_calls_section_begin|>{section}<|tool_calls_section_end|>" if calls else ""
+    return f"{content}{blocks}{after}<|im_end|>"
+
+
 def llama_text(content, calls, after=""):
     """Bare JSON when the answer is only calls; after `<|python_tag|>` when the model says something first."""
     objects = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
@@ -135,10 +174,14 @@ WRITERS = {
     "qwen3-coder": (Qwen3CoderFormat(WRITTEN_SCHEMAS), qwen3_coder_text),
     "glm": (GlmFormat(WRITTEN_SCHEMAS), glm_text),
     "llama": (LlamaFormat(), llama_text),
+    "dsml": (DsmlFormat(), dsml_text),
+    "dsml-v3.2": (DsmlFormat(block="function_calls"), lambda *a, **k: dsml_text(*a, **k, block="function_calls")),
+    "minimax": (MiniMaxFormat(WRITTEN_SCHEMAS), minimax_text),
+    "kimi": (KimiFormat(), kimi_text),
 }
 # the formats whose arguments are built from raw values (compact JSON with the characters as they are)
 # rather than kept as the model wrote the JSON
-TYPED = {"qwen3-coder", "glm"}
+TYPED = {"qwen3-coder", "glm", "dsml", "dsml-v3.2", "minimax"}
 
 WORDS = ["get", "weather", "search", "docs", "send", "mail", "city", "lookup", "x2", "v3"]
 TRICKY = ['say "hi"', "back\\slash", "{braces}", "[brackets]", "line\nbreak", "café ☕", "tab\t", "</end>", ""]
@@ -189,7 +232,20 @@ def test_parse_round_trip(family, n_calls, seed):
 
 
 @pytest.mark.parametrize(
-    "family", ["hermes", "mistral-json", "mistral-args", "deepseek-v3", "deepseek-v3.1", "qwen3-coder", "glm", "llama"]
+    "family",
+    [
+        "hermes",
+        "mistral-json",
+        "mistral-args",
+        "deepseek-v3",
+        "deepseek-v3.1",
+        "qwen3-coder",
+        "glm",
+        "llama",
+        "dsml",
+        "minimax",
+        "kimi",
+    ],
 )
 def test_text_after_the_calls_is_content(family):
     fmt, write = WRITERS[family]
@@ -219,6 +275,11 @@ MALFORMED = {
     "qwen3-coder": '<tool_call>\n<function=f>\n<parameter=a>\n{"x": 1}\n</function>\n</tool_call>',
     "glm": '<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>{"x": 1}\n</tool_call>',
     "llama": '<|python_tag|>{"name": "f", "parameters": {"a": 1}',
+    # a parameter never closed; a JSON value that is not JSON; an invoke never closed; arguments not JSON
+    "dsml": '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">{x\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+    "dsml-v3.2": '<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="false">{x: 1}</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+    "minimax": '<minimax:tool_call>\n<invoke name="f">\n<parameter name="a">{"x": 1}</parameter>\n</minimax:tool_call>',
+    "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{a: 1}<|tool_call_end|><|tool_calls_section_end|>",
 }
 
 
@@ -346,7 +407,7 @@ def test_detect():
     assert isinstance(detect(GLM_TEMPLATE), GlmFormat)
     assert isinstance(detect(LLAMA_TEMPLATE), LlamaFormat) and isinstance(detect(LLAMA_BUILTIN_TEMPLATE), LlamaFormat)
     assert detect(None) is None and detect("") is None
-    assert set(FAMILIES) == {"hermes", "mistral", "deepseek", "harmony", "qwen3-coder", "glm", "llama"}
+    assert set(FAMILIES) == {"hermes", "mistral", "deepseek", "dsml", "kimi", "minimax", "harmony", "qwen3-coder", "glm", "llama"}
 
 
 # -- grammar -------------------------------------------------------------------------------------------
@@ -394,6 +455,16 @@ TOKEN_MARKERS = {
     "qwen3-coder": ["<tool_call>", "</tool_call>"],
     "glm": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
     "llama": [],  # forced calls are the bare JSON object: no marker
+    "dsml": [],  # DSML's markers are text
+    "dsml-v3.2": [],
+    "minimax": ["<minimax:tool_call>", "</minimax:tool_call>"],
+    "kimi": [
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ],
 }
 TOKEN_MARKERS["deepseek-v3.1"] = TOKEN_MARKERS["deepseek-v3"]
 
@@ -408,6 +479,10 @@ GRAMMAR_TEXT = {
         f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>{json.dumps(a)}<|call|>" for n, a in calls
     ),
     "qwen3-coder": lambda calls: qwen3_coder_text("", calls).strip().removesuffix("<|im_end|>"),
+    "dsml": lambda calls: dsml_text("", calls).strip().removesuffix("<｜end▁of▁sentence｜>"),
+    "dsml-v3.2": lambda calls: dsml_text("", calls, block="function_calls").strip().removesuffix("<｜end▁of▁sentence｜>"),
+    "minimax": lambda calls: minimax_text("", calls).strip().removesuffix("[e~["),
+    "kimi": lambda calls: kimi_text("", calls).removesuffix("<|im_end|>"),
     "glm": lambda calls: glm_text("", calls).strip().removesuffix("<|observation|>"),
     "llama": lambda calls: llama_text("", calls).removesuffix("<|eot_id|>"),
 }
@@ -1023,3 +1098,23 @@ def test_family_template_renders_calls_that_parse_back(template, format_type, tu
         ],
     )
     assert '{"temperature": 21}' in prompt
+
+
+@pytest.mark.parametrize("think_tokens", [True, False])
+@pytest.mark.parametrize("family", ["hermes", "qwen3-coder", "dsml"])
+def test_a_forced_call_comes_after_the_reasoning_never_inside_it(family, think_tokens):
+    """A thinking template: with the block opened by the prompt, the grammar takes any reasoning, its end,
+    then the call; where the model may open one, a call with or without a block first."""
+    fmt, _ = WRITERS[family]
+    tokenizer, words = vocabulary(TOKEN_MARKERS[family] + (["<think>", "</think>"] if think_tokens else []))
+    added = tokenizer.get_added_vocab()
+    call = GRAMMAR_TEXT[family]([GOOD])
+    opened = fmt.grammar(TOOLS, NAMED, added_tokens=added, thinking="open")
+    assert accepts_text(opened, tokenizer, words, "The user wants Paris, 3 days.\n</think>\n\n" + call)
+    assert accepts_text(opened, tokenizer, words, "</think>" + call)
+    assert not accepts_text(opened, tokenizer, words, call)  # not inside the reasoning
+    assert not accepts_text(opened, tokenizer, words, "Hm.</think>\n" + GRAMMAR_TEXT[family]([WRONG_TYPE]))
+    optional = fmt.grammar(TOOLS, NAMED, added_tokens=added, thinking="optional")
+    assert accepts_text(optional, tokenizer, words, call)
+    assert accepts_text(optional, tokenizer, words, "<think>\nParis, 3 days.\n</think>\n\n" + call)
+    assert not accepts_text(optional, tokenizer, words, "Paris, 3 days. " + call)

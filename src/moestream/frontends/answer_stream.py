@@ -76,15 +76,27 @@ class Thinking:
     start = "<think>"
     end = "</think>"
 
-    def __init__(self, opened_by_prompt: bool):
+    def __init__(self, opened_by_prompt: bool, closed_by_prompt: bool = False):
         self.opened_by_prompt = opened_by_prompt
+        # the prompt holds an empty block already (a template's thinking switched off): no reasoning comes
+        self.closed_by_prompt = closed_by_prompt
 
     @classmethod
     def of(cls, chat_template: str | None, prompt: str) -> Thinking | None:
         """The reasoning block of a chat template that has one, else None."""
         if not chat_template or cls.start not in chat_template or cls.end not in chat_template:
             return None
-        return cls(opened_by_prompt=prompt.rstrip().endswith(cls.start))
+        ending = prompt.rstrip()
+        return cls(opened_by_prompt=ending.endswith(cls.start), closed_by_prompt=ending.endswith(cls.end))
+
+    @property
+    def grammar_mode(self) -> str | None:
+        """How a grammar that forces the answer (a tool call) lets the reasoning come first: "open" (the
+        prompt opened the block: reasoning, its end, then the answer), "optional" (the model may open one),
+        None (no reasoning: the block is closed already)."""
+        if self.closed_by_prompt:
+            return None
+        return "open" if self.opened_by_prompt else "optional"
 
     def split(self, text: str, partial: bool) -> tuple[str, str]:
         """(reasoning, the rest) of an answer so far, neither with text that may still turn out to be a

@@ -580,7 +580,11 @@ class ChatCompletions(Endpoint):
             tools = [t.model_dump(exclude_none=True) for t in req.tools]
             try:
                 text = reply.tool_format.grammar(
-                    tools, choice, added_tokens=self.tokenizer.get_added_vocab(), parallel=req.parallel_tool_calls is not False
+                    tools,
+                    choice,
+                    added_tokens=self.tokenizer.get_added_vocab(),
+                    parallel=req.parallel_tool_calls is not False,
+                    thinking=reply.thinking.grammar_mode if reply.thinking is not None else None,
                 )
                 grammar = Grammar.lark(text)
             except (GrammarError, ValueError) as e:

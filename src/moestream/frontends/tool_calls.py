@@ -54,7 +54,12 @@ END_OF_TURN = (
     "<｜end▁of▁sentence｜>",
     "<|observation|>",  # GLM-4.5 ends a turn of calls on it
     "<|user|>",  # and any other turn on the next one's header
+    "[e~[",  # MiniMax-M2's end of a message
 )
+
+
+# A reasoning block's markers (answer_stream.Thinking): a forced call's grammar lets the reasoning come first.
+THINK_START, THINK_END = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,7 @@ class ToolFormat:
         *,
         added_tokens: Mapping[str, int] | None = None,
         parallel: bool = True,
+        thinking: str | None = None,
     ) -> str:
         """A Lark grammar (llguidance's dialect) whose strings are exactly tool calls in this format.
 
@@ -185,11 +191,22 @@ class ToolFormat:
         them, the markers that are tokens in the family's checkpoints are written by name (`<|call|>`),
         which llguidance resolves in the vocabulary; a marker that cannot be written so (Mistral's
         `[TOOL_CALLS]`: `<[...]>` is llguidance's syntax for token ids) raises ValueError.
+        `thinking`: where the template has a reasoning block (`answer_stream.Thinking.grammar_mode`), the
+        reasoning comes first and the calls are forced once it closes, never inside it: "open" (the prompt
+        opened the block: any text up to `</think>`), "optional" (the model may write a block first).
         """
         functions = _chosen_functions(tools, choice)
         many = parallel and choice == "required"
         lark = _LarkWriter(added_tokens, self._token_markers)
-        rules = [f"start: {self._start_rule(lark, many)}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+        start = self._start_rule(lark, many)
+        if thinking is not None:
+            reasoning = f"REASONING {lark.marker(THINK_END)}" if lark.is_token(THINK_END) else "REASONING"
+            reasoning = reasoning if thinking == "open" else f"({lark.marker(THINK_START)} {reasoning})?"
+            start = f"{reasoning} THINK_GAP? {start}"
+        rules = [f"start: {start}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+        if thinking is not None:  # (a regex never matches a special token: then any text, up to it)
+            text = _text_until("REASONING", THINK_END, THINK_END)
+            rules += [r"REASONING: /(?s:.*)/" if lark.is_token(THINK_END) else text, r"THINK_GAP: /[\r\n\t ]+/"]
         for i, (name, schema) in enumerate(functions):
             rules.append(f"call_{i}: {self._call_rule(lark, name, f'args_{i}')}")
             rules.extend(self._arguments_rules(lark, f"args_{i}", schema))
@@ -759,6 +776,223 @@ class GlmFormat(_XmlFormat):
         return [_text_until("ARG_TEXT", "</arg_value>", "</arg_value>")]
 
 
+class _InvokeFormat(_XmlFormat):
+    """What the invoke formats share (DeepSeek V3.2/V4's DSML, MiniMax-M2's): one block holds all of a turn's
+    calls, each an `invoke` element naming the function, each argument a `parameter` element naming its key:
+
+        <BLOCK>
+        <invoke name="get_weather">
+        <parameter name="city">Paris</parameter>
+        </invoke>
+        </BLOCK>
+
+    A value is the text between a parameter's tags, typed by its `string` attribute where the format writes
+    one, else by the tool's schema (see `_XmlFormat`). Subclasses give the block's markers and the element
+    names (`_tag`: the prefix of every element's name)."""
+
+    _tag: ClassVar[str] = ""
+    _typed_by_attribute: ClassVar[bool] = False
+
+    @property
+    def _invoke(self) -> re.Pattern:
+        return re.compile(rf'\s*<{re.escape(self._tag)}invoke name="([^"\n]*)">')
+
+    @property
+    def _parameter(self) -> re.Pattern:
+        return re.compile(rf'\s*<{re.escape(self._tag)}parameter name="([^"\n]*)"(?: string="(true|false)")?>')
+
+    @property
+    def _invoke_end(self) -> str:
+        return f"</{self._tag}invoke>"
+
+    @property
+    def _parameter_end(self) -> str:
+        return f"</{self._tag}parameter>"
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        position = 0
+        while (begin := text.find(self.start_marker, position)) >= 0:
+            yield text[position:begin]
+            close = text.find(self._end, begin)
+            body_end = len(text) if close < 0 else close
+            end = len(text) if close < 0 else close + len(self._end)
+            calls: list[ToolCall] = []
+            at = begin + len(self.start_marker)
+            while (head := self._invoke.match(text[:body_end], at)) is not None:
+                stop = text.find(self._invoke_end, head.end(), body_end)
+                call = self._read_invoke(head.group(1), text[head.end() : stop], complete=True) if stop >= 0 else None
+                if not isinstance(call, ToolCall):
+                    break
+                calls.append(call)
+                at = stop + len(self._invoke_end)
+            if partial and close < 0:  # the block being written: its calls so far, then the one being written
+                yield from calls
+                head = self._invoke.match(text, at)
+                if head is not None:
+                    yield self._read_invoke(head.group(1), text[head.end() :], complete=False)
+                return
+            if calls and not text[at:body_end].strip():
+                yield from calls
+            else:  # a malformed block stays the text it is
+                yield text[begin:end]
+            position = end
+        yield text[position:]
+
+    def _read_invoke(self, name: str, body: str, complete: bool) -> ToolCall | CallDraft | None:
+        """The call in an invoke element's body (up to its closing tag when `complete`, else so far)."""
+        name = name.strip()
+        if not _is_name(name):
+            return None if complete else CallDraft(None, "")
+        position, pairs = 0, []
+        while (parameter := self._parameter.match(body, position)) is not None:
+            close = body.find(self._parameter_end, parameter.end())
+            key = parameter.group(1).strip()
+            if close < 0 or not key:
+                return self._end_of_call(name, pairs, complete, closed=False)
+            raw, string = body[parameter.end() : close], parameter.group(2)
+            if string is None:
+                pairs.append(self._pair(name, key, raw))
+            else:  # the format says which values are strings: the others are JSON, or the call is malformed
+                try:
+                    value = raw if string == "true" else json.loads(raw)
+                except ValueError:
+                    return None if complete else self._end_of_call(name, pairs, complete, closed=False)
+                pairs.append(
+                    json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+                )
+            position = close + len(self._parameter_end)
+        return self._end_of_call(name, pairs, complete, closed=complete and not body[position:].strip())
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        calls = "call+" if many else "call"
+        return f"{lark.marker(self.start_marker)} {lark.text(chr(10))} {calls} {lark.marker(self._end)}"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        head = lark.text(f'<{self._tag}invoke name="{name}">' + "\n")
+        return f"{head} {args} {lark.text(self._invoke_end + chr(10))}"
+
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str) -> str:
+        string = value == self._string_value(lark)
+        attribute = (' string="true"' if string else ' string="false"') if self._typed_by_attribute else ""
+        head = lark.text(f'<{self._tag}parameter name="{key}"{attribute}>')
+        if string:  # the lexeme takes in the closing tag
+            return f"{head} {value} {lark.text(chr(10))}"
+        return f"{head} {value} {lark.text(self._parameter_end + chr(10))}"
+
+    def _string_value(self, lark: _LarkWriter) -> str:
+        return "PARAMETER_TEXT"
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        return [_text_until("PARAMETER_TEXT", self._parameter_end, self._parameter_end)]
+
+
+class DsmlFormat(_InvokeFormat):
+    """DeepSeek V3.2's and V4's DSML calls: the invoke format (see `_InvokeFormat`), every element's name
+    prefixed with `｜DSML｜`, each parameter saying whether its value is a string (as written) or JSON:
+
+        <｜DSML｜tool_calls>
+        <｜DSML｜invoke name="get_weather">
+        <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
+        <｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>
+        </｜DSML｜invoke>
+        </｜DSML｜tool_calls>
+
+    V3.2 names the block `function_calls`, V4 `tool_calls` (`block`). The markers are text."""
+
+    name = "dsml"
+    _tag = "｜DSML｜"
+    _typed_by_attribute = True
+
+    def __init__(self, schemas: Mapping[str, Mapping[str, Any]] | None = None, block: str = "tool_calls"):
+        super().__init__(schemas)
+        self.block = block
+
+    def __repr__(self) -> str:
+        return f"DsmlFormat({sorted(self.schemas)!r}, block={self.block!r})"
+
+    def with_tools(self, tools: Iterable[Mapping[str, Any]] | None) -> ToolFormat:
+        return DsmlFormat(_schemas_of(tools), self.block)
+
+    @property
+    def start_marker(self) -> str:  # type: ignore[override]
+        return f"<{self._tag}{self.block}>"
+
+    @property
+    def _end(self) -> str:  # type: ignore[override]
+        return f"</{self._tag}{self.block}>"
+
+
+class MiniMaxFormat(_InvokeFormat):
+    """MiniMax-M2's calls: the invoke format (see `_InvokeFormat`) in a `<minimax:tool_call>` block, each
+    value typed by the tool's schema:
+
+        <minimax:tool_call>
+        <invoke name="get_weather">
+        <parameter name="city">Paris</parameter>
+        </invoke>
+        </minimax:tool_call>"""
+
+    name = "minimax"
+    start_marker = "<minimax:tool_call>"
+    _end = "</minimax:tool_call>"
+    _token_markers = frozenset({"<minimax:tool_call>", "</minimax:tool_call>"})
+
+
+class KimiFormat(ToolFormat):
+    """Moonshot's Kimi-K2 calls, all markers special tokens: a section of calls, each its id
+    (`functions.NAME:INDEX`, the index counting the turn's calls) and its arguments as JSON:
+
+        <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
+        {"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
+
+    (on one line). The template writes the arguments with tojson: they go to it as a mapping."""
+
+    name = "kimi"
+    start_marker = "<|tool_calls_section_begin|>"
+    _other_starts = ("<|tool_call_begin|>",)
+    _section_end = "<|tool_calls_section_end|>"
+    _call_begin = "<|tool_call_begin|>"
+    _argument_begin = "<|tool_call_argument_begin|>"
+    _call_end = "<|tool_call_end|>"
+    _token_markers = frozenset({start_marker, _section_end, _call_begin, _argument_begin, _call_end})
+    _id = re.compile(r"\s*(?:functions\.)?([^\s:<]+)(?::\d+)?\s*")
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        position = 0
+        while (begin := text.find(self._call_begin, position)) >= 0:
+            yield self._outside(text[position:begin])
+            close = text.find(self._call_end, begin)
+            body = text[begin + len(self._call_begin) : len(text) if close < 0 else close]
+            head, sep, arguments = body.partition(self._argument_begin)
+            name = self._id.fullmatch(head)
+            if partial and close < 0:  # the call being written
+                if not sep or name is None:
+                    yield CallDraft(None, "")
+                else:
+                    yield CallDraft(name.group(1), _arguments_prefix(arguments, 0) or "")
+                return
+            end = len(text) if close < 0 else close + len(self._call_end)
+            parsed, stop = _arguments_at(arguments, 0) if sep else (None, 0)
+            whole = parsed is not None and not arguments[stop:].strip() and name is not None and _is_name(name.group(1))
+            yield ToolCall(name.group(1), parsed) if whole else text[begin:end]
+            position = end
+        yield self._outside(text[position:])
+
+    def _outside(self, text: str) -> str:
+        return text.replace(self.start_marker, "").replace(self._section_end, "")
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        calls = "call+" if many else "call"
+        return f"{lark.marker(self.start_marker)} {calls} {lark.marker(self._section_end)}"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        begin, argument, end = lark.marker(self._call_begin), lark.marker(self._argument_begin), lark.marker(self._call_end)
+        return f"{begin} {lark.text(f'functions.{name}:')} CALL_INDEX {argument} {args} {end}"
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        return ["CALL_INDEX: /[0-9]+/"]
+
+
 class LlamaFormat(ToolFormat):
     """Llama 3.1-3.3's and Llama 4's JSON calls: the answer is the call, a bare JSON object naming the
     function and giving its "parameters" (some write "arguments"):
@@ -871,7 +1105,18 @@ class LlamaFormat(ToolFormat):
 
 FAMILIES: dict[str, type[ToolFormat]] = {
     cls.name: cls
-    for cls in (HermesFormat, MistralFormat, DeepSeekFormat, HarmonyFormat, Qwen3CoderFormat, GlmFormat, LlamaFormat)
+    for cls in (
+        HermesFormat,
+        MistralFormat,
+        DeepSeekFormat,
+        DsmlFormat,
+        KimiFormat,
+        MiniMaxFormat,
+        HarmonyFormat,
+        Qwen3CoderFormat,
+        GlmFormat,
+        LlamaFormat,
+    )
 }
 
 
@@ -883,6 +1128,12 @@ def detect(chat_template: str | None) -> ToolFormat | None:
     t = chat_template
     if "<|channel|>" in t and "<|call|>" in t:
         return HarmonyFormat()
+    if DsmlFormat._tag in t:  # (the templates build the block's name from pieces: look for its spelling)
+        return DsmlFormat(block="function_calls" if "function_calls>" in t else "tool_calls")
+    if KimiFormat.start_marker in t:
+        return KimiFormat()
+    if MiniMaxFormat.start_marker in t:
+        return MiniMaxFormat()
     if DeepSeekFormat._call_begin in t or DeepSeekFormat.start_marker in t:
         return DeepSeekFormat(fenced="```json" in t)
     if MistralFormat.start_marker in t:
