@@ -407,7 +407,10 @@ def test_detect():
     assert isinstance(detect(GLM_TEMPLATE), GlmFormat)
     assert isinstance(detect(LLAMA_TEMPLATE), LlamaFormat) and isinstance(detect(LLAMA_BUILTIN_TEMPLATE), LlamaFormat)
     assert detect(None) is None and detect("") is None
-    assert set(FAMILIES) == {"hermes", "mistral", "deepseek", "dsml", "kimi", "minimax", "harmony", "qwen3-coder", "glm", "llama"}
+    assert set(FAMILIES) == {
+        *("hermes", "mistral", "deepseek", "dsml", "kimi", "minimax", "harmony", "qwen3-coder", "glm", "llama"),
+        *("solar", "gigachat", "cohere", "hunyuan", "pythonic"),
+    }
 
 
 # -- grammar -------------------------------------------------------------------------------------------

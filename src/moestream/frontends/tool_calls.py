@@ -55,6 +55,12 @@ END_OF_TURN = (
     "<|observation|>",  # GLM-4.5 ends a turn of calls on it
     "<|user|>",  # and any other turn on the next one's header
     "[e~[",  # MiniMax-M2's end of a message
+    "<|END_OF_TURN_TOKEN|>",  # Cohere
+    "<|message_sep|>",  # GigaChat
+    "<|end_of_text|>",  # Granite
+    "<|role_end|>",  # Ling
+    "</assistant>",  # poolside Laguna
+    "<｜hy_eos:opensource｜>",  # Hunyuan
 )
 
 
@@ -574,6 +580,7 @@ class _XmlFormat(ToolFormat):
 
     start_marker = "<tool_call>"
     _end = "</tool_call>"
+    _wrapper: ClassVar[tuple[str, str] | None] = None  # markers around a turn's blocks, which carry nothing
 
     def __init__(self, schemas: Mapping[str, Mapping[str, Any]] | None = None):
         # function name -> its parameters' JSON schema; kept as given (not copied)
@@ -585,10 +592,15 @@ class _XmlFormat(ToolFormat):
     def with_tools(self, tools: Iterable[Mapping[str, Any]] | None) -> ToolFormat:
         return type(self)(_schemas_of(tools))
 
+    def _outside(self, text: str) -> str:
+        for marker in self._wrapper or ():
+            text = text.replace(marker, "")
+        return text
+
     def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
         position = 0
         while (begin := text.find(self.start_marker, position)) >= 0:
-            yield text[position:begin]
+            yield self._outside(text[position:begin])
             after = begin + len(self.start_marker)
             close = text.find(self._end, after)
             if partial and close < 0:  # the call being written
@@ -599,7 +611,7 @@ class _XmlFormat(ToolFormat):
             call = self._read_call(text[after : len(text) if close < 0 else close], complete=True)
             yield call if isinstance(call, ToolCall) else text[begin:end]
             position = end
-        yield text[position:]
+        yield self._outside(text[position:])
 
     def _read_call(self, body: str, complete: bool) -> ToolCall | CallDraft | None:
         """The call in a block's body (the text between the markers). `complete`: the whole body, a call
@@ -642,11 +654,11 @@ class _XmlFormat(ToolFormat):
             else:
                 value = f"{rule}_{k}_value"
                 rules.append(f"{value}: %json {json.dumps({**shared, **prop, 'x-guidance': JSON_OPTIONS})}")
-            rules.append(f"{rule}_{k}: {self._parameter_rule(lark, key, value)}")
+            rules.append(f"{rule}_{k}: {self._parameter_rule(lark, key, value, string=types is None or 'string' in types)}")
             items.append(f"{rule}_{k}" + ("" if key in required else "?"))
         return [f"{rule}: {' '.join(items)}", *rules]
 
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str) -> str:
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
         raise NotImplementedError
 
     def _string_value(self, lark: _LarkWriter) -> str:
@@ -706,7 +718,7 @@ class Qwen3CoderFormat(_XmlFormat):
         head = lark.text(f"\n<function={name}>\n")
         return f"{lark.marker(self.start_marker)} {head} {args} {lark.text('</function>' + chr(10))} {lark.marker(self._end)}"
 
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str) -> str:
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
         if value == self._string_value(lark):  # the lexeme ends with the value's newline and closing tag
             return f"{lark.text(f'<parameter={key}>' + chr(10))} {value} {lark.text(chr(10))}"
         return f"{lark.text(f'<parameter={key}>' + chr(10))} {value} {lark.text(chr(10) + '</parameter>' + chr(10))}"
@@ -736,9 +748,14 @@ class GlmFormat(_XmlFormat):
     All six tags are special tokens in GLM's vocabulary."""
 
     name = "glm"
+    _arg_key, _arg_key_end, _arg_value, _arg_value_end = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+    _name_sep = ""  # what follows the name (Hunyuan's separator)
     _token_markers = frozenset({"<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"})
     _name_end = re.compile(r"[^\n<]*")
-    _key = re.compile(r"\s*<arg_key>([^<]*)</arg_key>\s*<arg_value>")
+
+    @property
+    def _key(self) -> re.Pattern:
+        return re.compile(rf"\s*{re.escape(self._arg_key)}([^<]*){re.escape(self._arg_key_end)}\s*{re.escape(self._arg_value)}")
 
     def _read_call(self, body: str, complete: bool) -> ToolCall | CallDraft | None:
         head = self._name_end.match(body)
@@ -746,12 +763,16 @@ class GlmFormat(_XmlFormat):
         if (not complete and head.end() == len(body)) or not _is_name(name):  # (the name may go on)
             return None if complete else CallDraft(None, "")
         position, pairs = head.end(), []
+        if self._name_sep:
+            if not body.startswith(self._name_sep, position):
+                return None if complete or not self._name_sep.startswith(body[position:]) else CallDraft(None, "")
+            position += len(self._name_sep)
         while (key := self._key.match(body, position)) is not None:
-            close = body.find("</arg_value>", key.end())
+            close = body.find(self._arg_value_end, key.end())
             if close < 0 or not key.group(1).strip():
                 return self._end_of_call(name, pairs, complete, closed=False)
             pairs.append(self._pair(name, key.group(1).strip(), body[key.end() : close]))
-            position = close + len("</arg_value>")
+            position = close + len(self._arg_value_end)
         # The block's closing marker closes the call: only a complete body has it.
         return self._end_of_call(name, pairs, complete, closed=complete and not body[position:].strip())
 
@@ -759,21 +780,65 @@ class GlmFormat(_XmlFormat):
         return f"call ({lark.text(chr(10))} call)*" if many else "call"
 
     def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
-        return f"{lark.marker(self.start_marker)} {lark.text(name + chr(10))} {args} {lark.marker(self._end)}"
+        head = lark.text(name) + (f" {lark.marker(self._name_sep)}" if self._name_sep else "")
+        return f"{lark.marker(self.start_marker)} {head} {lark.text(chr(10))} {args} {lark.marker(self._end)}"
 
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str) -> str:
-        key_part = f"{lark.marker('<arg_key>')} {lark.text(key)} {lark.marker('</arg_key>')} {lark.text(chr(10))}"
-        if value == self._string_value(lark) and not lark.is_token("</arg_value>"):
-            return f"{key_part} {lark.marker('<arg_value>')} {value} {lark.text(chr(10))}"  # the lexeme closes it
-        return f"{key_part} {lark.marker('<arg_value>')} {value} {lark.marker('</arg_value>')} {lark.text(chr(10))}"
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
+        key_part = f"{lark.marker(self._arg_key)} {lark.text(key)} {lark.marker(self._arg_key_end)} {lark.text(chr(10))}"
+        if value == self._string_value(lark) and not lark.is_token(self._arg_value_end):
+            return f"{key_part} {lark.marker(self._arg_value)} {value} {lark.text(chr(10))}"  # the lexeme closes it
+        return f"{key_part} {lark.marker(self._arg_value)} {value} {lark.marker(self._arg_value_end)} {lark.text(chr(10))}"
 
     def _string_value(self, lark: _LarkWriter) -> str:
         return "ARG_TEXT"
 
     def _extra_rules(self, lark: _LarkWriter) -> list[str]:
-        if lark.is_token("</arg_value>"):  # a regex never matches a special token: any text, up to it
+        if lark.is_token(self._arg_value_end):  # a regex never matches a special token: any text, up to it
             return [r"ARG_TEXT: /(?s:.*)/"]
-        return [_text_until("ARG_TEXT", "</arg_value>", "</arg_value>")]
+        return [_text_until("ARG_TEXT", self._arg_value_end, self._arg_value_end)]
+
+
+class HunyuanFormat(GlmFormat):
+    """Tencent Hunyuan's (Hy3) calls: GLM's (see `GlmFormat`) with its own tags, each name ending in the
+    template's suffix (`:opensource`), a separator after the function's name, and a block around the turn's
+    calls:
+
+        <tool_calls:opensource>
+        <tool_call:opensource>get_weather<tool_sep:opensource>
+        <arg_key:opensource>city</arg_key:opensource>
+        <arg_value:opensource>Paris</arg_value:opensource>
+        </tool_call:opensource>
+        </tool_calls:opensource>"""
+
+    name = "hunyuan"
+    _token_markers = frozenset()
+    _suffix_setting = re.compile(r"set HYTK\s*=\s*'([^']*)'")
+
+    def __init__(self, schemas: Mapping[str, Mapping[str, Any]] | None = None, suffix: str = ":opensource"):
+        super().__init__(schemas)
+        self.suffix = suffix
+        self.start_marker, self._end = f"<tool_call{suffix}>", f"</tool_call{suffix}>"
+        self._wrapper = (f"<tool_calls{suffix}>", f"</tool_calls{suffix}>")
+        self._other_starts = (self._wrapper[0],)
+        self._arg_key, self._arg_key_end = f"<arg_key{suffix}>", f"</arg_key{suffix}>"
+        self._arg_value, self._arg_value_end = f"<arg_value{suffix}>", f"</arg_value{suffix}>"
+        self._name_sep = f"<tool_sep{suffix}>"
+
+    def __repr__(self) -> str:
+        return f"HunyuanFormat({sorted(self.schemas)!r}, suffix={self.suffix!r})"
+
+    def with_tools(self, tools: Iterable[Mapping[str, Any]] | None) -> ToolFormat:
+        return HunyuanFormat(_schemas_of(tools), self.suffix)
+
+    @classmethod
+    def of(cls, template: str) -> HunyuanFormat | None:
+        """The format of a Hunyuan template, which builds its tags from a suffix (`HYTK`)."""
+        setting = cls._suffix_setting.search(template)
+        return cls(suffix=setting.group(1)) if setting is not None and "<tool_call{}>" in template else None
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        begin, end = (lark.marker(m) for m in self._wrapper)
+        return f"{begin} {lark.text(chr(10))} {super()._start_rule(lark, many)} {lark.text(chr(10))} {end}"
 
 
 class _InvokeFormat(_XmlFormat):
@@ -871,11 +936,10 @@ class _InvokeFormat(_XmlFormat):
         head = lark.text(f'<{self._tag}invoke name="{name}">' + "\n")
         return f"{head} {args} {lark.text(self._invoke_end + chr(10))}"
 
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str) -> str:
-        string = value == self._string_value(lark)
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
         attribute = (' string="true"' if string else ' string="false"') if self._typed_by_attribute else ""
         head = lark.text(f'<{self._tag}parameter name="{key}"{attribute}>')
-        if string:  # the lexeme takes in the closing tag
+        if value == self._string_value(lark):  # the lexeme takes in the closing tag
             return f"{head} {value} {lark.text(chr(10))}"
         return f"{head} {value} {lark.text(self._parameter_end + chr(10))}"
 
@@ -938,7 +1002,80 @@ class MiniMaxFormat(_InvokeFormat):
     _token_markers = frozenset({"<minimax:tool_call>", "</minimax:tool_call>"})
 
 
-class KimiFormat(ToolFormat):
+class _JsonArgumentsFormat(ToolFormat):
+    """What the formats that mark each call's parts with special tokens and write its arguments as JSON
+    share (Solar-Open's, Kimi-K2's): a call begins, its head names the function (after an id, some), its
+    arguments follow a separator, and it ends; a section's markers wrap a turn's calls and carry nothing.
+    Subclasses give the markers and `_name_in(head)`."""
+
+    _section_end: ClassVar[str]
+    _call_begin: ClassVar[str]
+    _argument_begin: ClassVar[str]
+    _call_end: ClassVar[str]
+
+    def _name_in(self, head: str) -> str | None:
+        raise NotImplementedError
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        position = 0
+        while (begin := text.find(self._call_begin, position)) >= 0:
+            yield self._outside(text[position:begin])
+            close = text.find(self._call_end, begin)
+            body = text[begin + len(self._call_begin) : len(text) if close < 0 else close]
+            head, sep, arguments = body.partition(self._argument_begin)
+            name = self._name_in(head) if sep else None
+            if partial and close < 0:  # the call being written
+                yield CallDraft(name, _arguments_prefix(arguments, 0) or "") if _is_name(name) else CallDraft(None, "")
+                return
+            end = len(text) if close < 0 else close + len(self._call_end)
+            parsed, stop = _arguments_at(arguments, 0) if sep else (None, 0)
+            whole = parsed is not None and not arguments[stop:].strip() and _is_name(name)
+            yield ToolCall(name, parsed) if whole else text[begin:end]
+            position = end
+        yield self._outside(text[position:])
+
+    def _outside(self, text: str) -> str:
+        return text.replace(self.start_marker, "").replace(self._section_end, "")
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        calls = "call+" if many else "call"
+        return f"{lark.marker(self.start_marker)} {calls} {lark.marker(self._section_end)}"
+
+
+class SolarFormat(_JsonArgumentsFormat):
+    """Upstage Solar-Open's calls, all markers special tokens: each call its id, its name and its JSON
+    arguments, the turn's calls between `<|tool_calls|>` and `<|calls|>`:
+
+        <|tool_calls|><|tool_call:begin|>call_1<|tool_call:name|>get_weather<|tool_call:args|>{"city": "Paris"}
+        <|tool_call:end|><|calls|>
+
+    (on one line)."""
+
+    name = "solar"
+    start_marker = "<|tool_calls|>"
+    _other_starts = ("<|tool_call:begin|>",)
+    _section_end = "<|calls|>"
+    _call_begin = "<|tool_call:begin|>"
+    _name_marker = "<|tool_call:name|>"
+    _argument_begin = "<|tool_call:args|>"
+    _call_end = "<|tool_call:end|>"
+    _token_markers = frozenset({start_marker, _section_end, _call_begin, _name_marker, _argument_begin, _call_end})
+
+    def _name_in(self, head: str) -> str | None:
+        call_id, sep, name = head.partition(self._name_marker)
+        return name.strip() if sep else None
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        begin, sep, argument, end = (
+            lark.marker(m) for m in (self._call_begin, self._name_marker, self._argument_begin, self._call_end)
+        )
+        return f"{begin} CALL_ID {sep} {lark.text(name)} {argument} {args} {end}"
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        return ["CALL_ID: /call_[0-9a-zA-Z]{1,24}/"]
+
+
+class KimiFormat(_JsonArgumentsFormat):
     """Moonshot's Kimi-K2 calls, all markers special tokens: a section of calls, each its id
     (`functions.NAME:INDEX`, the index counting the turn's calls) and its arguments as JSON:
 
@@ -957,33 +1094,9 @@ class KimiFormat(ToolFormat):
     _token_markers = frozenset({start_marker, _section_end, _call_begin, _argument_begin, _call_end})
     _id = re.compile(r"\s*(?:functions\.)?([^\s:<]+)(?::\d+)?\s*")
 
-    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
-        position = 0
-        while (begin := text.find(self._call_begin, position)) >= 0:
-            yield self._outside(text[position:begin])
-            close = text.find(self._call_end, begin)
-            body = text[begin + len(self._call_begin) : len(text) if close < 0 else close]
-            head, sep, arguments = body.partition(self._argument_begin)
-            name = self._id.fullmatch(head)
-            if partial and close < 0:  # the call being written
-                if not sep or name is None:
-                    yield CallDraft(None, "")
-                else:
-                    yield CallDraft(name.group(1), _arguments_prefix(arguments, 0) or "")
-                return
-            end = len(text) if close < 0 else close + len(self._call_end)
-            parsed, stop = _arguments_at(arguments, 0) if sep else (None, 0)
-            whole = parsed is not None and not arguments[stop:].strip() and name is not None and _is_name(name.group(1))
-            yield ToolCall(name.group(1), parsed) if whole else text[begin:end]
-            position = end
-        yield self._outside(text[position:])
-
-    def _outside(self, text: str) -> str:
-        return text.replace(self.start_marker, "").replace(self._section_end, "")
-
-    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
-        calls = "call+" if many else "call"
-        return f"{lark.marker(self.start_marker)} {calls} {lark.marker(self._section_end)}"
+    def _name_in(self, head: str) -> str | None:
+        match = self._id.fullmatch(head)
+        return match.group(1) if match is not None else None
 
     def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
         begin, argument, end = lark.marker(self._call_begin), lark.marker(self._argument_begin), lark.marker(self._call_end)
@@ -991,6 +1104,282 @@ class KimiFormat(ToolFormat):
 
     def _extra_rules(self, lark: _LarkWriter) -> list[str]:
         return ["CALL_INDEX: /[0-9]+/"]
+
+
+class PythonicFormat(ToolFormat):
+    """Liquid LFM2's calls: Python calls with keyword arguments, in a list between two special tokens:
+
+        <|tool_call_start|>[get_weather(city="Paris", days=3), get_time(zone="UTC")]<|tool_call_end|>
+
+    The values are Python literals (JSON's true, false and null are read too). A call's name streams as
+    soon as it is written, its arguments once the call is complete. LFM2's template shows an earlier turn's
+    calls only as its text: `template_messages` writes them into the content so."""
+
+    name = "pythonic"
+    start_marker = "<|tool_call_start|>"
+    _end = "<|tool_call_end|>"
+    _token_markers = frozenset({start_marker, _end})
+    _constants = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        position = 0
+        while (begin := text.find(self.start_marker, position)) >= 0:
+            yield text[position:begin]
+            close = text.find(self._end, begin)
+            body = text[begin + len(self.start_marker) : len(text) if close < 0 else close]
+            pieces = self._calls_in(body)
+            if partial and close < 0:  # the list being written: its complete calls, then the one being written
+                for piece, whole in pieces:
+                    call = self._read(piece) if whole else None
+                    if call is None:
+                        head = re.match(r"\s*([A-Za-z_][\w.\-]*)\s*\(", piece)
+                        yield CallDraft(head.group(1) if head is not None else None, "")
+                        return
+                    yield call
+                return
+            end = len(text) if close < 0 else close + len(self._end)
+            calls = [self._read(piece) if whole else None for piece, whole in pieces]
+            ok = calls and all(c is not None for c in calls) and body.strip().startswith("[") and body.strip().endswith("]")
+            yield from calls if ok else [text[begin:end]]
+            position = end
+        yield text[position:]
+
+    @staticmethod
+    def _calls_in(body: str) -> list[tuple[str, bool]]:
+        """The list's calls as text, each with whether its parentheses closed (strings and nesting skipped)."""
+        start = body.find("[")
+        if start < 0:
+            return []
+        pieces, depth, quote, begin, i = [], 0, None, start + 1, start + 1
+        while i < len(body):
+            c = body[i]
+            if quote:
+                if c == "\\":
+                    i += 1
+                elif c == quote:
+                    quote = None
+            elif c in "\"'":
+                quote = c
+            elif c in "([{":
+                depth += 1
+            elif c in ")]}":
+                if depth == 0:  # the list's closing bracket
+                    break
+                depth -= 1
+                if depth == 0 and c == ")":
+                    pieces.append((body[begin : i + 1], True))
+                    begin = i + 1
+            elif c == "," and depth == 0:
+                begin = i + 1
+            i += 1
+        rest = body[begin:i].strip().lstrip(",").strip()
+        if rest:
+            pieces.append((rest, False))
+        return pieces
+
+    def _read(self, piece: str) -> ToolCall | None:
+        try:
+            node = ast.parse(piece.strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+            return None
+        name = ast.unparse(node.func)
+        try:
+            arguments = {k.arg: self._value(k.value) for k in node.keywords if k.arg is not None}
+        except ValueError:
+            return None
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))) if _is_name(name) else None
+
+    def _value(self, node: ast.AST) -> Any:
+        if isinstance(node, ast.Name) and node.id in self._constants:
+            return self._constants[node.id]
+        if isinstance(node, ast.List | ast.Tuple):
+            return [self._value(e) for e in node.elts]
+        if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+            return {str(self._value(k)): self._value(v) for k, v in zip(node.keys, node.values)}
+        return ast.literal_eval(node)
+
+    def template_messages(self, messages: Iterable[Mapping[str, Any]]) -> list[dict]:
+        out = []
+        for m in to_template_messages(messages):
+            if m.get("role") == "assistant" and m.get("tool_calls"):
+                written = ", ".join(self._written(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
+                m = {**m, "content": (m.get("content") or "") + f"{self.start_marker}[{written}]{self._end}"}
+                m.pop("tool_calls")
+            out.append(m)
+        return out
+
+    @staticmethod
+    def _written(name: str, arguments: Any) -> str:
+        values = json.loads(arguments) if isinstance(arguments, str) else dict(arguments)
+        return f"{name}(" + ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in values.items()) + ")"
+
+    # -- grammar: keyword arguments, each value a JSON value (a string as a double-quoted literal) ------------
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        calls = f"call ({lark.text(', ')} call)*" if many else "call"
+        return f"{lark.marker(self.start_marker)} {lark.text('[')} {calls} {lark.text(']')} {lark.marker(self._end)}"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        return f"{lark.text(name + '(')} {args} {lark.text(')')}"
+
+    def _arguments_rules(self, lark: _LarkWriter, rule: str, schema: dict) -> list[str]:
+        properties = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        required = [p for p in schema.get("required") or [] if isinstance(p, str) and p in properties]
+        shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        rules, items = [], []
+        for k, key in enumerate([*required, *(p for p in properties if p not in required)]):
+            prop = dict(properties[key]) if isinstance(properties[key], Mapping) else {}
+            rules.append(f"{rule}_{k}_value: %json {json.dumps({**shared, **prop, 'x-guidance': JSON_OPTIONS})}")
+            comma = lark.text(", ") + " " if k else ""
+            item = f"{comma}{lark.text(key + '=')} {rule}_{k}_value"
+            items.append(item if key in required else f"({item})?")
+        return [f"{rule}: {' '.join(items)}", *rules]
+
+
+class GigaChatFormat(ToolFormat):
+    """GigaChat 3's call: the function's name and arguments as one JSON object after `<|function_call|>`,
+    which ends the turn:
+
+        <|function_call|>{"name": "get_weather", "arguments": {"city": "Paris"}}
+
+    The templates show one call per turn (they render an assistant turn's first call only): the grammar
+    forces one, and the answer's first call is its call."""
+
+    name = "gigachat"
+    start_marker = "<|function_call|>"
+    _token_markers = frozenset({start_marker})
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        position = 0
+        while (begin := text.find(self.start_marker, position)) >= 0:
+            yield text[position:begin]
+            after = begin + len(self.start_marker)
+            call, end = _object_call(text, after)
+            if call is not None:
+                yield call
+                position = end
+                continue
+            if partial:  # the call being written
+                yield _object_draft(text, after)
+                return
+            yield text[begin:]
+            return
+        yield text[position:]
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        return "call"  # one call per turn
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        head = lark.text('{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
+        return f"{lark.marker(self.start_marker)} {head} {args} {lark.text('}')}"
+
+
+class CohereFormat(ToolFormat):
+    """Cohere Command's actions (Command A, Cohere2-MoE): the turn's calls as one JSON list between
+    `<|START_ACTION|>` and `<|END_ACTION|>`, each with an id, the tool's name and its parameters; the answer's
+    text between `<|START_RESPONSE|>` and `<|END_RESPONSE|>`, its reasoning between `<|START_THINKING|>` and
+    `<|END_THINKING|>`:
+
+        <|START_ACTION|>[
+            {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}
+        ]<|END_ACTION|>"""
+
+    name = "cohere"
+    start_marker = "<|START_ACTION|>"
+    _end = "<|END_ACTION|>"
+    _thinking = ("<|START_THINKING|>", "<|END_THINKING|>")
+    _response = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
+    _token_markers = frozenset({start_marker, _end, *_thinking, *_response})
+
+    def parse(self, text: str) -> ParsedOutput:
+        reasoning, text = self._reasoning(without_end_of_turn(text))
+        parsed = super().parse(text)
+        return ParsedOutput(parsed.content, parsed.calls, reasoning)
+
+    def draft(self, text: str) -> Draft:
+        reasoning, rest = self._reasoning(without_end_of_turn(text))
+        return Draft(self.streamable(rest), super().draft(rest).calls, reasoning or "")
+
+    def streamable(self, text: str) -> str:
+        return super().streamable(self._reasoning(without_end_of_turn(text))[1])
+
+    def _reasoning(self, text: str) -> tuple[str | None, str]:
+        """(the reasoning, the rest) of an answer, the response's markers dropped."""
+        begin, end = self._thinking
+        reasoning = None
+        if (start := text.find(begin)) >= 0:
+            close = text.find(end, start)
+            reasoning = text[start + len(begin) : len(text) if close < 0 else close].strip() or None
+            text = text[:start] + ("" if close < 0 else text[close + len(end) :])
+        elif (close := text.find(end)) >= 0:  # the prompt opened the block
+            reasoning, text = text[:close].strip() or None, text[close + len(end) :]
+        return reasoning, text.replace(self._response[0], "").replace(self._response[1], "")
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        position = 0
+        while (begin := text.find(self.start_marker, position)) >= 0:
+            yield text[position:begin]
+            close = text.find(self._end, begin)
+            body = text[begin + len(self.start_marker) : len(text) if close < 0 else close]
+            if partial and close < 0:  # the list being written: its whole calls, then the one being written
+                yield from self._listed(body, partial=True)
+                return
+            end = len(text) if close < 0 else close + len(self._end)
+            calls = self._listed(body, partial=False)
+            yield from calls if calls else [text[begin:end]]
+            position = end
+        yield text[position:]
+
+    @staticmethod
+    def _listed(body: str, partial: bool) -> list[ToolCall | CallDraft]:
+        """The calls in an action list (all of them, or [] if it is malformed); while `partial`, the
+        complete objects so far, then a draft of the one being written. The arguments are the parameters
+        as written (minified), so what streamed of them is a prefix of the whole."""
+        calls: list[ToolCall | CallDraft] = []
+        position = body.find("[")
+        if position < 0:
+            return [CallDraft(None, "")] if partial else []
+        position += 1
+        while True:
+            while position < len(body) and body[position] in " \t\r\n,":
+                position += 1
+            if position >= len(body) or body[position] == "]":
+                break
+            value, end = _json_at(body, position)
+            head = re.search(r'"tool_name"\s*:\s*("(?:[^"\\]|\\.)*")', body[position : end if value is not None else len(body)])
+            name = json.loads(head.group(1)) if head is not None else None
+            start = re.search(r'"parameters"\s*:\s*', body[position : end if value is not None else len(body)])
+            if value is None:  # the object being written (or a malformed one)
+                if not partial:
+                    return []
+                arguments = _arguments_prefix(body, position + start.end()) if start is not None and _is_name(name) else None
+                calls.append(CallDraft(name if _is_name(name) else None, arguments or ""))
+                return calls
+            arguments = _arguments_at(body, position + start.end())[0] if start is not None else None
+            if arguments is None or not _is_name(name) or not isinstance(value, dict):
+                return calls if partial else []
+            calls.append(ToolCall(name, arguments))
+            position = end
+        if not partial and body[position:].strip() != "]":
+            return []
+        return calls
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        calls = f"call ({lark.text(',' + chr(10))} call)*" if many else "call"
+        return f"{lark.marker(self.start_marker)} {lark.text('[' + chr(10))} {calls} {lark.text(chr(10) + ']')} {lark.marker(self._end)}"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        head = (
+            lark.text('    {"tool_call_id": "')
+            + " CALL_NUMBER "
+            + lark.text('", "tool_name": ' + json.dumps(name) + ', "parameters": ')
+        )
+        return f"{head} {args} {lark.text('}')}"
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        return ["CALL_NUMBER: /[0-9]+/"]
 
 
 class LlamaFormat(ToolFormat):
@@ -1112,6 +1501,11 @@ FAMILIES: dict[str, type[ToolFormat]] = {
         DsmlFormat,
         KimiFormat,
         MiniMaxFormat,
+        SolarFormat,
+        GigaChatFormat,
+        CohereFormat,
+        HunyuanFormat,
+        PythonicFormat,
         HarmonyFormat,
         Qwen3CoderFormat,
         GlmFormat,
@@ -1128,12 +1522,24 @@ def detect(chat_template: str | None) -> ToolFormat | None:
     t = chat_template
     if "<|channel|>" in t and "<|call|>" in t:
         return HarmonyFormat()
+    if "]<]minimax[>[" in t:  # MiniMax-M3 writes its calls' elements apart with this token: no format here reads it
+        return None
     if DsmlFormat._tag in t:  # (the templates build the block's name from pieces: look for its spelling)
         return DsmlFormat(block="function_calls" if "function_calls>" in t else "tool_calls")
     if KimiFormat.start_marker in t:
         return KimiFormat()
     if MiniMaxFormat.start_marker in t:
         return MiniMaxFormat()
+    if SolarFormat._call_begin in t:
+        return SolarFormat()
+    if GigaChatFormat.start_marker in t or ("function_call=" in t and "<|role_sep|>" in t):
+        return GigaChatFormat()
+    if CohereFormat.start_marker in t:
+        return CohereFormat()
+    if (hunyuan := HunyuanFormat.of(t)) is not None:
+        return hunyuan
+    if "<|tool_list_start|>" in t or PythonicFormat.start_marker in t:  # (LFM2's template names only the tools' list)
+        return PythonicFormat()
     if DeepSeekFormat._call_begin in t or DeepSeekFormat.start_marker in t:
         return DeepSeekFormat(fenced="```json" in t)
     if MistralFormat.start_marker in t:
