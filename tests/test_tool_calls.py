@@ -1121,3 +1121,17 @@ def test_a_forced_call_comes_after_the_reasoning_never_inside_it(family, think_t
     assert accepts_text(optional, tokenizer, words, call)
     assert accepts_text(optional, tokenizer, words, "<think>\nParis, 3 days.\n</think>\n\n" + call)
     assert not accepts_text(optional, tokenizer, words, "Paris, 3 days. " + call)
+
+
+@pytest.mark.parametrize("family", [f for f in WRITERS if f != "harmony"])
+def test_a_call_cut_at_the_length_limit_is_neither_a_call_nor_content(family):
+    """An answer that ends at max_tokens inside its second call: the first call stands, the cut one is
+    dropped, and none of its markup becomes content."""
+    fmt, write = WRITERS[family]
+    whole = write("", [GOOD, SECOND])
+    cut = whole[: whole.rfind("get_time") + 5]
+    parsed = fmt.parse(cut, cut=True)
+    assert not parsed.content, parsed
+    assert parsed.calls in ([], [ToolCall("get_weather", '{"city":"Paris","days":3}')])
+    uncut = fmt.parse(cut)  # read as a finished answer, the cut call is content (or, by some formats, a call)
+    assert "get_t" in (uncut.content or "") + "".join(c.name for c in uncut.calls)

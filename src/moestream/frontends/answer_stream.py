@@ -144,14 +144,15 @@ class AnswerStream:
         reasoning, content, calls = self._parts(self.text)
         return self._deltas(reasoning, content, [(c.name, c.arguments) for c in calls if c.name is not None])
 
-    def finish(self, text: str) -> tuple[list[Delta], FinalAnswer]:
-        """The last deltas and the final answer, once `text` is the whole answer."""
+    def finish(self, text: str, cut: bool = False) -> tuple[list[Delta], FinalAnswer]:
+        """The last deltas and the final answer, once `text` is the whole answer (`cut`: it ended at its
+        length limit, and a call it ends in is dropped, not shown as content)."""
         reasoning, rest = self.thinking.split(text, partial=False) if self.thinking is not None else ("", text)
         if self.tool_format is None:
             content: str | None = rest if self.thinking is None else without_end_of_turn(rest).strip()
             calls: list[ToolCall] = []
         else:
-            parsed = self.tool_format.parse(rest)
+            parsed = self.tool_format.parse(rest, cut)
             content, calls = parsed.content, parsed.calls
             reasoning = "\n".join(r for r in (reasoning, parsed.reasoning or "") if r)
             calls = calls[: self.max_calls]

@@ -518,7 +518,7 @@ class MessagesReply(OneAnswerReply):
 
     def response(self, results: dict[int, GenerationResult]) -> dict:
         result = results[0]
-        deltas, final = self._answer_stream().finish(result.text)
+        deltas, final = self._answer_stream().finish(result.text, result.finish_reason == "length")
         self._events(deltas)  # builds the blocks (the events are not sent)
         self._close()
         self._finish_calls(final)
@@ -548,7 +548,7 @@ class MessagesReply(OneAnswerReply):
 
     def last_chunks(self, done: Done) -> list[dict]:
         result = done.result
-        deltas, final = self.stream.finish(result.text)
+        deltas, final = self.stream.finish(result.text, result.finish_reason == "length")
         events = self._events(deltas) + self._close()
         delta = {"stop_reason": self._stop_reason(result, final), "stop_sequence": result.stop_sequence}
         return [*events, {"type": "message_delta", "delta": delta, "usage": self._usage(result)}, {"type": "message_stop"}]

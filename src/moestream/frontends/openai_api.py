@@ -863,7 +863,7 @@ class ChatReply(Reply):
         stream = self._stream(i)
         if stream.plain:
             return [self._chunk_with(i, {"delta": {}, "logprobs": None, "finish_reason": finish_reason(result)})]
-        deltas, final = stream.finish(result.text)
+        deltas, final = stream.finish(result.text, result.finish_reason == "length")
         chunks = self._delta_chunks(i, deltas)
         held = self.held_logprobs.pop(i, [])
         if held:
@@ -873,7 +873,7 @@ class ChatReply(Reply):
 
     def _whole(self, index: int, result: GenerationResult) -> dict:
         stream = AnswerStream(self.tool_format, self.thinking, None if self.parallel_tool_calls else 1)
-        _, final = stream.finish(result.text)
+        _, final = stream.finish(result.text, result.finish_reason == "length")
         message: dict[str, Any] = {"role": "assistant", "content": final.content}
         if final.reasoning is not None:
             message["reasoning_content"] = final.reasoning

@@ -463,7 +463,7 @@ class ResponsesReply(OneAnswerReply):
     def response(self, results: dict[int, GenerationResult]) -> dict:
         result = results[0]
         stream = self._answer_stream()
-        deltas, final = stream.finish(result.text)
+        deltas, final = stream.finish(result.text, result.finish_reason == "length")
         self.cut = result.finish_reason == "length"
         self._events(deltas)  # builds the items (the events are not sent)
         self._close()
@@ -496,7 +496,7 @@ class ResponsesReply(OneAnswerReply):
 
     def last_chunks(self, done: Done) -> list[dict]:
         result = done.result
-        deltas, final = self.stream.finish(result.text)
+        deltas, final = self.stream.finish(result.text, result.finish_reason == "length")
         self.cut = result.finish_reason == "length"
         events = self._events(deltas) + self._close()
         self._finish_calls(final)

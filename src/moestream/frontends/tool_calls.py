@@ -132,14 +132,21 @@ class ToolFormat:
 
     # -- parsing --------------------------------------------------------------------------------------
 
-    def parse(self, text: str) -> ParsedOutput:
-        """The calls in a whole answer and the text around them (stripped) as the content."""
+    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
+        """The calls in a whole answer and the text around them (stripped) as the content. `cut`: the answer
+        ended at its length limit, so a call it ends in was cut short: it is no call, and no content either
+        (its markup would otherwise reach the client as text)."""
         pieces, calls = [], []
-        for segment in self._segments(without_end_of_turn(text)):
+        # (read as a partial answer when cut: the call it ends in is then a CallDraft, which is left out)
+        for segment in self._segments(without_end_of_turn(text), partial=cut):
             if isinstance(segment, ToolCall):
                 calls.append(segment)
-            else:
+            elif isinstance(segment, str):
                 pieces.append(segment)
+        while cut and pieces and not pieces[-1].strip():
+            pieces.pop()
+        if cut and pieces and pieces[-1].lstrip().startswith(self._starts):
+            pieces.pop()
         content = "".join(pieces).strip()
         return ParsedOutput(content if content or not calls else None, calls)
 
@@ -479,7 +486,8 @@ class HarmonyFormat(ToolFormat):
     _token_markers = frozenset({"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"})
     _terminators = re.compile(r"<\|(?:end|call|return)\|>")
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
+        # (a call cut short is no message of its own: `_read` keeps only whole ones)
         if "<|message|>" not in text:  # not harmony at all: all of it is the answer
             return ParsedOutput(text.strip(), [])
         content, reasoning, calls = self._read(text, partial=False)
@@ -1293,9 +1301,9 @@ class CohereFormat(ToolFormat):
     _response = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
     _token_markers = frozenset({start_marker, _end, *_thinking, *_response})
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
         reasoning, text = self._reasoning(without_end_of_turn(text))
-        parsed = super().parse(text)
+        parsed = super().parse(text, cut)
         return ParsedOutput(parsed.content, parsed.calls, reasoning)
 
     def draft(self, text: str) -> Draft:
