@@ -45,7 +45,7 @@ EXPECTED = {
     "inclusionai-ling-3.0-flash": "glm",
     "StepFun3.5-Flash": "qwen3-coder",
     "openai-gpt-oss-120b": "harmony",
-    "Kimi-K3": None,
+    "Kimi-K3": "kimi-xtml",
     "MiniMax-M3": None,
 }
 # Templates that show one call per turn (they render an assistant turn's first call only).
@@ -73,10 +73,17 @@ def template(name: str) -> str:
     return (TEMPLATES / f"{name}.jinja").read_text()
 
 
+def think_markers(name: str) -> tuple[str, str]:
+    """The template's reasoning block's markers (answer_stream.Thinking)."""
+    shown = [(start, end) for text, start, end in Thinking.MARKERS if text in template(name)]
+    return shown[0] if shown else (Thinking.start, Thinking.end)
+
+
 def tokenizer_for(name: str, think_tokens: bool = False):
+    """The byte-level tokenizer with the template; with `think_tokens`, its reasoning markers as two tokens."""
     tokenizer = byte_tokenizer()
     if think_tokens:
-        tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+        tokenizer.add_special_tokens({"additional_special_tokens": list(think_markers(name))})
     tokenizer.chat_template = template(name)
     return tokenizer
 
@@ -109,10 +116,10 @@ def rendered_answer(name: str) -> tuple[str, tool_calls.ToolFormat, Thinking | N
     # The history shows a turn as the template keeps it, not always as the model wrote it after this prompt:
     # where the prompt opened the reasoning block, the model closes it (the history may drop the reasoning);
     # where the prompt holds an empty block, the model does not close it again.
-    if thinking is not None and thinking.opened_by_prompt and Thinking.end not in answer:
-        answer = REASONING + Thinking.end + "\n\n" + answer.lstrip()
+    if thinking is not None and thinking.opened_by_prompt and thinking.end not in answer:
+        answer = REASONING + thinking.end + "\n\n" + answer.lstrip()
     elif thinking is not None and thinking.closed_by_prompt:
-        answer = answer.removeprefix(Thinking.end)
+        answer = answer.removeprefix(thinking.end)
     return answer, fmt, thinking
 
 
@@ -150,8 +157,8 @@ def test_a_rendered_turn_streamed_split_anywhere_reads_back_the_same(name):
 
 @pytest.fixture(scope="module")
 def model():
-    """A tiny random Qwen3-MoE whose vocabulary has the byte tokens, two specials and `<think>`, `</think>`,
-    with room for the templates' long tool preambles."""
+    """A tiny random Qwen3-MoE whose vocabulary has the byte tokens, two specials and a reasoning block's two
+    markers, with room for the templates' long tool preambles."""
     return make_model("qwen3_moe", seed=5, **{**TINY["qwen3_moe"], "vocab_size": 260, "max_position_embeddings": 16384})
 
 
@@ -170,8 +177,8 @@ def forced_call(model, name: str, thinking: bool | None, **request):
     }
     if thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": thinking}
-    # The reasoning of a tiny model would never end: a bias on `</think>` ends it at once where it may.
-    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    # The reasoning of a tiny model would never end: a bias on its end's token ends it at once where it may.
+    think_end = tokenizer.convert_tokens_to_ids(think_markers(name)[1])
     body["logit_bias"] = {str(think_end): 30}
     parsed = endpoint.parse(body)
     (result,) = generate_batch(model, tokenizer, [parsed.choices[0].prompt_ids], parsed.choices[0].params)

@@ -69,25 +69,37 @@ class FinalAnswer:
 
 
 class Thinking:
-    """Where a model's reasoning block (`<think>` ... `</think>`: Qwen3, DeepSeek-R1, GLM-4.5) begins and
-    ends. The block is opened either by the prompt (templates that end the generation prompt with
-    `<think>`: the answer starts inside it) or by the answer's first characters."""
+    """Where a model's reasoning block begins and ends: `<think>` ... `</think>` (Qwen3, DeepSeek-R1, GLM-4.5
+    and most others), or the markers of a family that has its own (`MARKERS`). The block is opened either by
+    the prompt (templates that end the generation prompt with its opening: the answer starts inside it) or
+    by the answer's first characters."""
 
     start = "<think>"
     end = "</think>"
+    # Families with reasoning markers of their own: (a text that shows them in the template, start, end).
+    MARKERS = (
+        ("<|START_THINKING|>", "<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere Command
+        ("open_tag('think')", "<|open|>think<|sep|>", "<|close|>think<|sep|>"),  # Kimi-K3's tagged sections
+    )
 
-    def __init__(self, opened_by_prompt: bool, closed_by_prompt: bool = False):
+    def __init__(self, opened_by_prompt: bool, closed_by_prompt: bool = False, markers: tuple[str, str] | None = None):
         self.opened_by_prompt = opened_by_prompt
         # the prompt holds an empty block already (a template's thinking switched off): no reasoning comes
         self.closed_by_prompt = closed_by_prompt
+        if markers is not None:
+            self.start, self.end = markers
 
     @classmethod
     def of(cls, chat_template: str | None, prompt: str) -> Thinking | None:
         """The reasoning block of a chat template that has one, else None."""
-        if not chat_template or cls.start not in chat_template or cls.end not in chat_template:
+        if not chat_template:
             return None
+        markers = next(((start, end) for shown, start, end in cls.MARKERS if shown in chat_template), None)
+        if markers is None and (cls.start not in chat_template or cls.end not in chat_template):
+            return None
+        start, end = markers or (cls.start, cls.end)
         ending = prompt.rstrip()
-        return cls(opened_by_prompt=ending.endswith(cls.start), closed_by_prompt=ending.endswith(cls.end))
+        return cls(opened_by_prompt=ending.endswith(start), closed_by_prompt=ending.endswith(end), markers=markers)
 
     @property
     def grammar_mode(self) -> str | None:

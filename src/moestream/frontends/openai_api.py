@@ -585,6 +585,7 @@ class ChatCompletions(Endpoint):
                     added_tokens=self.tokenizer.get_added_vocab(),
                     parallel=req.parallel_tool_calls is not False,
                     thinking=reply.thinking.grammar_mode if reply.thinking is not None else None,
+                    think_markers=(reply.thinking.start, reply.thinking.end) if reply.thinking is not None else ("", ""),
                 )
                 grammar = Grammar.lark(text)
             except (GrammarError, ValueError) as e:

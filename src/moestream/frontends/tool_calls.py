@@ -61,6 +61,8 @@ END_OF_TURN = (
     "<|role_end|>",  # Ling
     "</assistant>",  # poolside Laguna
     "<｜hy_eos:opensource｜>",  # Hunyuan
+    "<|end_of_msg|>",  # Kimi-K3, after
+    "<|close|>message<|sep|>",  # the message's closing section
 )
 
 
@@ -192,6 +194,7 @@ class ToolFormat:
         added_tokens: Mapping[str, int] | None = None,
         parallel: bool = True,
         thinking: str | None = None,
+        think_markers: tuple[str, str] = (THINK_START, THINK_END),
     ) -> str:
         """A Lark grammar (llguidance's dialect) whose strings are exactly tool calls in this format.
 
@@ -206,20 +209,23 @@ class ToolFormat:
         `[TOOL_CALLS]`: `<[...]>` is llguidance's syntax for token ids) raises ValueError.
         `thinking`: where the template has a reasoning block (`answer_stream.Thinking.grammar_mode`), the
         reasoning comes first and the calls are forced once it closes, never inside it: "open" (the prompt
-        opened the block: any text up to `</think>`), "optional" (the model may write a block first).
+        opened the block: any text up to `</think>`), "optional" (the model may write a block first), with
+        the block's `think_markers` (a family's own, where it has them).
         """
         functions = _chosen_functions(tools, choice)
         many = parallel and choice == "required"
         lark = _LarkWriter(added_tokens, self._token_markers)
         start = self._start_rule(lark, many)
+        begin, end = think_markers
+        # (a regex never matches a special token: where the block's end holds one, any text, then the end)
+        tokened = lark.holds_token(end)
         if thinking is not None:
-            reasoning = f"REASONING {lark.marker(THINK_END)}" if lark.is_token(THINK_END) else "REASONING"
-            reasoning = reasoning if thinking == "open" else f"({lark.marker(THINK_START)} {reasoning})?"
+            reasoning = f"REASONING {lark.spelled(end)}" if tokened else "REASONING"
+            reasoning = reasoning if thinking == "open" else f"({lark.spelled(begin)} {reasoning})?"
             start = f"{reasoning} THINK_GAP? {start}"
         rules = [f"start: {start}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
-        if thinking is not None:  # (a regex never matches a special token: then any text, up to it)
-            text = _text_until("REASONING", THINK_END, THINK_END)
-            rules += [r"REASONING: /(?s:.*)/" if lark.is_token(THINK_END) else text, r"THINK_GAP: /[\r\n\t ]+/"]
+        if thinking is not None:
+            rules += [r"REASONING: /(?s:.*)/" if tokened else _text_until("REASONING", end, end), r"THINK_GAP: /[\r\n\t ]+/"]
         for i, (name, schema) in enumerate(functions):
             rules.append(f"call_{i}: {self._call_rule(lark, name, f'args_{i}')}")
             rules.extend(self._arguments_rules(lark, f"args_{i}", schema))
@@ -922,12 +928,12 @@ class _InvokeFormat(_XmlFormat):
             key = parameter.group(1).strip()
             if close < 0 or not key:
                 return self._end_of_call(name, pairs, complete, closed=False)
-            raw, string = body[parameter.end() : close], parameter.group(2)
+            raw, string = body[parameter.end() : close], self._is_string(parameter.group(2))
             if string is None:
                 pairs.append(self._pair(name, key, raw))
             else:  # the format says which values are strings: the others are JSON, or the call is malformed
                 try:
-                    value = raw if string == "true" else json.loads(raw)
+                    value = raw if string else json.loads(raw)
                 except ValueError:
                     return None if complete else self._end_of_call(name, pairs, complete, closed=False)
                 pairs.append(
@@ -935,6 +941,11 @@ class _InvokeFormat(_XmlFormat):
                 )
             position = close + len(self._parameter_end)
         return self._end_of_call(name, pairs, complete, closed=complete and not body[position:].strip())
+
+    @staticmethod
+    def _is_string(attribute: str | None) -> bool | None:
+        """What a parameter's typing attribute says: a string (True), JSON (False), or nothing (None)."""
+        return None if attribute is None else attribute == "true"
 
     def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
         calls = "call+" if many else "call"
@@ -1284,7 +1295,44 @@ class GigaChatFormat(ToolFormat):
         return f"{lark.marker(self.start_marker)} {head} {args} {lark.text('}')}"
 
 
-class CohereFormat(ToolFormat):
+class _Sectioned:
+    """For formats whose answer is in sections (a reasoning one, a response one, then the calls): the
+    reasoning is told apart (`ParsedOutput.reasoning`, the draft's), and the response's markers dropped. The
+    prompt may have opened the reasoning section: then the answer begins inside it."""
+
+    _thinking: ClassVar[tuple[str, str]]
+    _response: ClassVar[tuple[str, str]]
+
+    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
+        reasoning, text = self._reasoning(without_end_of_turn(text))
+        parsed = super().parse(text, cut)  # type: ignore[misc]
+        return ParsedOutput(parsed.content, parsed.calls, reasoning)
+
+    def draft(self, text: str) -> Draft:
+        reasoning, rest = self._reasoning(without_end_of_turn(text))
+        return Draft(self.streamable(rest), super().draft(rest).calls, reasoning or "")  # type: ignore[misc]
+
+    def streamable(self, text: str) -> str:
+        return super().streamable(self._reasoning(without_end_of_turn(text))[1])  # type: ignore[misc]
+
+    def held_back(self, text: str) -> int:
+        own = super().held_back(text)  # type: ignore[misc]
+        return max(own, partial_marker_length(text, (*self._thinking, *self._response)))
+
+    def _reasoning(self, text: str) -> tuple[str | None, str]:
+        """(the reasoning, the rest) of an answer, the response's markers dropped."""
+        begin, end = self._thinking
+        reasoning = None
+        if (start := text.find(begin)) >= 0:
+            close = text.find(end, start)
+            reasoning = text[start + len(begin) : len(text) if close < 0 else close].strip() or None
+            text = text[:start] + ("" if close < 0 else text[close + len(end) :])
+        elif (close := text.find(end)) >= 0:  # the prompt opened the section
+            reasoning, text = text[:close].strip() or None, text[close + len(end) :]
+        return reasoning, text.replace(self._response[0], "").replace(self._response[1], "")
+
+
+class CohereFormat(_Sectioned, ToolFormat):
     """Cohere Command's actions (Command A, Cohere2-MoE): the turn's calls as one JSON list between
     `<|START_ACTION|>` and `<|END_ACTION|>`, each with an id, the tool's name and its parameters; the answer's
     text between `<|START_RESPONSE|>` and `<|END_RESPONSE|>`, its reasoning between `<|START_THINKING|>` and
@@ -1300,30 +1348,6 @@ class CohereFormat(ToolFormat):
     _thinking = ("<|START_THINKING|>", "<|END_THINKING|>")
     _response = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
     _token_markers = frozenset({start_marker, _end, *_thinking, *_response})
-
-    def parse(self, text: str, cut: bool = False) -> ParsedOutput:
-        reasoning, text = self._reasoning(without_end_of_turn(text))
-        parsed = super().parse(text, cut)
-        return ParsedOutput(parsed.content, parsed.calls, reasoning)
-
-    def draft(self, text: str) -> Draft:
-        reasoning, rest = self._reasoning(without_end_of_turn(text))
-        return Draft(self.streamable(rest), super().draft(rest).calls, reasoning or "")
-
-    def streamable(self, text: str) -> str:
-        return super().streamable(self._reasoning(without_end_of_turn(text))[1])
-
-    def _reasoning(self, text: str) -> tuple[str | None, str]:
-        """(the reasoning, the rest) of an answer, the response's markers dropped."""
-        begin, end = self._thinking
-        reasoning = None
-        if (start := text.find(begin)) >= 0:
-            close = text.find(end, start)
-            reasoning = text[start + len(begin) : len(text) if close < 0 else close].strip() or None
-            text = text[:start] + ("" if close < 0 else text[close + len(end) :])
-        elif (close := text.find(end)) >= 0:  # the prompt opened the block
-            reasoning, text = text[:close].strip() or None, text[close + len(end) :]
-        return reasoning, text.replace(self._response[0], "").replace(self._response[1], "")
 
     def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
         position = 0
@@ -1388,6 +1412,74 @@ class CohereFormat(ToolFormat):
 
     def _extra_rules(self, lark: _LarkWriter) -> list[str]:
         return ["CALL_NUMBER: /[0-9]+/"]
+
+
+class KimiXtmlFormat(_Sectioned, _InvokeFormat):
+    """Moonshot's Kimi-K3 answer: tagged sections, each `<|open|>NAME attributes<|sep|>` ...
+    `<|close|>NAME<|sep|>` (`<|open|>`, `<|close|>` and `<|sep|>` special tokens): the reasoning (`think`, opened by the prompt when
+    thinking is on), the response (its content), then the calls, each argument typed by its `type`:
+
+        hm<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|><|open|>tools<|sep|>
+        <|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris
+        <|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>
+
+    (on one line). A call's arguments may also come as one JSON object (`<|open|>json type="object"<|sep|>`)."""
+
+    name = "kimi-xtml"
+    start_marker = "<|open|>tools<|sep|>"
+    _end = "<|close|>tools<|sep|>"
+    _thinking = ("<|open|>think<|sep|>", "<|close|>think<|sep|>")
+    _response = ("<|open|>response<|sep|>", "<|close|>response<|sep|>")
+    _token_markers = frozenset({"<|open|>", "<|close|>", "<|sep|>"})
+    _invoke = re.compile(r'\s*<\|open\|>call tool="([^"\n]*)"(?: index="\d+")?<\|sep\|>')
+    _parameter = re.compile(r'\s*<\|open\|>argument key="([^"\n]*)" type="([a-z]+)"<\|sep\|>')
+    _invoke_end = "<|close|>call<|sep|>"
+    _parameter_end = "<|close|>argument<|sep|>"
+    _json = re.compile(r'\s*<\|open\|>json type="object"<\|sep\|>')
+    _json_end = "<|close|>json<|sep|>"
+    # a JSON schema type as the format names it
+    _types = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null"}
+
+    @staticmethod
+    def _is_string(attribute: str | None) -> bool | None:
+        return None if attribute is None else attribute == "string"
+
+    def _read_invoke(self, name: str, body: str, complete: bool) -> ToolCall | CallDraft | None:
+        whole = self._json.match(body)
+        if whole is None:
+            return super()._read_invoke(name, body, complete)
+        close = body.find(self._json_end, whole.end())
+        arguments, end = _arguments_at(body[: len(body) if close < 0 else close], whole.end())
+        if complete:
+            ok = close >= 0 and arguments is not None and not body[close + len(self._json_end) :].strip() and _is_name(name)
+            return ToolCall(name.strip(), arguments) if ok else None
+        return CallDraft(name.strip(), _arguments_prefix(body, whole.end()) or "") if _is_name(name) else CallDraft(None, "")
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        # Out of the reasoning (if the prompt opened it) and the response, then the tools' section.
+        # Into the response (after reasoning) or not (the prompt opened it), out of it, into the tools' section.
+        calls = "call+" if many else "call"
+        tools = lark.spelled(self._response[1] + self.start_marker)
+        return f"({lark.spelled(self._response[0])})? {tools} {calls} {lark.spelled(self._end)}"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        head = lark.spelled(f'<|open|>call tool="{name}" index="') + " CALL_INDEX " + lark.spelled('"<|sep|>')
+        return f"{head} {args} {lark.spelled(self._invoke_end)}"
+
+    def _arguments_rules(self, lark: _LarkWriter, rule: str, schema: dict) -> list[str]:
+        properties = schema.get("properties")
+        self._properties = properties if isinstance(properties, Mapping) else {}
+        return super()._arguments_rules(lark, rule, schema)
+
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
+        prop = self._properties.get(key)
+        types = sorted(_value_types(prop if isinstance(prop, Mapping) else {}) or {"string"})
+        kind = "string" if string else next((self._types[t] for t in types if t in self._types), types[0])
+        head = lark.spelled(f'<|open|>argument key="{key}" type="{kind}"<|sep|>')
+        return f"{head} {value} {lark.spelled(self._parameter_end)}"
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        return ["PARAMETER_TEXT: /[^<]*/", "CALL_INDEX: /[0-9]+/"]
 
 
 class LlamaFormat(ToolFormat):
@@ -1514,6 +1606,7 @@ FAMILIES: dict[str, type[ToolFormat]] = {
         CohereFormat,
         HunyuanFormat,
         PythonicFormat,
+        KimiXtmlFormat,
         HarmonyFormat,
         Qwen3CoderFormat,
         GlmFormat,
@@ -1530,6 +1623,8 @@ def detect(chat_template: str | None) -> ToolFormat | None:
     t = chat_template
     if "<|channel|>" in t and "<|call|>" in t:
         return HarmonyFormat()
+    if "<|open|>" in t and "argument" in t and "'tools'" in t:  # Kimi-K3's tagged sections
+        return KimiXtmlFormat()
     if "]<]minimax[>[" in t:  # MiniMax-M3 writes its calls' elements apart with this token: no format here reads it
         return None
     if DsmlFormat._tag in t:  # (the templates build the block's name from pieces: look for its spelling)
@@ -1879,6 +1974,19 @@ class _LarkWriter:
         if self.added_tokens is not None:
             return m in self.added_tokens
         return m in self.token_markers
+
+    def spelled(self, text: str) -> str:
+        """`text` as a sequence of its tokens' markers (where it holds marker tokens) and plain text."""
+        tokens = sorted(set(self.added_tokens or ()) | set(self.token_markers), key=len, reverse=True)
+        found = [t for t in tokens if t and t in text and self.is_token(t)]
+        if not found:
+            return self.text(text)
+        parts = [p for p in re.split("(" + "|".join(re.escape(t) for t in found) + ")", text) if p]
+        return " ".join(self.marker(p) if p in found else self.text(p) for p in parts)
+
+    def holds_token(self, text: str) -> bool:
+        """Whether `text` holds a marker that is a token (so no regex can match it)."""
+        return any(t and t in text and self.is_token(t) for t in set(self.added_tokens or ()) | set(self.token_markers))
 
     def marker(self, m: str) -> str:
         if self.added_tokens is not None:
