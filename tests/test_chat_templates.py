@@ -46,7 +46,7 @@ EXPECTED = {
     "StepFun3.5-Flash": "qwen3-coder",
     "openai-gpt-oss-120b": "harmony",
     "Kimi-K3": "kimi-xtml",
-    "MiniMax-M3": None,
+    "MiniMax-M3": "minimax-m3",
 }
 # Templates that show one call per turn (they render an assistant turn's first call only).
 ONE_CALL = {"GigaChat3.1-10B-A1.8B", "openai-gpt-oss-120b"}

@@ -409,7 +409,7 @@ def test_detect():
     assert detect(None) is None and detect("") is None
     assert set(FAMILIES) == {
         *("hermes", "mistral", "deepseek", "dsml", "kimi", "minimax", "harmony", "qwen3-coder", "glm", "llama"),
-        *("solar", "gigachat", "cohere", "hunyuan", "pythonic", "kimi-xtml"),
+        *("solar", "gigachat", "cohere", "hunyuan", "pythonic", "kimi-xtml", "minimax-m3"),
     }
 
 

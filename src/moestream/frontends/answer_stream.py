@@ -80,6 +80,7 @@ class Thinking:
     MARKERS = (
         ("<|START_THINKING|>", "<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere Command
         ("open_tag('think')", "<|open|>think<|sep|>", "<|close|>think<|sep|>"),  # Kimi-K3's tagged sections
+        ("<mm:think>", "<mm:think>", "</mm:think>"),  # MiniMax-M3
     )
 
     def __init__(self, opened_by_prompt: bool, closed_by_prompt: bool = False, markers: tuple[str, str] | None = None):
@@ -116,6 +117,11 @@ class Thinking:
         body = text
         if not self.opened_by_prompt:
             stripped = text.lstrip()
+            # (a bare closing marker first: the empty block of a model that chose not to reason, MiniMax-M3's)
+            if stripped.startswith(self.end):
+                return "", stripped[len(self.end) :].lstrip()
+            if partial and stripped and self.end.startswith(stripped):
+                return "", ""
             if not stripped.startswith(self.start):
                 if partial and self.start.startswith(stripped):  # may yet be the block's opening
                     return "", ""

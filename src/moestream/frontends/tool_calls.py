@@ -221,7 +221,8 @@ class ToolFormat:
         tokened = lark.holds_token(end)
         if thinking is not None:
             reasoning = f"REASONING {lark.spelled(end)}" if tokened else "REASONING"
-            reasoning = reasoning if thinking == "open" else f"({lark.spelled(begin)} {reasoning})?"
+            # ("optional": a block, or its closing marker alone, as models that choose not to reason write it)
+            reasoning = reasoning if thinking == "open" else f"({lark.spelled(begin)} {reasoning} | {lark.spelled(end)})?"
             start = f"{reasoning} THINK_GAP? {start}"
         rules = [f"start: {start}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
         if thinking is not None:
@@ -1482,6 +1483,151 @@ class KimiXtmlFormat(_Sectioned, _InvokeFormat):
         return ["PARAMETER_TEXT: /[^<]*/", "CALL_INDEX: /[0-9]+/"]
 
 
+class MiniMaxM3Format(ToolFormat):
+    """MiniMax-M3's calls: XML elements, each tag after a separator token `]<]minimax[>[` (SEP below), one
+    block for the turn's calls, each argument an element named by its key; an object's fields and an array's
+    `<item>`s are elements in turn, a scalar is text typed by the tool's schema (see `_XmlFormat`):
+
+        SEP<tool_call>
+        SEP<invoke name="get_weather">SEP<city>ParisSEP</city>SEP<days>3SEP</days>SEP</invoke>
+        SEP</tool_call>
+
+    The separators carry nothing: the calls are read from the text without them."""
+
+    name = "minimax-m3"
+    SEP = "]<]minimax[>["
+    start_marker = "<tool_call>"
+    _end = "</tool_call>"
+    _other_starts = (SEP,)
+    _token_markers = frozenset({SEP})
+    _invoke = re.compile(r'\s*<invoke name="([^"\n]*)">')
+    _open = re.compile(r"\s*<([A-Za-z_][\w.\-:]*)>")
+
+    def __init__(self, schemas: Mapping[str, Mapping[str, Any]] | None = None):
+        self.schemas = schemas if schemas is not None else {}
+
+    def __repr__(self) -> str:
+        return f"MiniMaxM3Format({sorted(self.schemas)!r})"
+
+    def with_tools(self, tools: Iterable[Mapping[str, Any]] | None) -> ToolFormat:
+        return MiniMaxM3Format(_schemas_of(tools))
+
+    def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
+        text = text.replace(self.SEP, "")
+        position = 0
+        while (begin := text.find(self.start_marker, position)) >= 0:
+            yield text[position:begin]
+            close = text.find(self._end, begin)
+            body_end = len(text) if close < 0 else close
+            end = len(text) if close < 0 else close + len(self._end)
+            at, calls = begin + len(self.start_marker), []
+            while (head := self._invoke.match(text[:body_end], at)) is not None:
+                call, after = self._read_call(head.group(1).strip(), text[:body_end], head.end(), complete=True)
+                if call is None:
+                    break
+                calls.append(call)
+                at = after
+            if partial and close < 0:
+                yield from calls
+                if (head := self._invoke.match(text, at)) is not None:
+                    yield self._read_call(head.group(1).strip(), text, head.end(), complete=False)[0]
+                return
+            yield from calls if calls and not text[at:body_end].strip() else [text[begin:end]]
+            position = end
+        yield text[position:]
+
+    def _read_call(self, name: str, text: str, position: int, complete: bool) -> tuple[ToolCall | CallDraft | None, int]:
+        """The call whose arguments begin at `position` (after its invoke tag), and where it ends."""
+        if not _is_name(name):
+            return (None if complete else CallDraft(None, "")), position
+        parameters = self.schemas.get(name)
+        properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+        pairs = []
+        while (tag := self._open.match(text, position)) is not None:
+            key = tag.group(1)
+            prop = properties.get(key) if isinstance(properties, Mapping) else None
+            try:
+                value, position = self._value(text, tag.end(), key, prop)
+            except ValueError:  # cut short, or malformed
+                return (None if complete else CallDraft(name, "{" + ",".join(pairs))), position
+            pairs.append(json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+        closing = re.compile(r"\s*</invoke>").match(text, position)
+        if closing is None:
+            return (None if complete else CallDraft(name, "{" + ",".join(pairs))), position
+        return ToolCall(name, "{" + ",".join(pairs) + "}"), closing.end()
+
+    def _value(self, text: str, position: int, tag: str, schema: Any) -> tuple[Any, int]:
+        """The value of element `tag` whose content begins at `position`, and where its closing tag ends."""
+        schema = schema if isinstance(schema, Mapping) else {}
+        closing = f"</{tag}>"
+        child = self._open.match(text, position)
+        if child is not None and not text.startswith(closing, position):  # an array's items or an object's fields
+            items, fields = [], {}
+            while (child := self._open.match(text, position)) is not None:
+                key = child.group(1)
+                sub = schema.get("items") if key == "item" else (schema.get("properties") or {}).get(key)
+                value, position = self._value(text, child.end(), key, sub)
+                items.append(value) if key == "item" else fields.__setitem__(key, value)
+            end = re.compile(rf"\s*{re.escape(closing)}").match(text, position)
+            if end is None:
+                raise ValueError(closing)
+            return (items if items and not fields else fields), end.end()
+        close = text.find(closing, position)
+        if close < 0:
+            raise ValueError(closing)
+        return _typed_value(text[position:close], schema or None), close + len(closing)
+
+    # -- grammar: each argument as elements, by its schema --------------------------------------------------
+
+    def _start_rule(self, lark: _LarkWriter, many: bool) -> str:
+        sep = lark.marker(self.SEP)
+        calls = "call+" if many else "call"
+        return f"{sep} {lark.text(self.start_marker + chr(10))} {calls} {sep} {lark.text(self._end)}"
+
+    def _call_rule(self, lark: _LarkWriter, name: str, args: str) -> str:
+        sep = lark.marker(self.SEP)
+        return f"{sep} {lark.text(f'<invoke name={json.dumps(name)}>')} {args} {sep} {lark.text('</invoke>' + chr(10))}"
+
+    def _arguments_rules(self, lark: _LarkWriter, rule: str, schema: dict) -> list[str]:
+        rules: list[str] = []
+        rules.append(f"{rule}: {self._fields(lark, rule, schema, rules, 0)}")
+        return rules
+
+    def _fields(self, lark: _LarkWriter, rule: str, schema: Mapping, rules: list[str], depth: int) -> str:
+        properties = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        required = [p for p in schema.get("required") or [] if p in properties]
+        items = []
+        for k, key in enumerate([*required, *(p for p in properties if p not in required)]):
+            element = self._element(lark, f"{rule}_{k}", key, properties[key], rules, depth)
+            items.append(element if key in required else f"({element})?")
+        return " ".join(items) if items else '""'
+
+    def _element(self, lark: _LarkWriter, rule: str, key: str, schema: Any, rules: list[str], depth: int) -> str:
+        """One element: its tag, its value by `schema`, its closing tag."""
+        sep, schema = lark.marker(self.SEP), dict(schema) if isinstance(schema, Mapping) else {}
+        types = _value_types(schema)
+        head, tail = f"{sep} {lark.text(f'<{key}>')}", f"{sep} {lark.text(f'</{key}>')}"
+        if types == {"object"} and depth < 4:
+            return f"{head} {self._fields(lark, rule, schema, rules, depth + 1)} {tail}"
+        if types == {"array"} and depth < 4:
+            item = self._element(lark, f"{rule}_item", "item", schema.get("items"), rules, depth + 1)
+            return f"{head} ({item})* {tail}"
+        if types is None or "string" in types:
+            enum = schema.get("enum")
+            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+                return f"{head} ({' | '.join(lark.text(e) for e in enum)}) {tail}"
+            if lark.is_token(self.SEP):  # (a regex never matches a special token: any text, up to it)
+                return f"{head} M3_TEXT {tail}"
+            return f"{head} M3_TEXT {lark.text(f'</{key}>')}"  # (the lexeme takes in the separator)
+        rules.append(f"{rule}_value: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}")
+        return f"{head} {rule}_value {tail}"
+
+    def _extra_rules(self, lark: _LarkWriter) -> list[str]:
+        if lark.is_token(self.SEP):
+            return [r"M3_TEXT: /[^\x00]*/"]
+        return [_text_until("M3_TEXT", self.SEP, self.SEP)]
+
+
 class LlamaFormat(ToolFormat):
     """Llama 3.1-3.3's and Llama 4's JSON calls: the answer is the call, a bare JSON object naming the
     function and giving its "parameters" (some write "arguments"):
@@ -1607,6 +1753,7 @@ FAMILIES: dict[str, type[ToolFormat]] = {
         HunyuanFormat,
         PythonicFormat,
         KimiXtmlFormat,
+        MiniMaxM3Format,
         HarmonyFormat,
         Qwen3CoderFormat,
         GlmFormat,
@@ -1625,8 +1772,8 @@ def detect(chat_template: str | None) -> ToolFormat | None:
         return HarmonyFormat()
     if "<|open|>" in t and "argument" in t and "'tools'" in t:  # Kimi-K3's tagged sections
         return KimiXtmlFormat()
-    if "]<]minimax[>[" in t:  # MiniMax-M3 writes its calls' elements apart with this token: no format here reads it
-        return None
+    if MiniMaxM3Format.SEP in t:
+        return MiniMaxM3Format()
     if DsmlFormat._tag in t:  # (the templates build the block's name from pieces: look for its spelling)
         return DsmlFormat(block="function_calls" if "function_calls>" in t else "tool_calls")
     if KimiFormat.start_marker in t:
