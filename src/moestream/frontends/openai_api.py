@@ -561,8 +561,9 @@ class ChatCompletions(Endpoint):
                 raise APIError(
                     400,
                     "this model's chat template defines no tool-call format that moestream parses, so tools cannot be "
-                    "offered to it (tool_choice none can); a --chat-template with a known format (Hermes/Qwen, "
-                    "Qwen3-Coder, GLM-4.5, Llama 3.x/4, Mistral, DeepSeek, gpt-oss) can",
+                    "offered to it (tool_choice none can); a --chat-template with a known format can (Hermes/Qwen, "
+                    "Qwen3-Coder/Qwen3.5, GLM-4.5+, Llama 3.x/4, Mistral, DeepSeek V3-V4, gpt-oss, Kimi-K2/K3, MiniMax-M2/M3, "
+                    "Cohere, GigaChat, Hunyuan, Solar-Open, LFM2)",
                     param="tools",
                 )
             # (the XML-like formats type each argument by the tool's schema)
