@@ -51,6 +51,7 @@ ORDER = [
     "structured-outputs",
     "llamacpp-server-tests",
     "tool-call-stream",
+    "chat-templates",
     "agent-sessions",
     "checksums",
     "converter-memory",
