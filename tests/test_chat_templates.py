@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_openai_features import WEATHER
 from tiny import TINY
 
 from moestream.conversion.synthetic import byte_tokenizer, make_model
@@ -52,19 +53,6 @@ EXPECTED = {
 ONE_CALL = {"GigaChat3.1-10B-A1.8B", "openai-gpt-oss-120b"}
 HELD = sorted(EXPECTED)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 5}},
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
 CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo", "days": 1})]
 REASONING = "Two cities: two calls."
 

@@ -1483,9 +1483,9 @@ class KimiXtmlFormat(_Sectioned, _InvokeFormat):
         return ["PARAMETER_TEXT: /[^<]*/", "CALL_INDEX: /[0-9]+/"]
 
 
-class MiniMaxM3Format(ToolFormat):
-    """MiniMax-M3's calls: XML elements, each tag after a separator token `]<]minimax[>[` (SEP below), one
-    block for the turn's calls, each argument an element named by its key; an object's fields and an array's
+class MiniMaxM3Format(_InvokeFormat):
+    """MiniMax-M3's calls: the invoke format (see `_InvokeFormat`) with each tag after a separator token
+    `]<]minimax[>[` (SEP below), each argument an element named by its key; an object's fields and an array's
     `<item>`s are elements in turn, a scalar is text typed by the tool's schema (see `_XmlFormat`):
 
         SEP<tool_call>
@@ -1500,61 +1500,28 @@ class MiniMaxM3Format(ToolFormat):
     _end = "</tool_call>"
     _other_starts = (SEP,)
     _token_markers = frozenset({SEP})
-    _invoke = re.compile(r'\s*<invoke name="([^"\n]*)">')
     _open = re.compile(r"\s*<([A-Za-z_][\w.\-:]*)>")
 
-    def __init__(self, schemas: Mapping[str, Mapping[str, Any]] | None = None):
-        self.schemas = schemas if schemas is not None else {}
-
-    def __repr__(self) -> str:
-        return f"MiniMaxM3Format({sorted(self.schemas)!r})"
-
-    def with_tools(self, tools: Iterable[Mapping[str, Any]] | None) -> ToolFormat:
-        return MiniMaxM3Format(_schemas_of(tools))
-
     def _segments(self, text: str, partial: bool = False) -> Iterator[str | ToolCall | CallDraft]:
-        text = text.replace(self.SEP, "")
-        position = 0
-        while (begin := text.find(self.start_marker, position)) >= 0:
-            yield text[position:begin]
-            close = text.find(self._end, begin)
-            body_end = len(text) if close < 0 else close
-            end = len(text) if close < 0 else close + len(self._end)
-            at, calls = begin + len(self.start_marker), []
-            while (head := self._invoke.match(text[:body_end], at)) is not None:
-                call, after = self._read_call(head.group(1).strip(), text[:body_end], head.end(), complete=True)
-                if call is None:
-                    break
-                calls.append(call)
-                at = after
-            if partial and close < 0:
-                yield from calls
-                if (head := self._invoke.match(text, at)) is not None:
-                    yield self._read_call(head.group(1).strip(), text, head.end(), complete=False)[0]
-                return
-            yield from calls if calls and not text[at:body_end].strip() else [text[begin:end]]
-            position = end
-        yield text[position:]
+        return super()._segments(text.replace(self.SEP, ""), partial)
 
-    def _read_call(self, name: str, text: str, position: int, complete: bool) -> tuple[ToolCall | CallDraft | None, int]:
-        """The call whose arguments begin at `position` (after its invoke tag), and where it ends."""
+    def _read_invoke(self, name: str, body: str, complete: bool) -> ToolCall | CallDraft | None:
+        name = name.strip()
         if not _is_name(name):
-            return (None if complete else CallDraft(None, "")), position
+            return None if complete else CallDraft(None, "")
         parameters = self.schemas.get(name)
         properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
-        pairs = []
-        while (tag := self._open.match(text, position)) is not None:
+        position, pairs = 0, []
+        while (tag := self._open.match(body, position)) is not None:
             key = tag.group(1)
-            prop = properties.get(key) if isinstance(properties, Mapping) else None
             try:
-                value, position = self._value(text, tag.end(), key, prop)
+                value, position = self._value(
+                    body, tag.end(), key, properties.get(key) if isinstance(properties, Mapping) else None
+                )
             except ValueError:  # cut short, or malformed
-                return (None if complete else CallDraft(name, "{" + ",".join(pairs))), position
+                return self._end_of_call(name, pairs, complete, closed=False)
             pairs.append(json.dumps(key, ensure_ascii=False) + ":" + json.dumps(value, ensure_ascii=False, separators=(",", ":")))
-        closing = re.compile(r"\s*</invoke>").match(text, position)
-        if closing is None:
-            return (None if complete else CallDraft(name, "{" + ",".join(pairs))), position
-        return ToolCall(name, "{" + ",".join(pairs) + "}"), closing.end()
+        return self._end_of_call(name, pairs, complete, closed=complete and not body[position:].strip())
 
     def _value(self, text: str, position: int, tag: str, schema: Any) -> tuple[Any, int]:
         """The value of element `tag` whose content begins at `position`, and where its closing tag ends."""
