@@ -17,6 +17,7 @@ import pytest
 from test_openai_features import SCHEMA, TOOL_TEMPLATE, WEATHER, checkpoint, server  # noqa: F401 (fixtures)
 from test_server import MODEL, Server
 
+from moestream.cli import main
 from moestream.conversion.synthetic import byte_tokenizer
 from moestream.frontends.anthropic_api import Messages
 from moestream.frontends.generate import GenerationResult, SamplingParams
@@ -264,6 +265,11 @@ def test_the_context_window_is_where_clients_read_it_and_a_key_may_come_as_x_api
         assert e.value.body["error"]["type"] == "authentication_error"
     finally:
         s.stop()
+
+
+def test_a_context_beyond_the_models_is_refused(checkpoint, capsys):  # noqa: F811
+    assert main(["serve", str(checkpoint[1]), "--context", "100000", "--port", "0"]) != 0
+    assert "--context 100000 is beyond this model's context window (256 tokens" in capsys.readouterr().err
 
 
 # -- without a server --------------------------------------------------------------------------------------
