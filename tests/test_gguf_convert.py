@@ -28,7 +28,7 @@ from moestream.conversion.quant import QuantFormat, Quantized, reference_dequant
 from moestream.conversion.skeleton import config_from_dict
 from moestream.conversion.store import DTYPES, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.errors import SourceError
+from moestream.errors import SourceError, UsageError
 from moestream.native import fused_build
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
@@ -1224,3 +1224,37 @@ def test_a_quantized_token_embedding_stays_quantized(tmp_path, qtype, stored, ca
     assert f"the token embedding {fmt.name}" in capsys.readouterr().out
     floats = Store(moestream.convert(tmp_path / "m.gguf", tmp_path / "float", "fp32", dense_dtype="float", progress=False))
     assert "model.embed_tokens" not in floats.manifest.dense
+
+
+# Experts 96 wide: their down projections' rows are a multiple of 32 but not of 64 or 256, so llama.cpp stores
+# them in blocks of 32 (a Q4_K_M file's Q6_K downs fall back to Q8_0), beside gate and up projections whose
+# 256-wide rows take K-quants (a multiple of 256, not of 512).
+NARROW = dict(CONFIGS["qwen3_moe"], hidden_size=256, moe_intermediate_size=96, head_dim=64)
+
+
+@pytest.mark.parametrize(
+    "gate_up,down",
+    [(k, Q.Q8_0) for k in (Q.Q4_K, Q.Q2_K, Q.Q6_K, Q.IQ4_XS)]
+    + [(Q.Q4_K, d) for d in (Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1, Q.IQ4_NL, Q.F16)],
+)
+def test_a_gguf_whose_widths_take_only_small_blocks_converts_with_no_options(gate_up, down, tmp_path):
+    """No option given: where the format or group the converter picks for a layer cannot take its matrices
+    (int6's 64s against 96 inputs), it takes one that can (a smaller group, else int8), and the model computes
+    what transformers computes on the file's values, within that format's rounding."""
+    model = make_model("qwen3_moe", seed=31, **NARROW)
+    types = {**TYPES, "ffn_gate_exps": gate_up, "ffn_up_exps": gate_up, "ffn_down_exps": down}
+    types.update(attn_k=Q.F16, token_embd=Q.F16, output=Q.F16)
+    decoded = write_gguf(model, tmp_path / "m.gguf", types=types)
+    store = moestream.convert(tmp_path / "m.gguf", tmp_path / "store", progress=False)
+    formats = {layer.quantization for layer in Store(store).manifest.layers}
+    assert all(f is None or (f.group_size or 32) == 32 for f in formats), formats  # groups that divide 96
+    if (gate_up, down) == (Q.Q4_K, Q.Q8_0):  # 5.8 bits a weight: int6, which stores 64s, gives way to int8
+        assert formats == {QuantFormat.make("int8")}
+        with pytest.raises(UsageError, match="96 inputs"):  # where the user asked for int6, the error stands
+            moestream.convert(tmp_path / "m.gguf", tmp_path / "asked", experts_dtype="int6", progress=False)
+    reference = _reference("qwen3_moe", decoded, torch.bfloat16, NARROW)
+    streamed, _ = moestream.load(store, "1MiB", compute_dtype="fp32", activations="float")
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, streamed(ids).logits
+    assert ((got - expected).norm() / expected.norm()).item() <= 0.1  # (int4 of 5-bit blocks: ~6%)

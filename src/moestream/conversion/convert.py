@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-from ..choices import EXPERT_FORMATS, FLOAT_FORMATS
+from ..choices import EXPERT_FORMATS, FLOAT_FORMATS, GROUP_SIZES
 from ..errors import SourceError, UsageError
 from ..units import format_bytes
 from .gguf_blocks import GROUP as BLOCK_GROUP
@@ -534,6 +534,7 @@ def convert(
     try:
         plan = plan_conversion(model, ckpt)
         rules = parse_layer_rules(list(layer_dtypes), len(plan.experts))
+        asked_formats = set(rules) | (set(range(len(plan.experts))) if experts_dtype is not None else set())
         asked_group = group_size
         if group_size is None:
             group_size = BLOCK_GROUP if gguf is not None else DEFAULT_GROUP_SIZE
@@ -547,6 +548,12 @@ def convert(
             }
         chosen = [rules.get(i, experts_dtype) for i in range(len(plan.experts))]
         formats = [_layer_format(choice, group_of(choice)) for choice in chosen]
+        # A format or group size the converter chose itself never fails a layer whose matrices it cannot take:
+        # the nearest one that can is taken instead; only an option the user gave ends in that error.
+        formats = [
+            _fitting(fmt, module, group_asked=asked_group is not None, format_asked=i in asked_formats)
+            for i, (fmt, (_, module, _)) in enumerate(zip(formats, plan.experts))
+        ]
         linears = [(n, m.out_features, m.in_features, head) for n, m, head in dense_linears(model)]
         if gguf is not None and dense_dtype is None:
             dense = _gguf_dense_formats(gguf, plan, linears, group_of)
@@ -659,6 +666,33 @@ def _gguf_embedding_format(gguf, model, plan: ConversionPlan, group_size: int) -
     if fmt.group_size and embedding.embedding_dim % fmt.group_size:
         return {}
     return {name: fmt}
+
+
+def _fitting(fmt, module, *, group_asked: bool, format_asked: bool):
+    """`fmt` for an experts layer, or, where its matrices do not fit it and the converter chose it (not the
+    user), the nearest that fits: the same format in smaller groups (a little more scale per weight), then
+    int8 (more bits: nothing lost). `inspect` shows the format each layer got."""
+    if not isinstance(fmt, QuantFormat):
+        return fmt
+    shapes = [tuple(p.shape[1:]) for _, p in expert_parameters(module) if p.dim() == 3]
+    matrices = [(shape[1], shape[0]) if module.is_transposed else shape for shape in shapes]
+
+    def fits(candidate: QuantFormat) -> bool:
+        try:
+            for n, k in matrices:
+                candidate.check_shape(n, k, "")
+        except UsageError:
+            return False
+        return True
+
+    if fits(fmt):
+        return fmt
+    candidates = []
+    if not group_asked and fmt.group_size and fmt.table is None:
+        candidates += [QuantFormat.make(fmt.name, g) for g in sorted(GROUP_SIZES, reverse=True) if g < fmt.group_size]
+    if not format_asked:
+        candidates.append(QuantFormat.make("int8"))
+    return next((c for c in candidates if fits(c)), fmt)  # (none: writing it names what to do)
 
 
 def _layer_format(choice: str | None, group_size: int) -> torch.dtype | QuantFormat | None:
