@@ -62,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the longest a request may take, queueing included; then it is cancelled (default 600)",
     )
     parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long running requests may go on (new ones get 503 with Retry-After); "
+        "then the rest end with an error event and the server exits 0. A second signal exits at once (default 30)",
+    )
+    parser.add_argument(
         "--default-max-tokens",
         type=int,
         default=512,
@@ -129,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
     positive(args.max_queue, "--max-queue")
     positive(args.request_timeout, "--request-timeout")
+    non_negative(args.shutdown_timeout, "--shutdown-timeout")
     positive(args.default_max_tokens, "--default-max-tokens")
     positive(args.max_batch, "--max-batch")
     if args.prefill_chunk is not None:
@@ -184,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"moestream: serving {name} at http://{where}:{port}/v1 (OpenAI-compatible; /health, /metrics)", flush=True)
 
     try:
-        serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready)
+        serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready, shutdown_timeout=args.shutdown_timeout)
     except OSError as e:
         raise MoestreamError(f"cannot listen on {args.host}:{args.port} ({e}); choose another --port or --host") from None
     return 0

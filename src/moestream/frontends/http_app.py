@@ -106,6 +106,7 @@ def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread
         app.add_api_route(f"{prefix}/models/{{name:path}}", service.retrieve_model, methods=["GET"])
         app.add_api_route(f"{prefix}/chat/completions", service.chat_completions, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", service.completions, methods=["POST"])
+    app.middleware("http")(_refuse_while_draining(service))
     if config.api_key:
         app.middleware("http")(_api_key_check(config.api_key))
     if config.cors_origins:
@@ -124,6 +125,25 @@ def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread
 # Paths anyone may read when the server has an API key: a load balancer's probe, a metrics scraper, and
 # the root that clients probe before their first request.
 OPEN_PATHS = ("/health", "/metrics", "/")
+
+
+# Seconds a client is told to wait (Retry-After) when the server is stopping: about a restart's.
+RETRY_AFTER_SECONDS = 30
+
+
+def _refuse_while_draining(service: Service):
+    """Middleware: once the server is stopping (server.serve's first SIGTERM), a new generation request gets a
+    503 with Retry-After instead of a place in the queue; the running ones go on."""
+
+    async def check(request: Request, call_next):
+        if service.draining and request.method == "POST":
+            error = APIError(503, "the server is shutting down; retry shortly", type="server_busy", code="shutting_down")
+            response = _json_error(error, request.url.path)
+            response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+            return response
+        return await call_next(request)
+
+    return check
 
 
 def _api_key_check(api_key: str):
@@ -179,6 +199,7 @@ class Service:
         self.created = int(time.time())
         # (endpoint, outcome) -> requests answered; touched only on the event loop, so it needs no lock.
         self.requests: dict[tuple[str, str], int] = {}
+        self.draining = False  # the server is stopping: no new generation requests (server.serve sets it)
 
     # -- generation requests -------------------------------------------------------------------------------
 
@@ -273,13 +294,15 @@ class Service:
 
     # -- the rest --------------------------------------------------------------------------------------------
 
-    async def health(self) -> dict:
-        return {
-            "status": "ok",
+    async def health(self) -> Response:
+        body = {
+            "status": "draining" if self.draining else "ok",
             "model": self.config.model_name,
             "queued": self.worker.queued(),
             "running": self.worker.running(),
         }
+        # (a load balancer's probe sees a stopping server as unavailable)
+        return JSONResponse(body, status_code=503 if self.draining else 200)
 
     async def models(self) -> dict:
         card = self._card()

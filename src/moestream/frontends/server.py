@@ -14,13 +14,63 @@ named when the verb runs.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import signal
 import socket
+import threading
+import time
+
+log = logging.getLogger("moestream.serve")
 
 
-def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None) -> None:
+def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None, shutdown_timeout: float = 30.0) -> None:
     """Run `app` with uvicorn on host:port (port 0: any free port). The socket is bound and listening
-    before `on_ready(actual_port)` is called, so a client may connect as soon as it hears of the port."""
+    before `on_ready(actual_port)` is called, so a client may connect as soon as it hears of the port.
+
+    A clean stop: the first SIGTERM (or Ctrl-C) stops admitting (new generation requests get 503 with
+    Retry-After, /health 503), lets the running requests finish for up to `shutdown_timeout` seconds, ends the
+    rest with an error event in each stream, and returns (the command exits 0); a second signal exits at once."""
     import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining_since: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.draining_since is None:  # the first signal: drain (on_tick decides when to stop)
+                self.draining_since = time.monotonic()
+                app.state.service.draining = True
+                log.warning("stopping: no new requests; running ones get up to %g s (signal again to exit now)", shutdown_timeout)
+            else:
+                self.should_exit = self.force_exit = True
+
+        def capture_signals(self):
+            # uvicorn re-raises a captured signal after its shutdown, so that the process dies of it; a clean
+            # stop here is an exit code 0, so the signals are only handled.
+            @contextlib.contextmanager
+            def handled():
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in original.items():
+                        signal.signal(sig, handler)
+
+            return handled()
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.draining_since is not None and not self.should_exit:
+                worker = app.state.service.worker
+                idle = worker.running() == 0 and worker.queued() == 0
+                if idle or time.monotonic() - self.draining_since >= shutdown_timeout:
+                    if not idle:  # the rest end now, each stream with an error event (worker.ShuttingDown)
+                        await asyncio.to_thread(worker.close)
+                    self.should_exit = True
+            return await super().on_tick(counter)
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -34,5 +84,5 @@ def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None) 
     sock.set_inheritable(True)
     if on_ready is not None:
         on_ready(sock.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
