@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import ExpertReadError
 from .generate import Decoding, Forward, prompt_logprobs
 from .kv_cache import BatchKV, PrefixCache, batchable, kv_bytes
 
@@ -241,10 +242,21 @@ class BatchGenerator:
             self.prefix_cache.put(decoding.prompt_ids + decoding.new[:-1], cache)
 
 
+# A failed expert read in the probe is tried again this many times: the probe is no request's, and a disk
+# that fails now and then must not keep a server from starting.
+PROBE_ATTEMPTS = 5
+
+
 def _probe(model) -> tuple[int, str | None]:
     """(bytes of KV one position takes in one row, None or why the cache does not batch), from a forward
     pass of one token."""
-    forward = Forward(model)
-    with torch.inference_mode():
-        forward(torch.zeros((1, 1), dtype=torch.long))
+    for attempt in range(PROBE_ATTEMPTS):
+        forward = Forward(model)
+        try:
+            with torch.inference_mode():
+                forward(torch.zeros((1, 1), dtype=torch.long))
+            break
+        except ExpertReadError:
+            if attempt == PROBE_ATTEMPTS - 1:
+                raise
     return kv_bytes(forward.cache), batchable(forward.cache)

@@ -421,7 +421,7 @@ def prometheus_text(
         "generations_ended_early_total",
         "counter",
         "Requests dropped from the queue or stopped while generating: "
-        "by a client that left (cancelled), the timeout, or an error.",
+        "by a client that left (cancelled), the timeout, a failed disk read (disk), or another error.",
         [({"reason": r}, n) for r, n in sorted(w.ended_early.items())],
     )
     metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [({}, w.prompt_tokens)])

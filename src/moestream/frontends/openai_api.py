@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..errors import ExpertReadError
 from . import tool_calls
 from .answer_stream import AnswerStream, CallStarted, ContentDelta, Delta, ReasoningDelta, Thinking
 from .batching import KVBudgetExceeded
@@ -85,6 +86,10 @@ def error_for(e: Exception) -> APIError:
         )
     if isinstance(e, ShuttingDown):
         return APIError(503, "the server is shutting down", type="server_error")
+    if isinstance(e, GenerationFailed) and isinstance(e.cause, ExpertReadError):
+        return APIError(
+            500, f"reading the model's experts from disk failed: {e.cause}", type="server_error", code="disk_read_failed"
+        )
     if isinstance(e, GenerationFailed):
         return APIError(500, f"generation failed: {e.cause}", type="server_error")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")

@@ -29,6 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..core.runtime import runtime_of
+from ..errors import ExpertReadError
 from .constraints import Vocabulary
 from .generate import Decoding, GenerationResult, SamplingParams, TokenLogprob, vocabulary_of
 from .kv_cache import PrefixCache
@@ -204,7 +205,7 @@ class WorkerStats:
     generation_seconds: float = 0.0
     last_decode_tps: float = 0.0  # of the last generation with more than one token
     # Jobs dropped from the queue or stopped while generating, by reason.
-    ended_early: dict[str, int] = field(default_factory=lambda: {"cancelled": 0, "timeout": 0, "error": 0})
+    ended_early: dict[str, int] = field(default_factory=lambda: {"cancelled": 0, "timeout": 0, "error": 0, "disk": 0})
     started: int = 0  # jobs taken from the queue, and their seconds in it
     queue_seconds: float = 0.0
     first_tokens: int = 0  # jobs that got a first token, and the seconds from submission to it
@@ -387,8 +388,8 @@ class Worker:
                     s.ended_early[result.finish_reason] += 1
             job._post("done", Done(event.request.index[event.decoding], result))
         elif isinstance(event, Failed):
-            with self._cond:
-                self._stats.ended_early["error"] += 1
+            with self._cond:  # (a disk that failed a read is told apart: /metrics names it)
+                self._stats.ended_early["disk" if isinstance(event.error, ExpertReadError) else "error"] += 1
             job._post("error", event.error)
 
     def _decoding(self, job: Job, index: int) -> Decoding:

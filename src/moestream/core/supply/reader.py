@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,13 +29,61 @@ from ...errors import ExpertReadError, RecordChecksumError
 
 READ_RETRIES = 3  # a failing read (EIO, EINTR, ...) is retried this many times before the error is raised
 RETRY_BACKOFF_SECONDS = 0.01  # doubled after each failure: 10, 20, 40 ms, so a bad disk fails fast
+# Injected faults (tests and soak runs; never a CLI flag): `MOESTREAM_FAULTS=read_error:0.01,short_read:0.005,
+# stall:0.001,flip:0.001`, each the probability that one read suffers it; `stall_seconds:S` how long a stall
+# lasts (default 120: past the supply's read timeout), `seed:N` for a repeatable run.
+FAULTS_ENV = "MOESTREAM_FAULTS"
+FAULT_KINDS = ("read_error", "short_read", "stall", "flip")
+
+
+@dataclass
+class Faults:
+    """What `RecordFile.read_at` does wrong, and how often (see FAULTS_ENV); `injected` counts each kind."""
+
+    read_error: float = 0.0  # the read fails with EIO
+    short_read: float = 0.0  # the read returns half of what was asked (aligned), as a disk may
+    stall: float = 0.0  # the read takes `stall_seconds` first
+    flip: float = 0.0  # one byte of what was read is wrong (a checksum catches it where one is verified)
+    stall_seconds: float = 120.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self._random = random.Random(self.seed)
+        self._lock = threading.Lock()
+        self.injected = dict.fromkeys(FAULT_KINDS, 0)
+
+    @classmethod
+    def from_env(cls) -> Faults | None:
+        spec = os.environ.get(FAULTS_ENV, "").strip()
+        if not spec:
+            return None
+        fields: dict = {}
+        for item in spec.split(","):
+            name, _, value = item.partition(":")
+            name = name.strip()
+            if name not in (*FAULT_KINDS, "stall_seconds", "seed"):
+                raise ValueError(f"{FAULTS_ENV}: unknown fault {name!r}; known: {', '.join(FAULT_KINDS)}, stall_seconds, seed")
+            fields[name] = int(value) if name == "seed" else float(value)
+        return cls(**fields)
+
+    def draw(self) -> str | None:
+        """The fault this read suffers, if any."""
+        with self._lock:
+            x = self._random.random()
+            for kind in FAULT_KINDS:
+                x -= getattr(self, kind)
+                if x < 0:
+                    self.injected[kind] += 1
+                    return kind
+        return None
 
 
 class RecordFile:
     """One open store file. `read_at` is the only call that touches the disk, so faults are injected here."""
 
-    def __init__(self, path: Path, direct: bool):
+    def __init__(self, path: Path, direct: bool, faults: Faults | None = None):
         self.path = path
+        self.faults = faults
         self.direct = False
         # Asked for direct I/O but refused by the filesystem: read buffered, then drop the pages, so expert
         # bytes still have one copy only. Asked for buffered I/O: keep them, the page cache is a second cache.
@@ -52,7 +101,17 @@ class RecordFile:
 
     def read_at(self, buffer: memoryview, offset: int) -> int:
         """One positional read into `buffer`; returns the bytes read (possibly fewer, 0 at end of file)."""
-        return os.preadv(self.fd, [buffer], offset)
+        fault = self.faults.draw() if self.faults is not None else None
+        if fault == "read_error":
+            raise OSError(errno.EIO, "injected read error")
+        if fault == "stall":
+            time.sleep(self.faults.stall_seconds)
+        if fault == "short_read" and len(buffer) >= 8192:  # (half, kept aligned for direct reads)
+            buffer = buffer[: len(buffer) // 2 // 4096 * 4096]
+        n = os.preadv(self.fd, [buffer], offset)
+        if fault == "flip" and n:
+            buffer[n // 2] ^= 0x40
+        return n
 
     def fall_back_to_buffered(self) -> None:
         with self._lock:
@@ -72,8 +131,10 @@ class ReadResult:
 
 
 class RecordReader:
-    def __init__(self, paths: list[Path], threads: int = 4, direct: bool = True):
-        self._files = [RecordFile(Path(p), direct) for p in paths]
+    def __init__(self, paths: list[Path], threads: int = 4, direct: bool = True, faults: Faults | None = None):
+        # (faults: the test hook; else those of MOESTREAM_FAULTS, if set)
+        self.faults = faults if faults is not None else Faults.from_env()
+        self._files = [RecordFile(Path(p), direct, self.faults) for p in paths]
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moestream-io")
         # Speculative reads get their own queue: a demand read never waits behind one.
         self._speculative_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-prefetch")
