@@ -52,6 +52,7 @@ ORDER = [
     "llamacpp-server-tests",
     "tool-call-stream",
     "chat-templates",
+    "soak",
     "agent-sessions",
     "checksums",
     "converter-memory",
