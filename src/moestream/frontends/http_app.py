@@ -106,7 +106,7 @@ def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread
         app.add_api_route(f"{prefix}/models/{{name:path}}", service.retrieve_model, methods=["GET"])
         app.add_api_route(f"{prefix}/chat/completions", service.chat_completions, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", service.completions, methods=["POST"])
-    app.middleware("http")(_refuse_while_draining(service))
+    app.add_middleware(_RefuseWhileDraining, service=service)
     if config.api_key:
         app.middleware("http")(_api_key_check(config.api_key))
     if config.cors_origins:
@@ -131,19 +131,23 @@ OPEN_PATHS = ("/health", "/metrics", "/")
 RETRY_AFTER_SECONDS = 30
 
 
-def _refuse_while_draining(service: Service):
+class _RefuseWhileDraining:
     """Middleware: once the server is stopping (server.serve's first SIGTERM), a new generation request gets a
-    503 with Retry-After instead of a place in the queue; the running ones go on."""
+    503 with Retry-After instead of a place in the queue; the running ones go on. Plain ASGI: starlette's
+    BaseHTTPMiddleware would hide a client's disconnect from the endpoints, which cancel on it."""
 
-    async def check(request: Request, call_next):
-        if service.draining and request.method == "POST":
+    def __init__(self, app, service: Service):
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.service.draining and scope["method"] == "POST":
             error = APIError(503, "the server is shutting down; retry shortly", type="server_busy", code="shutting_down")
-            response = _json_error(error, request.url.path)
+            response = _json_error(error, scope["path"])
             response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
-            return response
-        return await call_next(request)
-
-    return check
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _api_key_check(api_key: str):
