@@ -194,7 +194,8 @@ class Service:
         )
         self.context = config.context or context_length(model)
         context = self.context
-        shared = dict(vocabulary=self.worker.vocabulary, fingerprint=system_fingerprint(model))
+        self.fingerprint = system_fingerprint(model)  # (a digest of the manifest file: computed once)
+        shared = dict(vocabulary=self.worker.vocabulary, fingerprint=self.fingerprint)
         self.chat = ChatCompletions(tokenizer, config.model_name, context, config.default_max_tokens, **shared)
         self.completion = Completions(tokenizer, config.model_name, context, **shared)
         self.response = Responses(tokenizer, config.model_name, context, config.default_max_tokens, **shared)
@@ -336,7 +337,7 @@ class Service:
             "model_path": store,
             "chat_template": getattr(self.tokenizer, "chat_template", None) or "",
             "modalities": {"vision": False, "audio": False},
-            "build_info": f"moestream {system_fingerprint(self.model)}",
+            "build_info": f"moestream {self.fingerprint}",
         }
 
     async def metrics(self) -> Response:

@@ -45,22 +45,19 @@ def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None, 
             else:
                 self.should_exit = self.force_exit = True
 
+        @contextlib.contextmanager
         def capture_signals(self):
             # uvicorn re-raises a captured signal after its shutdown, so that the process dies of it; a clean
             # stop here is an exit code 0, so the signals are only handled.
-            @contextlib.contextmanager
-            def handled():
-                if threading.current_thread() is not threading.main_thread():
-                    yield
-                    return
-                original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-                try:
-                    yield
-                finally:
-                    for sig, handler in original.items():
-                        signal.signal(sig, handler)
-
-            return handled()
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
 
         async def on_tick(self, counter: int) -> bool:
             if self.draining_since is not None and not self.should_exit:

@@ -669,11 +669,11 @@ class _XmlFormat(ToolFormat):
             else:
                 value = f"{rule}_{k}_value"
                 rules.append(f"{value}: %json {json.dumps({**shared, **prop, 'x-guidance': JSON_OPTIONS})}")
-            rules.append(f"{rule}_{k}: {self._parameter_rule(lark, key, value, string=types is None or 'string' in types)}")
+            rules.append(f"{rule}_{k}: {self._parameter_rule(lark, key, value, types)}")
             items.append(f"{rule}_{k}" + ("" if key in required else "?"))
         return [f"{rule}: {' '.join(items)}", *rules]
 
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, types: set[str] | None = None) -> str:
         raise NotImplementedError
 
     def _string_value(self, lark: _LarkWriter) -> str:
@@ -733,7 +733,7 @@ class Qwen3CoderFormat(_XmlFormat):
         head = lark.text(f"\n<function={name}>\n")
         return f"{lark.marker(self.start_marker)} {head} {args} {lark.text('</function>' + chr(10))} {lark.marker(self._end)}"
 
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, types: set[str] | None = None) -> str:
         if value == self._string_value(lark):  # the lexeme ends with the value's newline and closing tag
             return f"{lark.text(f'<parameter={key}>' + chr(10))} {value} {lark.text(chr(10))}"
         return f"{lark.text(f'<parameter={key}>' + chr(10))} {value} {lark.text(chr(10) + '</parameter>' + chr(10))}"
@@ -798,7 +798,7 @@ class GlmFormat(_XmlFormat):
         head = lark.text(name) + (f" {lark.marker(self._name_sep)}" if self._name_sep else "")
         return f"{lark.marker(self.start_marker)} {head} {lark.text(chr(10))} {args} {lark.marker(self._end)}"
 
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, types: set[str] | None = None) -> str:
         key_part = f"{lark.marker(self._arg_key)} {lark.text(key)} {lark.marker(self._arg_key_end)} {lark.text(chr(10))}"
         if value == self._string_value(lark) and not lark.is_token(self._arg_value_end):
             return f"{key_part} {lark.marker(self._arg_value)} {value} {lark.text(chr(10))}"  # the lexeme closes it
@@ -956,7 +956,8 @@ class _InvokeFormat(_XmlFormat):
         head = lark.text(f'<{self._tag}invoke name="{name}">' + "\n")
         return f"{head} {args} {lark.text(self._invoke_end + chr(10))}"
 
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, types: set[str] | None = None) -> str:
+        string = types is None or "string" in types  # (as the value's rule reads it)
         attribute = (' string="true"' if string else ' string="false"') if self._typed_by_attribute else ""
         head = lark.text(f'<{self._tag}parameter name="{key}"{attribute}>')
         if value == self._string_value(lark):  # the lexeme takes in the closing tag
@@ -1467,15 +1468,10 @@ class KimiXtmlFormat(_Sectioned, _InvokeFormat):
         head = lark.spelled(f'<|open|>call tool="{name}" index="') + " CALL_INDEX " + lark.spelled('"<|sep|>')
         return f"{head} {args} {lark.spelled(self._invoke_end)}"
 
-    def _arguments_rules(self, lark: _LarkWriter, rule: str, schema: dict) -> list[str]:
-        properties = schema.get("properties")
-        self._properties = properties if isinstance(properties, Mapping) else {}
-        return super()._arguments_rules(lark, rule, schema)
-
-    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, string: bool = True) -> str:
-        prop = self._properties.get(key)
-        types = sorted(_value_types(prop if isinstance(prop, Mapping) else {}) or {"string"})
-        kind = "string" if string else next((self._types[t] for t in types if t in self._types), types[0])
+    def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, types: set[str] | None = None) -> str:
+        listed = sorted(types or {"string"})
+        string = types is None or "string" in types
+        kind = "string" if string else next((self._types[t] for t in listed if t in self._types), listed[0])
         head = lark.spelled(f'<|open|>argument key="{key}" type="{kind}"<|sep|>')
         return f"{head} {value} {lark.spelled(self._parameter_end)}"
 
