@@ -15,6 +15,10 @@ shutdown timeout), starts the server again, and asks the probes again: their ans
 disk error, under faults). It samples the server's RSS, threads and open files every few seconds, and reports
 requests by outcome, p50/p99 time to first token and per token, the RSS slope per hour after the first tenth
 of the run, and the probes. Exits 1 if anything was unexpected, a probe changed or the stop was not clean.
+
+The probes are exact only where the engine promises the same tokens from a reused prefix as from a fresh
+prefill: give `--compute-dtype fp32` in --serve-args for a model that computes in bf16 (docs/DECISIONS.md, "The
+soak compares its probes in fp32 compute").
 """
 
 from __future__ import annotations
@@ -72,7 +76,17 @@ class ServerProcess:
         rss = int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) * 1024
         threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))
         files = len(os.listdir(f"/proc/{self.process.pid}/fd"))
-        return {"rss": rss, "threads": threads, "files": files}
+        # The prefix cache grows by design up to --kv-memory: RSS beyond it is what a leak would show in.
+        metrics = httpx.get(self.url + "/metrics", timeout=30).text
+        prefix = re.search(r"^moestream_prefix_cache_bytes (\S+)", metrics, re.M)
+        prefix_bytes = float(prefix.group(1)) if prefix else 0.0
+        return {
+            "pid": self.process.pid,
+            "rss": rss,
+            "rss beyond the prefix cache": rss - prefix_bytes,
+            "threads": threads,
+            "files": files,
+        }
 
 
 class Soak:
@@ -85,6 +99,7 @@ class Soak:
         self.samples: list[tuple[float, dict]] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()  # the server is being stopped and restarted: connection errors expected
+        self.halt = threading.Event()  # the clients stop (the stopped server has exited)
         self.faults = bool(args.faults)
 
     # -- outcomes ------------------------------------------------------------------------------------------
@@ -157,28 +172,35 @@ class Soak:
                 self.judge(kind, response, ())
                 return
             ended = False
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                times.append(time.monotonic())
-                data = line[6:]
-                if drop_after is not None and len(times) >= drop_after:
-                    self.note(kind, "dropped")
-                    return  # the connection closes here: the server must cancel the generation
-                if self.faults and "from disk failed" in data:  # an error event: the disk failed mid-answer
-                    self.note(kind, "disk error")
-                    return
-                if '"error"' in data[:40] and not self.stopping.is_set():
-                    self.note(kind, "unexpected", data[:300])
-                    return
-                if (
-                    data == "[DONE]"
-                    or '"response.completed"' in data
-                    or '"response.incomplete"' in data
-                    or '"message_stop"' in data
-                ):
-                    ended = True
-            if not ended and not self.stopping.is_set():
+            try:
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    times.append(time.monotonic())
+                    data = line[6:]
+                    if drop_after is not None and len(times) >= drop_after:
+                        self.note(kind, "dropped")
+                        return  # the connection closes here: the server must cancel the generation
+                    if self.faults and "from disk failed" in data:  # an error event: the disk failed mid-answer
+                        self.note(kind, "disk error")
+                        return
+                    if '"error"' in data[:40]:
+                        if self.stopping.is_set() and "shutting down" in data:  # the drain's time ran out
+                            self.note(kind, "ended by the stop")
+                        else:
+                            self.note(kind, "unexpected", data[:300])
+                        return
+                    if (
+                        data == "[DONE]"
+                        or '"response.completed"' in data
+                        or '"response.incomplete"' in data
+                        or '"message_stop"' in data
+                    ):
+                        ended = True
+            except httpx.HTTPError as e:  # a started stream must end with an event, even when the server stops
+                self.note(kind, "unexpected", f"the stream broke: {type(e).__name__}: {e}")
+                return
+            if not ended:
                 self.note(kind, "unexpected", "the stream ended without its final event")
                 return
         if times:
@@ -233,14 +255,20 @@ class Soak:
         def run(i: int) -> None:
             rng = random.Random(seed * 1000 + i)
             with httpx.Client(base_url=url, timeout=self.args.request_timeout) as http:
-                while time.monotonic() < until:
+                while time.monotonic() < until and not self.halt.is_set():
                     try:
                         if rng.random() < 0.02:
                             self.burst(url)
                         else:
                             self.request(http, rng)
                     except httpx.HTTPError as e:
-                        if not self.stopping.is_set():
+                        # While the server stops, a new connection is refused, and a request sent on a kept-alive
+                        # connection as the server closes it gets no answer at all: no request was lost there.
+                        unanswered = isinstance(e, httpx.ConnectError) or "without sending" in str(e)
+                        if self.stopping.is_set() and unanswered:
+                            self.note("client", "not answered: stopped")
+                            time.sleep(0.2)
+                        else:
                             self.note("client", "unexpected", f"{type(e).__name__}: {e}")
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(self.args.clients)]
@@ -255,8 +283,8 @@ class Soak:
             while time.monotonic() < until:
                 try:
                     self.samples.append((time.monotonic() - start, server_of().sample()))
-                except (FileNotFoundError, ProcessLookupError, AttributeError):
-                    pass
+                except (FileNotFoundError, ProcessLookupError, AttributeError, httpx.HTTPError):
+                    pass  # (the server is stopping or starting)
                 time.sleep(every)
 
         thread = threading.Thread(target=run, daemon=True)
@@ -265,9 +293,13 @@ class Soak:
 
 
 def slope_per_hour(samples: list[tuple[float, dict]], key: str, skip: float) -> float:
-    """The least-squares slope of `key` over the samples after the first `skip` seconds, as a share of its
-    mean per hour."""
-    points = [(t, s[key]) for t, s in samples if t >= skip]
+    """The least-squares slope of `key` over the longest-running server's samples after its first `skip`
+    seconds, as a share of its mean per hour (a restart starts a new process: its RSS starts over)."""
+    runs: dict[int, list[tuple[float, dict]]] = {}
+    for t, sample in samples:
+        runs.setdefault(sample["pid"], []).append((t, sample))
+    run = max(runs.values(), key=lambda r: r[-1][0] - r[0][0], default=[])
+    points = [(t, s[key]) for t, s in run if t - run[0][0] >= skip]
     if len(points) < 3:
         return 0.0
     xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -316,9 +348,12 @@ def main() -> int:
     soak.sampler(lambda: current[0], end, args.sample_every)
 
     restart_at = start + total * args.restart_at if 0 < args.restart_at < 1 else end
-    soak.clients(server.url, restart_at, args.seed)
     stop = {}
     if restart_at < end:
+        # The stop comes under load: the clients go on through the drain (503s) until the server has exited.
+        load = threading.Thread(target=soak.clients, args=(server.url, float("inf"), args.seed))
+        load.start()
+        time.sleep(max(0.0, restart_at - time.monotonic()))
         soak.stopping.set()
         t0 = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
@@ -328,11 +363,16 @@ def main() -> int:
             server.process.kill()
             stop["exit code"] = "killed after 60 s"
         stop["seconds to exit"] = round(time.monotonic() - t0, 2)
+        soak.halt.set()
+        load.join()
+        soak.halt.clear()
         server = ServerProcess(args.store, serve_args, env, log)
         current[0] = server
         soak.stopping.clear()
         stop["probes after the restart"] = soak.probes(server.url)
         soak.clients(server.url, end, args.seed + 1)
+    else:
+        soak.clients(server.url, end, args.seed)
     probes_after = soak.probes(server.url)
     server.process.send_signal(signal.SIGTERM)
     final_exit = server.process.wait(60)
@@ -342,7 +382,9 @@ def main() -> int:
         return all(a is None or a == r for a, r in zip(answers, reference))
 
     samples = soak.samples
-    rss_slope = slope_per_hour(samples, "rss", skip=total / 10)
+    settle = min(600.0, total / 10)  # the first ten minutes of a run (a tenth of a short one): caches filling
+    rss_slope = slope_per_hour(samples, "rss", skip=settle)
+    beyond_slope = slope_per_hour(samples, "rss beyond the prefix cache", skip=settle)
     result = {
         "minutes": round(elapsed / 60, 1),
         "requests": sum(soak.outcomes.values()),
@@ -361,6 +403,10 @@ def main() -> int:
         if samples
         else None,
         "rss slope per hour": round(rss_slope, 4),
+        "rss beyond the prefix cache slope per hour": round(beyond_slope, 4),
+        "prefix cache MiB last": round((samples[-1][1]["rss"] - samples[-1][1]["rss beyond the prefix cache"]) / 2**20, 1)
+        if samples
+        else None,
         "threads min/max": [min(s["threads"] for _, s in samples), max(s["threads"] for _, s in samples)] if samples else None,
         "open files min/max": [min(s["files"] for _, s in samples), max(s["files"] for _, s in samples)] if samples else None,
         "probes equal": same(probes_after) and same(stop.get("probes after the restart", reference)),
@@ -383,7 +429,9 @@ def main() -> int:
             ["time to first token p50 / p99 (s)", result["ttft p50/p99 s"]],
             ["per token p50 / p99 (s)", result["per token p50/p99 s"]],
             ["RSS first / last (MiB)", result["rss MiB first/last"]],
-            ["RSS slope per hour after the first tenth", f"{rss_slope:+.2%}"],
+            ["RSS slope per hour (the longest-running server, after its first 10 minutes)", f"{rss_slope:+.2%}"],
+            ["the same, RSS beyond the prefix cache's KV", f"{beyond_slope:+.2%}"],
+            ["prefix cache at the end (MiB)", result["prefix cache MiB last"]],
             ["threads min / max", result["threads min/max"]],
             ["open files min / max", result["open files min/max"]],
         ]

@@ -104,3 +104,77 @@ def test_a_server_under_faults_gives_each_request_its_answer_or_a_disk_error(sto
         assert faulty.http.get("/health").status_code == 200  # it goes on serving
     finally:
         faulty.stop()
+
+
+def test_closing_a_worker_ends_a_step_held_by_a_stalled_disk_at_once(store):  # noqa: F811
+    """A server's drain that runs out of time closes the worker; a step waiting for a read that stalls (here for
+    ten minutes, past the 60 s read timeout) ends within a second, its job with ShuttingDown, not a disk error,
+    and so do the jobs still queued (their waiters hear it, rather than waiting out their timeouts) and one
+    submitted after the close. Afterwards the
+    model reads and answers again."""
+    import asyncio
+    import threading
+    import time
+
+    import moestream
+    from moestream.core.engine import engine_of
+    from moestream.frontends.generate import SamplingParams
+    from moestream.frontends.worker import Choice, ModelThread, ShuttingDown, Worker
+
+    thread = ModelThread()
+    model, tokenizer = thread.call(moestream.load, store, "16KiB")
+    reader = engine_of(model).supply.reader
+    worker = Worker(model, tokenizer, 4, model_thread=thread)
+    worker.start()
+    stall = Faults(stall=1.0, stall_seconds=600)
+    reader.faults = stall
+    for f in reader._files:
+        f.faults = stall
+
+    async def ask(on_worker):
+        job = on_worker.submit([Choice([5, 6, 7, 8], SamplingParams.greedy(8))], timeout=900)
+        return [event async for event in job.output()]
+
+    async def ending(job):
+        try:
+            await job.wait_until_started()
+            [event async for event in job.output()]
+        except ShuttingDown as e:
+            return str(e)
+
+    async def ask_three():  # one runs (and stalls), two wait in the queue behind it (a batch of one row)
+        jobs = [worker.submit([Choice([5 + i, 6, 7, 8], SamplingParams.greedy(8))], timeout=900) for i in range(3)]
+        return await asyncio.gather(*(ending(job) for job in jobs))
+
+    def close_when_stalled():
+        while not stall.injected["stall"]:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        closing[0] = time.monotonic()
+        worker.close()
+        closing[1] = time.monotonic()
+
+    closing = [0.0, 0.0]
+    closer = threading.Thread(target=close_when_stalled)
+    closer.start()
+    try:
+        endings = asyncio.run(ask_three())
+    finally:
+        closer.join(30)
+        stall.wake()  # (else the stalled I/O threads hold the interpreter's exit for ten minutes)
+    assert endings == ["the server is stopping"] * 3
+    assert closing[1] - closing[0] < 5, closing
+    assert worker.stats().ended_early["cancelled"] == 3 and not worker.stats().ended_early["disk"]
+    with pytest.raises(ShuttingDown):  # a request that comes after the close (it passed the drain's check before)
+        asyncio.run(ask(worker))
+    # the disk answers again (the stalls end, and the slots they held come back): a new worker on the model serves
+    for entry in engine_of(model).supply.cache.parked:
+        entry.read.result(timeout=30)
+    again = Worker(model, tokenizer, 4, model_thread=thread)
+    again.start()
+    try:
+        events = asyncio.run(ask(again))
+    finally:
+        again.close()
+        thread.stop()
+    assert len(events[-1].result.token_ids) == 8

@@ -23,3 +23,8 @@ class ExpertReadError(MoestreamError, OSError):
 
 class RecordChecksumError(ExpertReadError):
     """An expert record read from disk does not match the checksum in the manifest: the store is damaged."""
+
+
+class ReadsInterrupted(MoestreamError):
+    """A wait for expert reads was cut short on purpose: the model is stopping (a server's drain ran out of
+    time), so the step that waited ends instead of waiting out a stalled disk."""

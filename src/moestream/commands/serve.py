@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401  (checked here, before the model loads; serve() uses it)
 
+        from ..core.runtime import runtime_of
         from ..frontends.http_app import ServerConfig, create_app
     except ImportError as e:
         raise MoestreamError(
@@ -196,4 +197,6 @@ def run(args: argparse.Namespace) -> int:
         serve(app, args.host, args.port, log_level=args.log_level, on_ready=ready, shutdown_timeout=args.shutdown_timeout)
     except OSError as e:
         raise MoestreamError(f"cannot listen on {args.host}:{args.port} ({e}); choose another --port or --host") from None
+    finally:
+        runtime_of(model).close()  # the reader's threads end now, not when the interpreter waits for them
     return 0

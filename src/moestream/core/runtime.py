@@ -49,6 +49,11 @@ class Runtime:
         """Record the expert reads from now until the recording's `stop()`."""
         return ReadRecording(self._engine)
 
+    def interrupt_reads(self, interrupted: bool = True) -> None:
+        """While interrupted, a forward pass that waits for an expert read raises errors.ReadsInterrupted at
+        once instead of waiting up to the read timeout (any thread may call this; False: wait again)."""
+        self._engine.supply.interrupt_waits(interrupted)
+
     def close(self) -> None:
         """Stop the reader threads and release the cache; the model cannot run afterwards."""
         self._engine.close()

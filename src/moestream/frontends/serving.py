@@ -118,6 +118,10 @@ class Failed:
 Event = Started | Finished | Failed
 
 
+class Closed(Exception):
+    """The error of a request that was still queued when the scheduler closed: it never ran."""
+
+
 class Scheduler:
     """Queued requests, the newcomer being prefilled and the running sequences (with their KV budget, in
     `batch`); see the module's doc. Options are `BatchGenerator`'s."""
@@ -181,12 +185,15 @@ class Scheduler:
         return events
 
     def close(self) -> list[Event]:
-        """Stop everything: queued requests are dropped, running answers end as cancelled (`Finished`)."""
+        """Stop everything: queued requests fail with Closed (`Failed`: their waiters hear it), running answers
+        end as cancelled (`Finished`)."""
         with self._lock:
-            for request in self._waiting:
-                request.cancel.set()
+            queued = list(self._waiting)
             self._waiting.clear()
         events: list[Event] = []
+        for request in queued:
+            if not request.started:  # (a request partly joined fails with its running answers below)
+                self._fail(request, Closed("the scheduler closed before the request ran"), events)
         for decoding, request in self._take_all():
             request.cancel.set()
             decoding.finish_reason = "cancelled"

@@ -29,11 +29,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..core.runtime import runtime_of
-from ..errors import ExpertReadError
+from ..errors import ExpertReadError, ReadsInterrupted
 from .constraints import Vocabulary
 from .generate import Decoding, GenerationResult, SamplingParams, TokenLogprob, vocabulary_of
 from .kv_cache import PrefixCache
-from .serving import Failed, Finished, Request, Scheduler, Started
+from .serving import Closed, Failed, Finished, Request, Scheduler, Started
 
 # How often a waiter checks whether its client is still connected.
 DISCONNECT_POLL_SECONDS = 0.2
@@ -137,9 +137,12 @@ class Job:
         self._worker._cancel(self)
 
     async def wait_until_started(self, disconnected: Disconnected | None = None) -> None:
-        """Return once the worker has taken the job; raises TimedOut (queued) or ClientGone."""
-        kind, _ = await self._next_event(disconnected)
-        assert kind == "start", kind  # the worker posts nothing before it
+        """Return once the worker has taken the job; raises TimedOut (queued), ClientGone, or ShuttingDown (the
+        worker closed first)."""
+        kind, value = await self._next_event(disconnected)
+        if kind == "error":  # (the worker closed while the job waited in the queue)
+            raise value if isinstance(value, ShuttingDown) else GenerationFailed(value)
+        assert kind == "start", kind  # the worker posts nothing else before it
 
     async def output(
         self, disconnected: Disconnected | None = None, quiet_after: float | None = None
@@ -159,7 +162,7 @@ class Job:
             elif kind == "text":
                 yield value
             elif kind == "error":
-                raise GenerationFailed(value)
+                raise value if isinstance(value, ShuttingDown) else GenerationFailed(value)
             elif kind == "done":
                 # Only the worker's closing cancels a job whose waiter is still there: a waiter that
                 # leaves cancels its own job and reads no more.
@@ -302,15 +305,20 @@ class Worker:
         self._looping.add_done_callback(_said_if_failed)
 
     def close(self) -> None:
-        """Cancel every job, queued or running, and wait for the thread to end."""
+        """Cancel every job, queued or running, and wait for the thread to end. A step that waits for a
+        stalled disk ends at once (its jobs with ShuttingDown), not at the read timeout."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._looping is not None:
+            runtime = runtime_of(self.model)
+            runtime.interrupt_reads()
             try:
                 self._looping.result(timeout=30)
             except FutureTimeout:
-                pass  # a step that does not end (a stalled disk): the thread is a daemon
+                pass  # a step that does not end (a kernel that hangs): the thread is a daemon
+            finally:
+                runtime.interrupt_reads(False)  # the model may serve another worker
         if self._own_thread:
             self._thread.stop()
 
@@ -328,6 +336,8 @@ class Worker:
         )
         self.scheduler.check(job.request)
         with self._cond:
+            if self._closed:  # (a request that passed the server's drain check just before the close)
+                raise ShuttingDown("the server is stopping")
             if self.scheduler.queued() >= self.max_queue:
                 raise QueueFull(self.max_queue)
             self.scheduler.add(job.request)
@@ -388,6 +398,13 @@ class Worker:
                     s.ended_early[result.finish_reason] += 1
             job._post("done", Done(event.request.index[event.decoding], result))
         elif isinstance(event, Failed):
+            # Once close() has begun, a job ends as cancelled, whatever the step met (an interrupted wait, the
+            # queue closed, or no slot left because stalled reads still hold theirs).
+            if self._closed or isinstance(event.error, (ReadsInterrupted, Closed)):
+                with self._cond:
+                    self._stats.ended_early["cancelled"] += 1
+                job._post("error", ShuttingDown("the server is stopping"))
+                return
             with self._cond:  # (a disk that failed a read is told apart: /metrics names it)
                 self._stats.ended_early["disk" if isinstance(event.error, ExpertReadError) else "error"] += 1
             job._post("error", event.error)

@@ -32,7 +32,7 @@ import torch
 from ...choices import VERIFY_MODES
 from ...conversion.sizes import ModelSizes
 from ...conversion.store import DTYPES, Store
-from ...errors import ExpertReadError, UsageError
+from ...errors import ExpertReadError, ReadsInterrupted, UsageError
 from ...units import format_bytes
 from ..devices import Device
 from .cache import Entry, ExpertCache, State, start_call
@@ -43,6 +43,8 @@ from .reader import RecordReader
 # A read that has not finished after this long means a stalled disk or network filesystem: the step
 # fails with an error instead of hanging the program.
 READ_TIMEOUT_SECONDS = 60.0
+# How often a wait for reads looks whether it was interrupted.
+WAIT_SLICE_SECONDS = 0.25
 
 #: What the engine computes with: experts as (expert id, record tensors), ready and pinned.
 Compute = Callable[[list[tuple[int, dict[str, torch.Tensor]]]], None]
@@ -104,6 +106,7 @@ class ExpertSupply:
         self.store = store
         self.verify = verify
         self.read_timeout = read_timeout
+        self._interrupted = threading.Event()  # set: every wait for a read ends at once (interrupt_waits)
         self._verified: set[tuple[int, int]] = set()  # records whose checksum matched since load
         self.layers = store.manifest.layers
         sizes = check_budget(store, budget_bytes)
@@ -215,11 +218,14 @@ class ExpertSupply:
         """Block until a read of `in_flight` (its first, if `oldest_only`) is over; those that are. A read
         that takes longer than `read_timeout` is an error naming the file."""
         layer = in_flight[0].key[0]
+        reads = [in_flight[0].read] if oldest_only else [entry.read for entry in in_flight]
         t0 = time.perf_counter()
-        if oldest_only:
-            done, _ = wait([in_flight[0].read], timeout=self.read_timeout)
-        else:
-            done, _ = wait([entry.read for entry in in_flight], timeout=self.read_timeout, return_when=FIRST_COMPLETED)
+        done: set = set()
+        # In slices, so that interrupt_waits() ends the wait within one slice rather than at the timeout.
+        while not done and (left := self.read_timeout - (time.perf_counter() - t0)) > 0:
+            if self._interrupted.is_set():
+                raise ReadsInterrupted(f"the wait for layer {layer}'s expert reads was interrupted: the model is stopping")
+            done, _ = wait(reads, timeout=min(left, WAIT_SLICE_SECONDS), return_when=FIRST_COMPLETED)
         with self.stats_lock:
             self.layer_stats[layer].wait_seconds += time.perf_counter() - t0
         if not done:
@@ -346,6 +352,15 @@ class ExpertSupply:
     def reset_stats(self) -> None:
         with self.stats_lock:
             self.layer_stats = [LayerStats() for _ in self.layers]
+
+    def interrupt_waits(self, interrupted: bool = True) -> None:
+        """While interrupted, a wait for reads raises ReadsInterrupted instead of waiting (any thread may call
+        this): a server that stops ends a step held by a stalled disk at once, not at the read timeout. The
+        reads themselves go on; `abandon` keeps their slots out of use. interrupted=False: wait again."""
+        if interrupted:
+            self._interrupted.set()
+        else:
+            self._interrupted.clear()
 
     def close(self) -> None:
         if self.tier is not None:

@@ -50,6 +50,7 @@ class Faults:
     def __post_init__(self) -> None:
         self._random = random.Random(self.seed)
         self._lock = threading.Lock()
+        self._woken = threading.Event()  # ends every injected stall now and from now on (the reader closes)
         self.injected = dict.fromkeys(FAULT_KINDS, 0)
 
     @classmethod
@@ -76,6 +77,13 @@ class Faults:
                     self.injected[kind] += 1
                     return kind
         return None
+
+    def stall_now(self) -> None:
+        self._woken.wait(self.stall_seconds)
+
+    def wake(self) -> None:
+        """End the stalls: a closing reader's I/O threads must not outlive the process by minutes."""
+        self._woken.set()
 
 
 class RecordFile:
@@ -105,7 +113,7 @@ class RecordFile:
         if fault == "read_error":
             raise OSError(errno.EIO, "injected read error")
         if fault == "stall":
-            time.sleep(self.faults.stall_seconds)
+            self.faults.stall_now()
         if fault == "short_read" and len(buffer) >= 8192:  # (half, kept aligned for direct reads)
             buffer = buffer[: len(buffer) // 2 // 4096 * 4096]
         n = os.preadv(self.fd, [buffer], offset)
@@ -256,6 +264,8 @@ class RecordReader:
             os.posix_fadvise(f.fd, offset, length, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
+        if self.faults is not None:
+            self.faults.wake()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._speculative_pool.shutdown(wait=False, cancel_futures=True)
         for f in self._files:
