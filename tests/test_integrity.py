@@ -27,7 +27,7 @@ from moestream.core.engine import ExpertEngine
 from moestream.core.supply.cache import State
 from moestream.core.supply.expert_supply import ExpertSupply
 from moestream.core.supply.reader import RecordFile
-from moestream.errors import ExpertReadError, RecordChecksumError, StoreError
+from moestream.errors import ExpertReadError, ReadsInterrupted, RecordChecksumError, StoreError
 
 EXPERTS, TOP_K = 32, 2
 
@@ -273,5 +273,35 @@ def test_a_stalled_read_times_out_and_its_slot_is_not_reused_until_it_ends(prist
     engine.supply.read_timeout = 60  # a loaded CI machine must not time out the healthy reads that follow
     assert torch.equal(_run_expert(engine, model, 1, 20), expected)
     assert not engine.supply.cache.parked  # reclaimed once the reads ended
+    _assert_cache_consistent(engine)
+    engine.close()
+
+
+def test_slots_held_by_stalled_reads_are_waited_for_not_reported_as_a_small_budget(pristine, model, monkeypatch):
+    """A cache of two slots, both parked behind reads that stalled past the timeout: the next call waits for
+    one of them to end (as for a read of its own) instead of failing with "no free slot; raise --memory", and
+    computes the same result; an interrupted wait ends at once."""
+    expected = _run_expert(_engine(pristine), model, 1, 20)
+    release = threading.Event()
+    real = RecordFile.read_at
+
+    def stalled(self, buffer, offset):
+        release.wait(30)
+        return real(self, buffer, offset)
+
+    monkeypatch.setattr(RecordFile, "read_at", stalled)
+    slot = Store(pristine).manifest.layers[1].layout.stride
+    engine = _engine(pristine, budget=2 * slot, read_timeout=0.5)
+    with pytest.raises(ExpertReadError, match="finished within 0.5 s"):
+        _run_expert(engine, model, 1, 20)
+    assert len(engine.supply.cache.parked) == 2 and not engine.supply.cache.free_slots()
+    engine.supply.interrupt_waits()
+    with pytest.raises(ReadsInterrupted):  # a stopping server does not wait for them
+        _run_expert(engine, model, 1, 20)
+    engine.supply.interrupt_waits(False)
+    monkeypatch.setattr(RecordFile, "read_at", real)
+    engine.supply.read_timeout = 60
+    threading.Timer(0.5, release.set).start()  # the disk answers again half a second into the wait
+    assert torch.equal(_run_expert(engine, model, 1, 20), expected)
     _assert_cache_consistent(engine)
     engine.close()

@@ -197,7 +197,8 @@ class CallIO(Protocol):
 
     def make_room(self) -> bool:
         """No slot can be had and no read is in flight: wait for queued work that holds slots (a copy to
-        the device tier reading a host slot) and release them; False if there is none."""
+        the device tier reading a host slot, a stalled read's parked slot) and release them; False if there
+        is none."""
 
 
 class Call:

@@ -218,14 +218,8 @@ class ExpertSupply:
         """Block until a read of `in_flight` (its first, if `oldest_only`) is over; those that are. A read
         that takes longer than `read_timeout` is an error naming the file."""
         layer = in_flight[0].key[0]
-        reads = [in_flight[0].read] if oldest_only else [entry.read for entry in in_flight]
         t0 = time.perf_counter()
-        done: set = set()
-        # In slices, so that interrupt_waits() ends the wait within one slice rather than at the timeout.
-        while not done and (left := self.read_timeout - (time.perf_counter() - t0)) > 0:
-            if self._interrupted.is_set():
-                raise ReadsInterrupted(f"the wait for layer {layer}'s expert reads was interrupted: the model is stopping")
-            done, _ = wait(reads, timeout=min(left, WAIT_SLICE_SECONDS), return_when=FIRST_COMPLETED)
+        done = self._first_done([in_flight[0].read] if oldest_only else [entry.read for entry in in_flight])
         with self.stats_lock:
             self.layer_stats[layer].wait_seconds += time.perf_counter() - t0
         if not done:
@@ -235,6 +229,17 @@ class ExpertSupply:
                 f"from {self.store.path(self.layers[layer].file)}: the disk is stalled or failing"
             )
         return [entry for entry in in_flight if entry.read in done]
+
+    def _first_done(self, reads: list) -> set:
+        """Wait up to `read_timeout` for one of `reads` to be over; those that are (empty: none in time). In
+        slices, so that interrupt_waits() ends the wait within one slice rather than at the timeout."""
+        t0 = time.perf_counter()
+        done: set = set()
+        while not done and (left := self.read_timeout - (time.perf_counter() - t0)) > 0:
+            if self._interrupted.is_set():
+                raise ReadsInterrupted("the wait for expert reads was interrupted: the model is stopping")
+            done, _ = wait(reads, timeout=min(left, WAIT_SLICE_SECONDS), return_when=FIRST_COMPLETED)
+        return done
 
     def finish_read(self, entry: Entry) -> None:
         """A read is over: book it and make the slot's tensors, or discard the entry and raise."""
@@ -271,7 +276,20 @@ class ExpertSupply:
                 self.cache.park(entry)
 
     def make_room(self) -> bool:
-        return self.tier is not None and self.tier.wait_oldest()
+        if self.tier is not None and self.tier.wait_oldest():
+            return True
+        # Slots that stalled reads still hold (parked) come back when those reads end: wait for one, as for a
+        # read of this call, rather than tell the user to raise a budget that was enough.
+        parked = self.cache.parked
+        if not parked:
+            return False
+        if not self._first_done([entry.read for entry in parked]):
+            raise ExpertReadError(
+                f"{len(parked)} of the expert cache's slots are held by reads the disk has not finished for "
+                f"{self.read_timeout:g} s: the disk is stalled or failing"
+            )
+        self.cache.reclaim()
+        return True
 
     # -- reads ahead of need -----------------------------------------------------------------------------
 
