@@ -53,6 +53,7 @@ ORDER = [
     "tool-call-stream",
     "chat-templates",
     "soak",
+    "soak-30b-shape",
     "agent-sessions",
     "checksums",
     "converter-memory",

@@ -108,12 +108,16 @@ class Soak:
         with self.lock:
             self.outcomes[(kind, outcome)] += 1
             if outcome == "unexpected":
-                self.unexpected.append(f"{kind}: {detail}"[:400])
+                when = time.strftime("%H:%M:%S") + (", stopping" if self.stopping.is_set() else "")
+                self.unexpected.append(f"{kind} ({when}): {detail}"[:400])
 
-    def judge(self, kind: str, response: httpx.Response, allowed: tuple[int, ...]) -> None:
+    def judge(self, kind: str, response: httpx.Response, allowed: tuple[int, ...], long: bool = False) -> None:
         # (any request may find the queue full while another client's burst fills it: 429 is a right answer)
         if response.status_code in allowed or response.status_code == 429:
             self.note(kind, str(response.status_code))
+        elif long and response.status_code == 400 and "maximum context length" in response.text:
+            # A long prompt sized in characters may pass the window in tokens once a template (tools) wraps it.
+            self.note(kind, "400 over the window")
         elif response.status_code == 500 and self.faults and "from disk failed" in response.text:
             self.note(kind, "disk error")
         elif response.status_code == 503 and self.stopping.is_set():
@@ -125,7 +129,8 @@ class Soak:
 
     def request(self, http: httpx.Client, rng: random.Random) -> None:
         context_chars = self.args.long_chars
-        prompt = "Tell me about disks. " * rng.choice([1, 1, 2, max(1, context_chars // 50)])  # (long: ~40% of it)
+        repeats = rng.choice([1, 1, 2, max(1, context_chars // 50)])  # (long: ~40% of the window in characters)
+        prompt, long = "Tell me about disks. " * repeats, repeats > 2
         stream = rng.random() < 0.5
         kind = rng.choice(["chat", "completions", "responses", "messages", "tool", "schema", "drop", "malformed", "too long"])
         max_tokens = rng.choice([4, 16, 32])
@@ -160,16 +165,17 @@ class Soak:
                 {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens},
             )
         if kind == "drop" or stream:
-            self.stream(http, kind, path, {**body, "stream": True}, drop_after=rng.randint(1, 6) if kind == "drop" else None)
+            drop_after = rng.randint(1, 6) if kind == "drop" else None
+            self.stream(http, kind, path, {**body, "stream": True}, drop_after, long)
         else:
-            self.judge(kind, http.post(path, json=body), (200,))
+            self.judge(kind, http.post(path, json=body), (200,), long)
 
-    def stream(self, http: httpx.Client, kind: str, path: str, body: dict, drop_after: int | None) -> None:
+    def stream(self, http: httpx.Client, kind: str, path: str, body: dict, drop_after: int | None, long: bool) -> None:
         start, times = time.monotonic(), []
         with http.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 response.read()
-                self.judge(kind, response, ())
+                self.judge(kind, response, (), long)
                 return
             ended = False
             try:
@@ -255,16 +261,20 @@ class Soak:
         def run(i: int) -> None:
             rng = random.Random(seed * 1000 + i)
             with httpx.Client(base_url=url, timeout=self.args.request_timeout) as http:
+                first = i == 0  # the first client starts with a burst: each server meets one at least
                 while time.monotonic() < until and not self.halt.is_set():
                     try:
-                        if rng.random() < 0.02:
+                        if rng.random() < 0.02 or first:
+                            first = False
                             self.burst(url)
                         else:
                             self.request(http, rng)
                     except httpx.HTTPError as e:
                         # While the server stops, a new connection is refused, and a request sent on a kept-alive
                         # connection as the server closes it gets no answer at all: no request was lost there.
-                        unanswered = isinstance(e, httpx.ConnectError) or "without sending" in str(e)
+                        unanswered = isinstance(e, httpx.ConnectError) or any(
+                            sign in str(e) for sign in ("without sending", "Connection reset by peer")
+                        )
                         if self.stopping.is_set() and unanswered:
                             self.note("client", "not answered: stopped")
                             time.sleep(0.2)
