@@ -83,6 +83,7 @@ class ServerProcess:
         return {
             "pid": self.process.pid,
             "rss": rss,
+            "prefix cache": prefix_bytes,
             "rss beyond the prefix cache": rss - prefix_bytes,
             "threads": threads,
             "files": files,
@@ -414,9 +415,7 @@ def main() -> int:
         else None,
         "rss slope per hour": round(rss_slope, 4),
         "rss beyond the prefix cache slope per hour": round(beyond_slope, 4),
-        "prefix cache MiB last": round((samples[-1][1]["rss"] - samples[-1][1]["rss beyond the prefix cache"]) / 2**20, 1)
-        if samples
-        else None,
+        "prefix cache MiB last": round(samples[-1][1]["prefix cache"] / 2**20, 1) if samples else None,
         "threads min/max": [min(s["threads"] for _, s in samples), max(s["threads"] for _, s in samples)] if samples else None,
         "open files min/max": [min(s["files"] for _, s in samples), max(s["files"] for _, s in samples)] if samples else None,
         "probes equal": same(probes_after) and same(stop.get("probes after the restart", reference)),

@@ -110,8 +110,7 @@ def test_closing_a_worker_ends_a_step_held_by_a_stalled_disk_at_once(store):  # 
     """A server's drain that runs out of time closes the worker; a step waiting for a read that stalls (here for
     ten minutes, past the 60 s read timeout) ends within a second, its job with ShuttingDown, not a disk error,
     and so do the jobs still queued (their waiters hear it, rather than waiting out their timeouts) and one
-    submitted after the close. Afterwards the
-    model reads and answers again."""
+    submitted after the close. Afterwards the model reads and answers again."""
     import asyncio
     import threading
     import time

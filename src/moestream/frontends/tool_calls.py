@@ -660,7 +660,7 @@ class _XmlFormat(ToolFormat):
             prop = properties.get(key)
             prop = dict(prop) if isinstance(prop, Mapping) else {}
             types = _value_types(prop)
-            if types is None or "string" in types:  # text as written; reading it keeps it a string
+            if _written_as_text(types):
                 enum = prop.get("enum")
                 if types == {"string"} and isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
                     value = "(" + " | ".join(lark.text(e) for e in enum) + ")"
@@ -957,7 +957,7 @@ class _InvokeFormat(_XmlFormat):
         return f"{head} {args} {lark.text(self._invoke_end + chr(10))}"
 
     def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, types: set[str] | None = None) -> str:
-        string = types is None or "string" in types  # (as the value's rule reads it)
+        string = _written_as_text(types)  # (as the value's rule reads it)
         attribute = (' string="true"' if string else ' string="false"') if self._typed_by_attribute else ""
         head = lark.text(f'<{self._tag}parameter name="{key}"{attribute}>')
         if value == self._string_value(lark):  # the lexeme takes in the closing tag
@@ -1470,7 +1470,7 @@ class KimiXtmlFormat(_Sectioned, _InvokeFormat):
 
     def _parameter_rule(self, lark: _LarkWriter, key: str, value: str, types: set[str] | None = None) -> str:
         listed = sorted(types or {"string"})
-        string = types is None or "string" in types
+        string = _written_as_text(types)
         kind = "string" if string else next((self._types[t] for t in listed if t in self._types), listed[0])
         head = lark.spelled(f'<|open|>argument key="{key}" type="{kind}"<|sep|>')
         return f"{head} {value} {lark.spelled(self._parameter_end)}"
@@ -1575,7 +1575,7 @@ class MiniMaxM3Format(_InvokeFormat):
         if types == {"array"} and depth < 4:
             item = self._element(lark, f"{rule}_item", "item", schema.get("items"), rules, depth + 1)
             return f"{head} ({item})* {tail}"
-        if types is None or "string" in types:
+        if _written_as_text(types):
             enum = schema.get("enum")
             if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
                 return f"{head} ({' | '.join(lark.text(e) for e in enum)}) {tail}"
@@ -1947,6 +1947,12 @@ def _json_type(value: Any) -> str:
     if value is None:
         return "null"
     return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), "object")
+
+
+def _written_as_text(types: set[str] | None) -> bool:
+    """Whether an XML-style format writes a value of these JSON types as text, as written (a schema that
+    allows a string, or says nothing): reading the text back keeps it a string."""
+    return types is None or "string" in types
 
 
 def _value_types(schema: Any) -> set[str] | None:

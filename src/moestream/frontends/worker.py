@@ -29,11 +29,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from ..core.runtime import runtime_of
-from ..errors import ExpertReadError, ReadsInterrupted
+from ..errors import ExpertReadError
 from .constraints import Vocabulary
 from .generate import Decoding, GenerationResult, SamplingParams, TokenLogprob, vocabulary_of
 from .kv_cache import PrefixCache
-from .serving import Closed, Failed, Finished, Request, Scheduler, Started
+from .serving import Failed, Finished, Request, Scheduler, Started
 
 # How often a waiter checks whether its client is still connected.
 DISCONNECT_POLL_SECONDS = 0.2
@@ -81,6 +81,12 @@ class GenerationFailed(WorkerError):
 class ClientGone(Exception):
     """The client disconnected while its job waited or ran: nobody reads the output any more. Not a
     WorkerError: nothing went wrong, and nobody is left to answer."""
+
+
+def _raised(error: Exception) -> WorkerError:
+    """What a waiter raises for an "error" event: the worker's own ShuttingDown as it is, a step's error as the
+    job's GenerationFailed."""
+    return error if isinstance(error, ShuttingDown) else GenerationFailed(error)
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -141,7 +147,7 @@ class Job:
         worker closed first)."""
         kind, value = await self._next_event(disconnected)
         if kind == "error":  # (the worker closed while the job waited in the queue)
-            raise value if isinstance(value, ShuttingDown) else GenerationFailed(value)
+            raise _raised(value)
         assert kind == "start", kind  # the worker posts nothing else before it
 
     async def output(
@@ -162,7 +168,7 @@ class Job:
             elif kind == "text":
                 yield value
             elif kind == "error":
-                raise value if isinstance(value, ShuttingDown) else GenerationFailed(value)
+                raise _raised(value)
             elif kind == "done":
                 # Only the worker's closing cancels a job whose waiter is still there: a waiter that
                 # leaves cancels its own job and reads no more.
@@ -398,9 +404,9 @@ class Worker:
                     s.ended_early[result.finish_reason] += 1
             job._post("done", Done(event.request.index[event.decoding], result))
         elif isinstance(event, Failed):
-            # Once close() has begun, a job ends as cancelled, whatever the step met (an interrupted wait, the
-            # queue closed, or no slot left because stalled reads still hold theirs).
-            if self._closed or isinstance(event.error, (ReadsInterrupted, Closed)):
+            # Once close() has begun, a job ends as cancelled, whatever the step met (a wait for reads that
+            # close() interrupted, the queue closed, or no slot left because stalled reads still hold theirs).
+            if self._closed:
                 with self._cond:
                     self._stats.ended_early["cancelled"] += 1
                 job._post("error", ShuttingDown("the server is stopping"))
