@@ -305,3 +305,18 @@ def test_slots_held_by_stalled_reads_are_waited_for_not_reported_as_a_small_budg
     assert torch.equal(_run_expert(engine, model, 1, 20), expected)
     _assert_cache_consistent(engine)
     engine.close()
+
+
+def test_an_interrupted_model_ends_its_step_at_the_next_layer_even_when_nothing_is_read(pristine, model):
+    """A stopping server's long prefill step must not run to its end: with every expert a cache hit (no wait
+    for the disk), an interrupted engine still raises at the next MoE layer, holds no slot afterwards, and
+    computes the same result once it may run again."""
+    engine = _engine(pristine)
+    expected = _run_expert(engine, model, 1, 20)  # now cached: the next call reads nothing
+    engine.supply.interrupt_waits()
+    with pytest.raises(ReadsInterrupted, match="stopping"):
+        _run_expert(engine, model, 1, 20)
+    _assert_cache_consistent(engine)
+    engine.supply.interrupt_waits(False)
+    assert torch.equal(_run_expert(engine, model, 1, 20), expected)
+    engine.close()

@@ -62,3 +62,19 @@ def test_past_the_shutdown_timeout_a_stream_ends_with_an_error_event_and_a_secon
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(15) == 0
     thread.join(60)
+
+
+def test_the_process_is_gone_within_the_shutdown_timeout_while_every_read_is_slow(store, tmp_path, monkeypatch):  # noqa: F811
+    """The timeout bounds the whole stop, not only the drain: with every expert read taking 2 s (a stream
+    that would run for minutes), a SIGTERM with a 12 s timeout ends the stream with an error event and the
+    process exits 0 before the 12 s are over (the closing starts 3 s before: a quarter of the timeout)."""
+    monkeypatch.setenv("MOESTREAM_FAULTS", "stall:1,stall_seconds:2,seed:1")
+    server = Server(store, tmp_path / "server.log", "--shutdown-timeout", "12")
+    thread, lines = _start_stream(server)
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == 0
+    took = time.monotonic() - started
+    thread.join(30)
+    assert took < 12, f"exited {took:.1f} s after the SIGTERM"
+    assert lines[-1] == "[DONE]" and "shutting down" in json.loads(lines[-2])["error"]["message"], lines[-2:]

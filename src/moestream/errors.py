@@ -26,5 +26,5 @@ class RecordChecksumError(ExpertReadError):
 
 
 class ReadsInterrupted(MoestreamError):
-    """A wait for expert reads was cut short on purpose: the model is stopping (a server's drain ran out of
-    time), so the step that waited ends instead of waiting out a stalled disk."""
+    """A forward pass was cut short on purpose: the model is stopping (a server's drain ran out of time), so
+    the step ends at its next MoE layer, or at once where it waits for a stalled disk."""

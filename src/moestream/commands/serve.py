@@ -66,8 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="on SIGTERM or Ctrl-C, how long running requests may go on (new ones get 503 with Retry-After); "
-        "then the rest end with an error event and the server exits 0. A second signal exits at once (default 30)",
+        help="on SIGTERM or Ctrl-C, the time the stop may take: running requests go on until a few seconds "
+        "before it (new ones get 503 with Retry-After), then the rest end with an error event and the server "
+        "exits 0 within it. A second signal exits at once (default 30)",
     )
     parser.add_argument(
         "--default-max-tokens",

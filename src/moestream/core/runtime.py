@@ -50,8 +50,9 @@ class Runtime:
         return ReadRecording(self._engine)
 
     def interrupt_reads(self, interrupted: bool = True) -> None:
-        """While interrupted, a forward pass that waits for an expert read raises errors.ReadsInterrupted at
-        once instead of waiting up to the read timeout (any thread may call this; False: wait again)."""
+        """While interrupted, a forward pass raises errors.ReadsInterrupted at its next MoE layer, or at once
+        where it waits for an expert read, instead of waiting up to the read timeout (any thread may call
+        this; False: run again)."""
         self._engine.supply.interrupt_waits(interrupted)
 
     def close(self) -> None:

@@ -24,6 +24,9 @@ import time
 
 log = logging.getLogger("moestream.serve")
 
+CLOSE_RESERVE_SECONDS = 5.0  # of the shutdown timeout, kept for ending the running requests and exiting
+MIN_GRACEFUL_SECONDS = 1.0  # uvicorn's wait for the last bytes of each connection, however late the close came
+
 
 def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None, shutdown_timeout: float = 30.0) -> None:
     """Run `app` with uvicorn on host:port (port 0: any free port). The socket is bound and listening
@@ -33,6 +36,10 @@ def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None, 
     Retry-After, /health 503), lets the running requests finish for up to `shutdown_timeout` seconds, ends the
     rest with an error event in each stream, and returns (the command exits 0); a second signal exits at once."""
     import uvicorn
+
+    # The process must be gone by `shutdown_timeout`: the requests still running are ended a little before
+    # it, which leaves time for the step to end (at its next layer) and for their streams' last events.
+    close_at = shutdown_timeout - min(CLOSE_RESERVE_SECONDS, shutdown_timeout / 4)
 
     class DrainingServer(uvicorn.Server):
         draining_since: float | None = None
@@ -63,9 +70,12 @@ def serve(app, host: str, port: int, *, log_level: str = "info", on_ready=None, 
             if self.draining_since is not None and not self.should_exit:
                 worker = app.state.service.worker
                 idle = worker.running() == 0 and worker.queued() == 0
-                if idle or time.monotonic() - self.draining_since >= shutdown_timeout:
+                if idle or time.monotonic() - self.draining_since >= close_at:
                     if not idle:  # the rest end now, each stream with an error event (worker.ShuttingDown)
                         await asyncio.to_thread(worker.close)
+                    # uvicorn then waits for the connections to send their last bytes: only for what is left
+                    left = shutdown_timeout - (time.monotonic() - self.draining_since)
+                    self.config.timeout_graceful_shutdown = max(MIN_GRACEFUL_SECONDS, left)
                     self.should_exit = True
             return await super().on_tick(counter)
 

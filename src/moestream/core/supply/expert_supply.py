@@ -144,6 +144,8 @@ class ExpertSupply:
         those in the device tier at once, then the host cache's hits while the misses are read, then each
         miss as its read lands. `hidden`: the call's input, from which the prefetcher predicts the next
         layer's experts once every miss is on its way."""
+        if self._interrupted.is_set():  # a stopping model ends its step at the next layer, before it pins a slot
+            raise ReadsInterrupted("the forward pass was interrupted: the model is stopping")
         self.cache.reclaim()
         self._collect_ahead()
         on_device = self._device_lookup(layer, experts)
@@ -372,9 +374,10 @@ class ExpertSupply:
             self.layer_stats = [LayerStats() for _ in self.layers]
 
     def interrupt_waits(self, interrupted: bool = True) -> None:
-        """While interrupted, a wait for reads raises ReadsInterrupted instead of waiting (any thread may call
-        this): a server that stops ends a step held by a stalled disk at once, not at the read timeout. The
-        reads themselves go on; `abandon` keeps their slots out of use. interrupted=False: wait again."""
+        """While interrupted, a wait for reads raises ReadsInterrupted instead of waiting, and so does the next
+        layer's `provide` (any thread may call this): a server that stops ends a step held by a stalled disk at
+        once, not at the read timeout, and a long prefill step within one layer. The reads themselves go on;
+        `abandon` keeps their slots out of use. interrupted=False: compute and wait again."""
         if interrupted:
             self._interrupted.set()
         else:
