@@ -258,7 +258,8 @@ def test_the_choices_name_what_the_engine_implements():
     from moestream.core.supply import policies
     from moestream.tools import quality
 
-    assert tuple(policies.POLICIES) == choices.POLICIES and choices.DEFAULT_POLICY in policies.POLICIES
+    assert all(policies.policy_class(name).name == name for name in choices.POLICIES)
+    assert choices.DEFAULT_POLICY in choices.POLICIES
     assert kernels.COMPUTE_DTYPES == {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
     assert convert.EXPERT_DTYPES == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     assert quality.REFERENCE_DTYPES == {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -5,7 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moestream.core.supply.policies import DEFAULT_POLICY, POLICIES, ForecastPolicy, make_policy
+from moestream.core.supply.policies import DEFAULT_POLICY, POLICIES, ForecastPolicy, Policy, make_policy
+from moestream.errors import UsageError
 from moestream.tools.simulate import BELADY, parse_budgets, replay, shares_of_optimum, sweep
 from moestream.tools.trace import Trace
 
@@ -187,3 +188,48 @@ def test_forecast_uses_what_followed_a_token_the_last_time():
         told = replay(trace, slots, ForecastPolicy(layer_experts)).hits
         blind = replay(trace, slots, _NoSuccessor(layer_experts)).hits
         assert told > 1.03 * blind, (slots, told, blind)
+
+
+def test_every_offered_policy_is_built_by_its_name_and_an_unknown_name_says_what_to_choose():
+    for name in POLICIES:
+        policy = make_policy(name, [8, 8])
+        assert isinstance(policy, Policy) and policy.name == name
+    with pytest.raises(UsageError, match="choose one of lru, lfu, arc, forecast"):
+        make_policy("belady", [8, 8])  # the simulator's oracle is a Policy too, but no user's choice
+
+
+def test_a_policy_that_writes_only_its_victim_runs_on_the_base_class_hooks():
+    """The base class's hooks are no-ops: a policy that evicts the highest expert id of the lowest layer, and
+    writes nothing else, replays a random trace to the hit count that rule gives when computed by hand."""
+    rng = np.random.default_rng(7)
+    experts = rng.integers(0, 16, size=(300, 2, 1))
+    trace = _decode_trace(experts, 16)
+
+    class HighestId(Policy):
+        name = "highest-id (test)"
+
+        def victim(self, evictable, incoming=None):
+            keys = [key for key in self.cached if evictable(key)]
+            return min(keys, key=lambda k: (k[0], -k[1])) if keys else None
+
+        def __init__(self):
+            self.cached = set()
+
+        def on_insert(self, key):
+            self.cached.add(key)
+
+        def on_remove(self, key):
+            self.cached.discard(key)
+
+    slots = 6
+    cached, hits = set(), 0
+    for t in range(experts.shape[0]):
+        for layer in range(2):
+            key = (layer, int(experts[t, layer, 0]))
+            if key in cached:
+                hits += 1
+                continue
+            if len(cached) == slots:
+                cached.remove(min(cached, key=lambda k: (k[0], -k[1])))
+            cached.add(key)
+    assert replay(trace, slots, HighestId()).hits == hits

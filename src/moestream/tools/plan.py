@@ -528,11 +528,10 @@ def plan_from_args(
     io_threads: int = 4,
 ) -> tuple[Plan, str]:
     """What `moestream plan` does: sizes, then the cache, hit rate, disk and compute it was asked for."""
-    from ..core.supply.policies import POLICIES
+    from ..core.supply.policies import policy_class
     from .trace import Trace
 
-    if policy not in POLICIES:
-        raise UsageError(f"unknown cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    policy_class(policy)  # an unknown name fails before any work
     config = read_config(path)
     sizes = ModelSizes.of_config(config, bits, group_size, dense_dtype)
     title = Path(path).parent.name if Path(path).name == "config.json" else Path(path).name.removesuffix(".json")

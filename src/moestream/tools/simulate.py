@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.supply.cache import Entry, ExpertCache, State, start_call
-from ..core.supply.policies import DEFAULT_POLICY, POLICIES, make_policy
+from ..core.supply.policies import DEFAULT_POLICY, Policy, make_policy, policy_class
 from ..errors import UsageError
 from .trace import Trace
 
@@ -82,7 +82,7 @@ class SimResult:
         }
 
 
-class BeladyPolicy:
+class BeladyPolicy(Policy):
     """MIN: evict the unpinned entry whose next use (an experts call index) is farthest in the future."""
 
     name = BELADY
@@ -93,15 +93,6 @@ class BeladyPolicy:
         self._current: dict = {}  # cached key -> its next use
         self._heap: list = []  # (-next use, seq, key); stale rows are skipped
         self._seq = 0
-
-    def attach(self, capacity: int) -> None:
-        pass
-
-    def on_step(self, token_ids) -> None:
-        pass
-
-    def on_call(self, layer: int, experts) -> None:
-        pass
 
     def _touch(self, key) -> None:
         nxt = self.next_use[self.now][key[1]]
@@ -235,8 +226,7 @@ def minimum_slots(trace: Trace) -> int:
 def sweep(trace: Trace, budgets: list[int], policies: list[str], record_bytes: np.ndarray | None = None) -> list[list[SimResult]]:
     """One row per budget: the given policies, then Belady, at budget // slot slots."""
     for name in policies:
-        if name not in POLICIES:
-            raise UsageError(f"unknown cache policy {name!r}; choose from {', '.join(POLICIES)}")
+        policy_class(name)  # an unknown name fails before any replay
     strides = trace.record_bytes if record_bytes is None else np.asarray(record_bytes)
     slot = int(strides.max())
     rows = []

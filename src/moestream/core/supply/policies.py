@@ -4,16 +4,9 @@ The cache (cache.py) owns slots and pins; a policy only orders keys. The runtime
 simulator (simulate.py) drive the same ExpertCache with the same policy objects, so a policy's hit rate
 in `moestream simulate` is the hit rate the runtime gets on the same routing.
 
-A policy sees, on the model thread:
-    attach(capacity)            once, with the number of slots
-    on_step(token_ids)          a forward pass begins, on these input token ids
-    on_call(layer, experts)     an experts call of `layer` begins; `experts` are the distinct ids it needs
-                                (called before its lookups)
-    on_hit(key)                 a lookup found key
-    on_insert(key)              key got a slot (a miss being read)
-    on_remove(key)              key left the cache (evicted, or its read failed)
-    victim(evictable, incoming) the key to evict for `incoming`; only keys with evictable(key) True
-                                (unpinned) may be chosen; None when there is none
+A policy is a `Policy`: the base class lists the hooks the cache calls, each a no-op by default, so a
+policy writes only those it uses. The policies users choose are the names of choices.POLICIES (the one
+list the CLI, the simulator and `plan` read); `make_policy` builds one by name.
 
 Keys are (layer, expert). Decode visits the layers cyclically, so plain recency (LRU) evicts exactly the
 experts the next pass needs once the cache is smaller than one pass's working set; the frequency-aware
@@ -29,19 +22,39 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from ...choices import DEFAULT_POLICY  # noqa: F401 (the default among POLICIES, imported from here by the engine)
+from ...choices import DEFAULT_POLICY, POLICIES
 from ...errors import UsageError
 
 Key = Hashable
 
+__all__ = ["DEFAULT_POLICY", "POLICIES", "Policy", "make_policy", "policy_class"]
 
-class LRUPolicy:
-    """Evict the least recently used unpinned entry."""
 
-    name = "lru"
+class Policy:
+    """Orders the cache's keys for eviction. The cache calls, on the model thread:
+        attach(capacity)            once, with the number of slots
+        on_step(token_ids)          a forward pass begins, on these input token ids
+        on_call(layer, experts)     an experts call of `layer` begins; `experts` are the distinct ids it needs
+                                    (called before its lookups)
+        on_hit(key)                 a lookup found key
+        on_insert(key)              key got a slot (a miss being read)
+        on_remove(key)              key left the cache (evicted, or its read failed)
+        victim(evictable, incoming) the key to evict for `incoming`; only keys with evictable(key) True
+                                    (unpinned) may be chosen; None when there is none
+    Every hook but `victim` does nothing unless a policy needs it. A subclass names itself (`name`) and is
+    found by it (`policy_class`)."""
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[Key, None] = OrderedDict()
+    name = ""
+    _by_name: dict[str, type[Policy]] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        Policy._by_name[cls.name] = cls
+
+    @classmethod
+    def for_layers(cls, layer_experts: Sequence[int]) -> Policy:
+        """A fresh policy for layers of `layer_experts` experts; those that forecast per layer need them."""
+        return cls()
 
     def attach(self, capacity: int) -> None:
         pass
@@ -51,6 +64,27 @@ class LRUPolicy:
 
     def on_call(self, layer: int, experts) -> None:
         pass
+
+    def on_hit(self, key: Key) -> None:
+        pass
+
+    def on_insert(self, key: Key) -> None:
+        pass
+
+    def on_remove(self, key: Key) -> None:
+        pass
+
+    def victim(self, evictable: Callable[[Key], bool], incoming: Key | None = None) -> Key | None:
+        raise NotImplementedError
+
+
+class LRUPolicy(Policy):
+    """Evict the least recently used unpinned entry."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
 
     def on_hit(self, key: Key) -> None:
         self._order.move_to_end(key)
@@ -68,7 +102,7 @@ class LRUPolicy:
         return None
 
 
-class LFUPolicy:
+class LFUPolicy(Policy):
     """Evict the unpinned entry with the lowest exponentially decayed use count.
 
     Counts are kept for every key ever seen, cached or not: the key space (layers x experts) is small and
@@ -104,12 +138,6 @@ class LFUPolicy:
             # Scale memory with the cache: a cache of C slots turns over about every C misses; remembering
             # popularity over many turnovers is what separates the hot set from a passing burst.
             self.half_life = max(1.0, self.half_life_per_slot * capacity)
-
-    def on_step(self, token_ids) -> None:
-        pass
-
-    def on_call(self, layer: int, experts) -> None:
-        pass
 
     def _touch(self, key: Key) -> None:
         if self.half_life is None:
@@ -157,7 +185,7 @@ class LFUPolicy:
         return chosen
 
 
-class ARCPolicy:
+class ARCPolicy(Policy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003), with pins.
 
     T1 holds keys seen once recently, T2 keys seen at least twice; the ghost lists B1 and B2 remember keys
@@ -180,12 +208,6 @@ class ARCPolicy:
 
     def attach(self, capacity: int) -> None:
         self.c = max(1, capacity)
-
-    def on_step(self, token_ids) -> None:
-        pass
-
-    def on_call(self, layer: int, experts) -> None:
-        pass
 
     def _adapt(self, key: Key) -> None:
         if key == self._adapted:
@@ -235,7 +257,7 @@ class ARCPolicy:
         return None
 
 
-class ForecastPolicy:
+class ForecastPolicy(Policy):
     """Evict the cached expert least likely to be needed at its layer's next call, as forecast online.
 
     Belady's MIN evicts the entry needed farthest in the future, which only a replay knows. This policy
@@ -277,6 +299,10 @@ class ForecastPolicy:
     TOKEN_TABLE_SIZE = 8192  # token ids whose last routings are kept (the least recently seen leave first)
     TOKEN_VOTES = 3  # routings kept per token id: 1 -> 3 gains 0.003-0.007x of Belady's hits, 8 no more
     TOKEN_STEP_LIMIT = 16  # longer steps (prompts) are not looked up: they use most experts anyway
+
+    @classmethod
+    def for_layers(cls, layer_experts: Sequence[int]) -> Policy:
+        return cls(layer_experts)
 
     def __init__(self, layer_experts: Sequence[int]):
         if not len(layer_experts):
@@ -411,9 +437,6 @@ class ForecastPolicy:
         self._layer_argmin[layer] = e
         self._layer_min[layer] = self._masked[layer, e]
 
-    def on_hit(self, key: Key) -> None:
-        pass
-
     def on_insert(self, key: Key) -> None:
         layer, e = key
         self._uncached[key] = 0.0
@@ -451,13 +474,14 @@ class ForecastPolicy:
         return chosen
 
 
-POLICIES: dict[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "arc": ARCPolicy, "forecast": ForecastPolicy}
+def policy_class(name: str) -> type[Policy]:
+    """The class of the policy users call `name` (one of choices.POLICIES)."""
+    if name not in POLICIES:
+        raise UsageError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return Policy._by_name[name]
 
 
-def make_policy(name: str, layer_experts: Sequence[int]):
+def make_policy(name: str, layer_experts: Sequence[int]) -> Policy:
     """A fresh policy object by name, for layers of `layer_experts` experts (the cache attaches it to its
     capacity)."""
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise UsageError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return cls(layer_experts) if cls is ForecastPolicy else cls()
+    return policy_class(name).for_layers(layer_experts)
