@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         from ..frontends.http_app import ServerConfig, create_app
     except ImportError as e:
         raise MoestreamError(
-            f"the server needs FastAPI and uvicorn ({e}); install them with: pip install 'moestream[server]'"
+            f"the server needs FastAPI, uvicorn and prometheus_client ({e}); install them with: pip install 'moestream[server]'"
         ) from None
 
     if args.context is not None:

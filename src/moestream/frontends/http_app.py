@@ -29,6 +29,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..conversion.store import MANIFEST, file_checksum
@@ -204,6 +206,7 @@ class Service:
         self.created = int(time.time())
         # (endpoint, outcome) -> requests answered; touched only on the event loop, so it needs no lock.
         self.requests: dict[tuple[str, str], int] = {}
+        self.metrics_registry = metrics_registry(self)
         self.draining = False  # the server is stopping: no new generation requests (server.serve sets it)
 
     # -- generation requests -------------------------------------------------------------------------------
@@ -343,9 +346,7 @@ class Service:
     async def metrics(self) -> Response:
         # The engine reads its statistics under the lock it holds around each experts call, so this is
         # safe while the worker generates.
-        prefix = self.prefix_cache.stats() if self.prefix_cache is not None else PrefixStats()
-        text = prometheus_text(self.requests, self.worker, self.worker.stats(), loading.stats(self.model), prefix, self.config)
-        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(generate_latest(self.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def system_fingerprint(model) -> str:
@@ -357,100 +358,103 @@ def system_fingerprint(model) -> str:
     return f"moestream-{__version__}-{file_checksum(manifest)[:12]}"
 
 
-def prometheus_text(
-    requests: dict[tuple[str, str], int], worker: Worker, w: WorkerStats, s: dict, prefix: PrefixStats, config: ServerConfig
-) -> str:
-    """/metrics in Prometheus' text format: request counts, the worker's queue, batch and totals, the
-    prefix cache, the engine's statistics `s`, the three memory budgets and the process's memory."""
-    lines = []
+class ServerCollector:
+    """/metrics through prometheus_client: a collector that reads, at each scrape, the request counts, the
+    worker's queue, batch and totals, the prefix cache, the engine's statistics, the three memory budgets
+    and the process's memory (the numbers live where they are counted; nothing is kept twice)."""
 
-    def metric(name: str, kind: str, help: str, samples) -> None:
-        lines.append(f"# HELP moestream_{name} {help}")
-        lines.append(f"# TYPE moestream_{name} {kind}")
-        for labels, value in samples:
-            label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-            lines.append(f"moestream_{name}{label} {value}")
+    def __init__(self, service: Service):
+        self.service = service
 
-    def summary(name: str, help: str, total: float, count: int) -> None:
-        metric(name, "summary", help, [])
-        lines.append(f"moestream_{name}_sum {total:.6f}")
-        lines.append(f"moestream_{name}_count {count}")
+    def collect(self):
+        service = self.service
+        worker, config = service.worker, service.config
+        w: WorkerStats = worker.stats()
+        s = loading.stats(service.model)
+        prefix = service.prefix_cache.stats() if service.prefix_cache is not None else PrefixStats()
 
-    metric(
-        "requests_total",
-        "counter",
-        "Requests answered, by endpoint and outcome (ok, error, cancelled).",
-        [({"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(requests.items())],
-    )
-    metric("requests_queued", "gauge", "Requests waiting for the model.", [({}, worker.queued())])
-    metric("requests_running", "gauge", "Requests being generated: the batch size now.", [({}, worker.running())])
-    metric("max_batch", "gauge", "The most requests decoded together (--max-batch).", [({}, config.max_batch)])
-    metric("decode_steps_total", "counter", "Decode steps of the batch.", [({}, w.batch_steps)])
-    metric(
-        "decode_step_sequences_total",
-        "counter",
-        "Sequences summed over decode steps (over decode_steps_total: the mean batch size).",
-        [({}, w.batch_rows)],
-    )
-    summary("queue_seconds", "Seconds requests waited in the queue before they started.", w.queue_seconds, w.started)
-    summary(
-        "time_to_first_token_seconds",
-        "Seconds from a request's arrival to its first token (queueing and prefill).",
-        w.first_token_seconds,
-        w.first_tokens,
-    )
-    metric(
-        "last_time_to_first_token_seconds",
-        "gauge",
-        "Time to first token of the latest request that got one.",
-        [({}, f"{w.last_time_to_first_token:.6f}")],
-    )
-    metric(
-        "prefix_tokens_reused_total",
-        "counter",
-        "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
-        [({}, prefix.tokens_reused)],
-    )
-    metric("prefix_cache_entries", "gauge", "Sequences whose KV the prefix cache holds.", [({}, prefix.entries)])
-    metric("prefix_cache_bytes", "gauge", "KV bytes the prefix cache holds.", [({}, prefix.bytes)])
-    metric("prefix_cache_budget_bytes", "gauge", "The prefix cache's budget (--kv-memory).", [({}, config.kv_memory)])
-    metric("batch_kv_bytes", "gauge", "KV bytes the running requests hold.", [({}, w.batch_kv_bytes)])
-    metric("batch_kv_peak_bytes", "gauge", "The most KV bytes the running requests have held.", [({}, w.batch_kv_peak_bytes)])
-    metric(
-        "batch_kv_budget_bytes",
-        "gauge",
-        "The running requests' KV budget (--batch-kv-memory).",
-        [({}, config.batch_kv_memory)],
-    )
-    metric(
-        "generations_ended_early_total",
-        "counter",
-        "Requests dropped from the queue or stopped while generating: "
-        "by a client that left (cancelled), the timeout, a failed disk read (disk), or another error.",
-        [({"reason": r}, n) for r, n in sorted(w.ended_early.items())],
-    )
-    metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [({}, w.prompt_tokens)])
-    metric("completion_tokens_total", "counter", "Tokens generated.", [({}, w.completion_tokens)])
-    metric(
-        "generation_seconds_total",
-        "counter",
-        "Seconds spent generating (prefill and decode).",
-        [({}, f"{w.generation_seconds:.6f}")],
-    )
-    metric(
-        "decode_tokens_per_second",
-        "gauge",
-        "Decode speed of the last request that generated more than one token.",
-        [({}, f"{w.last_decode_tps:.3f}")],
-    )
-    metric("expert_hits_total", "counter", "Expert lookups served from the cache.", [({}, s["hits"])])
-    metric("expert_misses_total", "counter", "Expert lookups read from disk.", [({}, s["misses"])])
-    metric("expert_hit_rate", "gauge", "Hits over lookups since the model was loaded.", [({}, f"{s['hit_rate']:.6f}")])
-    metric("expert_bytes_read_total", "counter", "Bytes of expert records read from disk.", [({}, s["bytes_read"])])
-    metric("expert_cache_budget_bytes", "gauge", "The expert cache budget (--memory).", [({}, s["cache_budget_bytes"])])
-    metric("resident_memory_bytes", "gauge", "Resident set size of the server process.", [({}, current_rss_bytes())])
-    metric("peak_resident_memory_bytes", "gauge", "Peak resident set size of the server process.", [({}, peak_rss_bytes())])
-    return "\n".join(lines) + "\n"
+        def counter(name: str, help: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"moestream_{name}", help, value=value)
+
+        def gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"moestream_{name}", help, value=value)
+
+        requests = CounterMetricFamily(
+            "moestream_requests",
+            "Requests answered, by endpoint and outcome (ok, error, cancelled).",
+            labels=["endpoint", "outcome"],
+        )
+        for (endpoint, outcome), n in sorted(service.requests.items()):
+            requests.add_metric([endpoint, outcome], n)
+        yield requests
+        yield gauge("requests_queued", "Requests waiting for the model.", worker.queued())
+        yield gauge("requests_running", "Requests being generated: the batch size now.", worker.running())
+        yield gauge("max_batch", "The most requests decoded together (--max-batch).", config.max_batch)
+        yield counter("decode_steps", "Decode steps of the batch.", w.batch_steps)
+        yield counter(
+            "decode_step_sequences",
+            "Sequences summed over decode steps (over decode_steps_total: the mean batch size).",
+            w.batch_rows,
+        )
+        yield SummaryMetricFamily(
+            "moestream_queue_seconds",
+            "Seconds requests waited in the queue before they started.",
+            count_value=w.started,
+            sum_value=w.queue_seconds,
+        )
+        yield SummaryMetricFamily(
+            "moestream_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token (queueing and prefill).",
+            count_value=w.first_tokens,
+            sum_value=w.first_token_seconds,
+        )
+        yield gauge(
+            "last_time_to_first_token_seconds",
+            "Time to first token of the latest request that got one.",
+            w.last_time_to_first_token,
+        )
+        yield counter(
+            "prefix_tokens_reused",
+            "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
+            prefix.tokens_reused,
+        )
+        yield gauge("prefix_cache_entries", "Sequences whose KV the prefix cache holds.", prefix.entries)
+        yield gauge("prefix_cache_bytes", "KV bytes the prefix cache holds.", prefix.bytes)
+        yield gauge("prefix_cache_budget_bytes", "The prefix cache's budget (--kv-memory).", config.kv_memory)
+        yield gauge("batch_kv_bytes", "KV bytes the running requests hold.", w.batch_kv_bytes)
+        yield gauge("batch_kv_peak_bytes", "The most KV bytes the running requests have held.", w.batch_kv_peak_bytes)
+        yield gauge("batch_kv_budget_bytes", "The running requests' KV budget (--batch-kv-memory).", config.batch_kv_memory)
+        ended = CounterMetricFamily(
+            "moestream_generations_ended_early",
+            "Requests dropped from the queue or stopped while generating: "
+            "by a client that left (cancelled), the timeout, a failed disk read (disk), or another error.",
+            labels=["reason"],
+        )
+        for reason, n in sorted(w.ended_early.items()):
+            ended.add_metric([reason], n)
+        yield ended
+        yield counter("prompt_tokens", "Prompt tokens processed.", w.prompt_tokens)
+        yield counter("completion_tokens", "Tokens generated.", w.completion_tokens)
+        yield counter("generation_seconds", "Seconds spent generating (prefill and decode).", w.generation_seconds)
+        yield gauge(
+            "decode_tokens_per_second", "Decode speed of the last request that generated more than one token.", w.last_decode_tps
+        )
+        yield counter("expert_hits", "Expert lookups served from the cache.", s["hits"])
+        yield counter("expert_misses", "Expert lookups read from disk.", s["misses"])
+        yield gauge("expert_hit_rate", "Hits over lookups since the model was loaded.", s["hit_rate"])
+        yield counter("expert_bytes_read", "Bytes of expert records read from disk.", s["bytes_read"])
+        yield gauge("expert_cache_budget_bytes", "The expert cache budget (--memory).", s["cache_budget_bytes"])
+        yield gauge("resident_memory_bytes", "Resident set size of the server process.", current_rss_bytes())
+        yield gauge("peak_resident_memory_bytes", "Peak resident set size of the server process.", peak_rss_bytes())
+
+
+def metrics_registry(service: Service):
+    """The registry /metrics writes: the server's own metrics, and prometheus_client's process metrics
+    (CPU seconds, open files, memory; Linux)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServerCollector(service))
+    ProcessCollector(registry=registry)
+    return registry
 
 
 async def _read_json(request: Request) -> dict:
