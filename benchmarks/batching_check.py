@@ -22,9 +22,9 @@ import machine
 from transformers import GenerationConfig
 
 import moestream
-from moestream.frontends.batching import BatchGenerator
-from moestream.frontends.generate import Decoding, SamplingParams
-from moestream.frontends.serving import stream
+from moestream.generation.batching import BatchGenerator
+from moestream.generation.generate import Decoding, SamplingParams
+from moestream.generation.serving import stream
 
 
 def main() -> None:

@@ -62,9 +62,9 @@ class Times(BaseStreamer):
 def decode(n):
     if sys.argv[10] == "moestream":  # the tree's own generation loop (it moved between modules)
         try:
-            from moestream.frontends.serving import timed
+            from moestream.generation.serving import timed
         except ImportError:
-            from moestream.frontends.generate import timed
+            from moestream.generation.generate import timed
         return timed(model, ids[0].tolist(), n).decode_tokens_per_second
     times = Times()
     with torch.inference_mode():

@@ -28,7 +28,7 @@ import torch
 import moestream
 from moestream.conversion.store import Store
 from moestream.conversion.synthetic import VOCAB_SIZE, calibrated_router, make_model, save_checkpoint
-from moestream.frontends.serving import timed
+from moestream.generation.serving import timed
 
 
 def build(workdir: Path, args) -> tuple[Path, Path]:

@@ -83,8 +83,8 @@ def run_moestream(
     import torch
 
     import moestream
-    from moestream.frontends.generate import Forward
-    from moestream.frontends.kv_layer import grow_in_place
+    from moestream.generation.generate import Forward
+    from moestream.generation.kv_layer import grow_in_place
 
     torch.set_num_threads(threads)
     model, _ = moestream.load(store, memory, kv_cache_dtype=kv, prefetch="off")

@@ -1,6 +1,6 @@
 """One bf16 matmul of one row (a decode step's shape) timed on the thread that ran torch's kernels first and
 on a second thread, in fresh processes: why `serve` loads its model on the thread that then steps it
-(frontends/worker.py, `ModelThread`; docs/DECISIONS.md, "The server's model thread").
+(generation/worker.py, `ModelThread`; docs/DECISIONS.md, "The server's model thread").
 
     python benchmarks/model_thread.py [--calls 2000] [--record]
 

@@ -1,4 +1,4 @@
-"""A long prompt in one forward pass against pieces of `--piece` tokens (frontends/generate.py,
+"""A long prompt in one forward pass against pieces of `--piece` tokens (generation/generate.py,
 PREFILL_PIECE): prefill time and the process's peak RSS, each in a fresh process, every expert cached first.
 
     python benchmarks/prefill_pieces.py STORE [--tokens 16384] [--pieces 4096 0] [--memory 6GiB]
@@ -26,7 +26,7 @@ def measure(store: str, tokens: int, piece: int, memory: str) -> dict:
 
     import moestream
     from moestream.core.memory import peak_rss_bytes
-    from moestream.frontends import generate
+    from moestream.generation import generate
 
     generate.PREFILL_PIECE = piece or 1 << 40
     model, _ = moestream.load(store, memory, prefetch="off")

@@ -179,7 +179,7 @@ def measure_moestream(store: str, memory: str, new_tokens: int, threads: int, pr
     import torch
 
     import moestream
-    from moestream.frontends.serving import timed
+    from moestream.generation.serving import timed
 
     torch.set_num_threads(threads)
     long, short = torch.tensor([prompt_ids(LONG_PROMPT)]), torch.tensor([prompt_ids(SHORT_PROMPT)])
@@ -353,7 +353,7 @@ def profile_moestream(
     from torch.profiler import ProfilerActivity, profile
 
     import moestream
-    from moestream.frontends.serving import timed
+    from moestream.generation.serving import timed
 
     torch.set_num_threads(threads)
     long, short = torch.tensor([prompt_ids(LONG_PROMPT)]), torch.tensor([prompt_ids(SHORT_PROMPT)])

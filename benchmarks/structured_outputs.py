@@ -79,7 +79,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, width: int) -> None
 
 
 def time_llguidance(tokenizer, ids: list[int], width: int) -> tuple[float, list[float]]:
-    from moestream.frontends.constraints import Constraint, Grammar, Vocabulary
+    from moestream.generation.constraints import Constraint, Grammar, Vocabulary
 
     vocabulary = Vocabulary(tokenizer, width, (tokenizer.eos_token_id,))
     start = time.perf_counter()
@@ -191,9 +191,9 @@ def libraries(args) -> None:
 
 def decode(args) -> None:
     import moestream
-    from moestream.frontends.constraints import Grammar
-    from moestream.frontends.generate import SamplingParams
-    from moestream.frontends.serving import stream
+    from moestream.generation.constraints import Grammar
+    from moestream.generation.generate import SamplingParams
+    from moestream.generation.serving import stream
 
     model, tokenizer = moestream.load(args.store, memory=args.memory)
     prompt = tokenizer("Here is the record as JSON:", add_special_tokens=False)["input_ids"]

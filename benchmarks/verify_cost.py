@@ -22,8 +22,8 @@ import machine
 import torch
 
 import moestream
-from moestream.frontends.generate import SamplingParams
-from moestream.frontends.serving import generate
+from moestream.generation.generate import SamplingParams
+from moestream.generation.serving import generate
 
 
 def main() -> None:

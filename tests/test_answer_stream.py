@@ -1,4 +1,4 @@
-"""Answers told apart as they stream (frontends/answer_stream.py): for every tool-call format, an answer
+"""Answers told apart as they stream (server/answer_stream.py): for every tool-call format, an answer
 fed in pieces split at every position gives deltas that add up to the non-streamed answer, each call's
 name before its arguments and the arguments in more than one delta; reasoning blocks kept apart."""
 
@@ -8,7 +8,7 @@ import random
 import pytest
 from test_tool_calls import WRITERS, random_calls
 
-from moestream.frontends.answer_stream import (
+from moestream.server.answer_stream import (
     AnswerStream,
     ArgumentsDelta,
     CallStarted,

@@ -7,10 +7,10 @@ from tiny import tiny_checkpoint
 
 import moestream
 from moestream.cli import main
-from moestream.frontends.batching import BatchGenerator, KVBudgetExceeded
-from moestream.frontends.generate import Decoding, SamplingParams
-from moestream.frontends.kv_cache import PrefixCache, kv_bytes
-from moestream.frontends.serving import generate_batch, stream
+from moestream.generation.batching import BatchGenerator, KVBudgetExceeded
+from moestream.generation.generate import Decoding, SamplingParams
+from moestream.generation.kv_cache import PrefixCache, kv_bytes
+from moestream.generation.serving import generate_batch, stream
 
 NEW = 10
 BATCH_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"]

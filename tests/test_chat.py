@@ -14,9 +14,9 @@ from tiny import tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.conversion.synthetic import byte_tokenizer
-from moestream.frontends.chat import ChatSession, run_chat
-from moestream.frontends.generate import FALLBACK_CHAT_TEMPLATE, IncrementalText, SamplingParams, chat_prompt, encode
-from moestream.frontends.serving import stream
+from moestream.generation.chat import ChatSession, run_chat
+from moestream.generation.generate import FALLBACK_CHAT_TEMPLATE, IncrementalText, SamplingParams, chat_prompt, encode
+from moestream.generation.serving import stream
 
 BUDGET = 40 * 2**10
 

@@ -14,12 +14,12 @@ from test_openai_features import WEATHER
 from tiny import TINY
 
 from moestream.conversion.synthetic import byte_tokenizer, make_model
-from moestream.frontends import tool_calls
-from moestream.frontends.answer_stream import AnswerStream, ArgumentsDelta, CallStarted, ContentDelta, Thinking
-from moestream.frontends.constraints import Vocabulary
-from moestream.frontends.generate import chat_prompt, eos_ids
-from moestream.frontends.openai_api import ChatCompletions
-from moestream.frontends.serving import generate_batch
+from moestream.generation.constraints import Vocabulary
+from moestream.generation.generate import chat_prompt, eos_ids
+from moestream.generation.serving import generate_batch
+from moestream.server import tool_calls
+from moestream.server.answer_stream import AnswerStream, ArgumentsDelta, CallStarted, ContentDelta, Thinking
+from moestream.server.openai_api import ChatCompletions
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 

@@ -46,7 +46,7 @@ def test_generate_json_is_greedy_and_deterministic(store, capsys):
 def test_threads_sets_the_compute_threads_the_run_uses(store, capsys, monkeypatch):
     import torch
 
-    import moestream.frontends.serving as serving
+    import moestream.generation.serving as serving
 
     seen = []
     original = serving.stream
@@ -240,7 +240,7 @@ import sys
 from moestream.cli import build_parser
 build_parser()
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy', 'safetensors', 'llguidance'))
-engine = sorted(m for m in sys.modules if m.startswith(('moestream.core.', 'moestream.conversion.', 'moestream.frontends.', 'moestream.tools.')))
+engine = sorted(m for m in sys.modules if m.startswith(('moestream.core.', 'moestream.conversion.', 'moestream.generation.', 'moestream.server.', 'moestream.tools.')))
 print(heavy, engine)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

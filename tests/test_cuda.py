@@ -8,8 +8,8 @@ from tiny import TINY, tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.conversion.synthetic import make_model, save_checkpoint
-from moestream.frontends.generate import SamplingParams
-from moestream.frontends.serving import stream
+from moestream.generation.generate import SamplingParams
+from moestream.generation.serving import stream
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -14,8 +14,8 @@ from moestream.core.supply.cache import ExpertCache, State
 from moestream.core.supply.device_tier import DeviceTier
 from moestream.core.supply.policies import LRUPolicy
 from moestream.errors import UsageError
-from moestream.frontends.generate import SamplingParams
-from moestream.frontends.serving import stream
+from moestream.generation.generate import SamplingParams
+from moestream.generation.serving import stream
 
 SLOT = 64
 

@@ -117,8 +117,8 @@ def test_closing_a_worker_ends_a_step_held_by_a_stalled_disk_at_once(store):  # 
 
     import moestream
     from moestream.core.engine import engine_of
-    from moestream.frontends.generate import SamplingParams
-    from moestream.frontends.worker import Choice, ModelThread, ShuttingDown, Worker
+    from moestream.generation.generate import SamplingParams
+    from moestream.generation.worker import Choice, ModelThread, ShuttingDown, Worker
 
     thread = ModelThread()
     model, tokenizer = thread.call(moestream.load, store, "16KiB")

@@ -358,7 +358,7 @@ def _store_of(family, root, dense_dtype, **overrides):
 
 def _decode_logits(model, steps=6):
     """A 7-token prompt, then `steps` greedy one-token steps through transformers' dynamic cache."""
-    from moestream.frontends.generate import Forward
+    from moestream.generation.generate import Forward
 
     forward = Forward(model)
     ids = torch.randint(0, 250, (1, 7), generator=torch.Generator().manual_seed(48))

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from moestream.frontends.generate import SamplingParams, Timing, decode_rate
-from moestream.frontends.serving import stream, teacher_forced, timed
+from moestream.generation.generate import SamplingParams, Timing, decode_rate
+from moestream.generation.serving import stream, teacher_forced, timed
 
 PROMPT = [5, 17, 99, 3, 42, 7]
 
@@ -88,7 +88,7 @@ def test_a_long_prompt_goes_in_pieces_with_the_logits_of_one_pass(model, monkeyp
     """Past PREFILL_PIECE tokens a prompt is fed in pieces (each attending to the cache of the ones before):
     the last position's logits of one pass within float32 rounding, the same greedy tokens after it, and no
     forward pass longer than a piece."""
-    from moestream.frontends import generate
+    from moestream.generation import generate
 
     prompt = torch.randint(3, 250, (1, length), generator=torch.Generator().manual_seed(length))
     with torch.inference_mode():

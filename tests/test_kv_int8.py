@@ -1,4 +1,4 @@
-"""The 8-bit KV cache (`--kv-cache-dtype int8`; core/compute/attention.py packs the rows, frontends/kv_layer.py holds
+"""The 8-bit KV cache (`--kv-cache-dtype int8`; core/compute/attention.py packs the rows, generation/kv_layer.py holds
 them): each element within half a step of its float value, a model's logits within the stated error of the
 float cache's, rows batched and cut exactly as they are alone, the prefix cache keeping packed rows, and a
 clear error where the attention kernel is not the model's."""
@@ -14,10 +14,10 @@ from moestream.cli import main
 from moestream.core.compute import attention, fused
 from moestream.core.loading import stats
 from moestream.errors import UsageError
-from moestream.frontends.generate import Forward
-from moestream.frontends.kv_cache import PrefixCache, kv_bytes
-from moestream.frontends.kv_layer import Int8Layer
-from moestream.frontends.serving import timed
+from moestream.generation.generate import Forward
+from moestream.generation.kv_cache import PrefixCache, kv_bytes
+from moestream.generation.kv_layer import Int8Layer
+from moestream.generation.serving import timed
 from moestream.native import fused_build
 
 
@@ -132,7 +132,7 @@ def test_the_kv_sizes_inspect_prints_are_what_a_cache_holds(family):
     from tiny import tiny_model
 
     from moestream.conversion.sizes import KVSizes
-    from moestream.frontends.kv_layer import grow_in_place
+    from moestream.generation.kv_layer import grow_in_place
 
     model = tiny_model(family)
     kv = KVSizes.of_config(model.config)

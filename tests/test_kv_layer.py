@@ -1,4 +1,4 @@
-"""KV cache layers that grow into room (frontends/kv_layer.py): the same tensors as transformers'
+"""KV cache layers that grow into room (generation/kv_layer.py): the same tensors as transformers'
 concatenation at every step, layers that share buffers kept apart, the same logits end to end."""
 
 import copy
@@ -10,12 +10,12 @@ from transformers.cache_utils import DynamicLayer
 
 import moestream
 from moestream.cli import main
-from moestream.frontends import kv_cache, kv_layer
-from moestream.frontends.batching import BatchGenerator
-from moestream.frontends.generate import Decoding, SamplingParams
-from moestream.frontends.kv_cache import PrefixCache, kv_bytes
-from moestream.frontends.kv_layer import GrowingLayer, grow_in_place
-from moestream.frontends.serving import stream
+from moestream.generation import kv_cache, kv_layer
+from moestream.generation.batching import BatchGenerator
+from moestream.generation.generate import Decoding, SamplingParams
+from moestream.generation.kv_cache import PrefixCache, kv_bytes
+from moestream.generation.kv_layer import GrowingLayer, grow_in_place
+from moestream.generation.serving import stream
 
 
 def _steps(g: torch.Generator, lengths, heads: int = 2, dim: int = 8):

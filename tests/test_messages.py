@@ -19,9 +19,9 @@ from test_server import MODEL, Server
 
 from moestream.cli import main
 from moestream.conversion.synthetic import byte_tokenizer
-from moestream.frontends.anthropic_api import Messages
-from moestream.frontends.generate import GenerationResult, SamplingParams
-from moestream.frontends.worker import Choice, Done, Job, Piece, Quiet
+from moestream.generation.generate import GenerationResult, SamplingParams
+from moestream.generation.worker import Choice, Done, Job, Piece, Quiet
+from moestream.server.anthropic_api import Messages
 
 # The same function as an Anthropic tool.
 WEATHER_TOOL = {

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from moestream.cli import main
 from moestream.conversion.synthetic import byte_tokenizer
-from moestream.frontends.generate import Decoding, SamplingParams, chat_prompt
-from moestream.frontends.serving import stream
+from moestream.generation.generate import Decoding, SamplingParams, chat_prompt
+from moestream.generation.serving import stream
 
 # A chat template of the Hermes family's tool-call format (the model answers a call as
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>), written for these tests.
@@ -321,7 +321,7 @@ def test_prompt_logprobs_in_pieces_equal_one_pass(checkpoint, monkeypatch):
     """A prompt longer than a piece is scored in pieces with the KV carried over: the same numbers as
     transformers' forward over the whole prompt, and the prefill that follows picks the same token."""
     import moestream
-    from moestream.frontends import generate
+    from moestream.generation import generate
 
     model, _ = moestream.load(checkpoint[1], memory="64MiB")
     prompt = torch.randint(3, 250, (23,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -13,9 +13,9 @@ from test_openai_features import SCHEMA, TOOL_TEMPLATE, WEATHER, checkpoint, ser
 from test_server import MODEL
 
 from moestream.conversion.synthetic import byte_tokenizer
-from moestream.frontends.generate import GenerationResult
-from moestream.frontends.responses_api import Responses
-from moestream.frontends.worker import Done, Piece
+from moestream.generation.generate import GenerationResult
+from moestream.generation.worker import Done, Piece
+from moestream.server.responses_api import Responses
 
 # The same function as a Responses tool (flat: no "function" wrapper).
 WEATHER_TOOL = {"type": "function", **WEATHER["function"]}

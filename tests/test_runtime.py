@@ -1,4 +1,4 @@
-"""core.runtime: what frontends and tools see of a loaded model (statistics, read and routing recording)."""
+"""core.runtime: what the server, generation and tools see of a loaded model (statistics, read and routing recording)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import moestream
 from moestream.conversion.store import Store
 from moestream.core.runtime import runtime_of
 from moestream.errors import UsageError
-from moestream.frontends.serving import timed
+from moestream.generation.serving import timed
 
 
 @pytest.fixture(scope="module")

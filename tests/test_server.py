@@ -19,7 +19,7 @@ from tiny import tiny_checkpoint
 
 from moestream.cli import build_parser, main
 from moestream.conversion.synthetic import byte_tokenizer
-from moestream.frontends.generate import chat_prompt
+from moestream.generation.generate import chat_prompt
 
 MODEL = "tiny"
 BUDGET = 40 * 2**10
@@ -440,8 +440,9 @@ def slow_server(store, monkeypatch):
     import uvicorn
 
     import moestream
-    from moestream.frontends import http_app, serving
-    from moestream.frontends.batching import BatchGenerator
+    from moestream.generation import serving
+    from moestream.generation.batching import BatchGenerator
+    from moestream.server import http_app
 
     class SlowBatch(BatchGenerator):
         def admit(self, decoding, siblings=()):
@@ -564,7 +565,7 @@ def _wait_for(condition, seconds: float = 10.0) -> None:
 
 
 def test_a_model_thread_runs_every_call_on_itself_in_order():
-    from moestream.frontends.worker import ModelThread
+    from moestream.generation.worker import ModelThread
 
     thread = ModelThread()
     idents = {thread.call(threading.get_ident) for _ in range(3)}
@@ -586,8 +587,8 @@ def test_the_server_steps_its_model_on_the_thread_that_loaded_it(store):
     import asyncio
 
     import moestream
-    from moestream.frontends.generate import SamplingParams
-    from moestream.frontends.worker import Choice, Done, ModelThread, Worker
+    from moestream.generation.generate import SamplingParams
+    from moestream.generation.worker import Choice, Done, ModelThread, Worker
 
     thread = ModelThread()
     model, tokenizer = thread.call(moestream.load, store, BUDGET)

@@ -1,4 +1,4 @@
-"""Tool-call formats (frontends/tool_calls.py): parsing each family's raw output, detection from chat
+"""Tool-call formats (server/tool_calls.py): parsing each family's raw output, detection from chat
 templates, the grammars driven through llguidance with a real (byte-level) tokenizer, and the messages
 handed to chat templates."""
 
@@ -11,7 +11,7 @@ import llguidance.hf
 import pytest
 
 from moestream.conversion.synthetic import byte_tokenizer
-from moestream.frontends.tool_calls import (
+from moestream.server.tool_calls import (
     FAMILIES,
     CallDraft,
     DeepSeekFormat,

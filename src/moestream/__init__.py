@@ -22,11 +22,11 @@ def __getattr__(name: str):
 
         return convert
     if name == "generate_batch":
-        from .frontends.serving import generate_batch
+        from .generation.serving import generate_batch
 
         return generate_batch
     if name == "SamplingParams":
-        from .frontends.generate import SamplingParams
+        from .generation.generate import SamplingParams
 
         return SamplingParams
     if name in ("close", "load", "stats"):

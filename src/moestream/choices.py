@@ -41,7 +41,7 @@ ACTIVATIONS = ("auto", "int8", "float")
 ATTENTION = ("auto", "sdpa")
 #: `--kv-cache-dtype`: what a decode step's KV cache holds. "auto": keys and values in the model's dtype;
 #: "int8": each position's row of a head as int8 codes and one float32 scale, about half the bytes a step
-#: reads at long context (core/compute/attention.py, frontends/kv_layer.py).
+#: reads at long context (core/compute/attention.py, generation/kv_layer.py).
 KV_CACHE_DTYPES = ("auto", "int8")
 #: `--prefetch`: speculative reads of the next layer's likely experts (core/supply/prefetch.py).
 PREFETCH_MODES = ("auto", "on", "off")

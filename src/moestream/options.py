@@ -368,7 +368,7 @@ def add_sampling_arguments(
 
 def sampling_params(args: argparse.Namespace):
     """The SamplingParams of the values add_sampling_arguments defined, checked before any model is loaded."""
-    from .frontends.generate import SamplingParams
+    from .generation.generate import SamplingParams
 
     positive(args.max_new_tokens, "--max-new-tokens")
     non_negative(args.temperature, "--temperature")

@@ -1,4 +1,4 @@
-"""`moestream chat`: its options and what it runs (the work itself: moestream.frontends.chat)."""
+"""`moestream chat`: its options and what it runs (the work itself: moestream.generation.chat)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..frontends.chat import ChatSession, banner, run_chat
+    from ..generation.chat import ChatSession, banner, run_chat
 
     params = sampling_params(args)
     kv_memory = parse_bytes(args.kv_memory)

@@ -1,4 +1,4 @@
-"""`moestream generate`: its options and what it runs. The generation itself is frontends/generate.py's; a
+"""`moestream generate`: its options and what it runs. The generation itself is generation/generate.py's; a
 routing trace of the run (--trace-out) is tools/trace.py's, so this module, not generate.py, is where the two
 meet (generate.py stays free of the tools that use it)."""
 
@@ -38,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..frontends.constraints import GrammarError
-    from ..frontends.generate import encode, vocabulary_of
-    from ..frontends.serving import generate
+    from ..generation.constraints import GrammarError
+    from ..generation.generate import encode, vocabulary_of
+    from ..generation.serving import generate
     from ..tools.trace import start_recording, stop_recording
 
     if not args.prompt:
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _schema_grammar(path: str):
-    from ..frontends.constraints import Grammar, GrammarError
+    from ..generation.constraints import Grammar, GrammarError
 
     try:
         schema = json.loads(open(path, encoding="utf-8").read())

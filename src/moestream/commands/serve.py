@@ -1,4 +1,4 @@
-"""`moestream serve`: its options and what it runs (the work itself: moestream.frontends.server)."""
+"""`moestream serve`: its options and what it runs (the work itself: moestream.server.run)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ DESCRIPTION = (
     "Serve a store over HTTP with OpenAI's and Anthropic's APIs, so that the `openai` and `anthropic` packages, "
     "agent CLIs and other clients work unchanged: GET /v1/models, POST /v1/chat/completions, /v1/completions, "
     "/v1/responses and /v1/messages (also without the /v1 prefix; streamed or not; "
-    "sampling, stop sequences, seed, n, logprobs, logit_bias, JSON-schema outputs, tool calls; the README lists "
+    "sampling, stop sequences, seed, n, logprobs, logit_bias, JSON-schema outputs, tool calls; docs/guides/serving-and-agents.md lists "
     "every field, and one that is not honoured is refused by name), GET /health, GET /metrics (Prometheus). Up "
     "to --max-batch requests "
     "are decoded together, so each step reads every needed expert once for all of them; more wait in a "
@@ -132,9 +132,9 @@ def cors_origins(value: str | None) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Check the options, load the store, and serve until interrupted."""
-    from ..frontends.generate import context_length
-    from ..frontends.server import serve
-    from ..frontends.worker import ModelThread
+    from ..generation.generate import context_length
+    from ..generation.worker import ModelThread
+    from ..server.run import serve
 
     positive(args.max_queue, "--max-queue")
     positive(args.request_timeout, "--request-timeout")
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401  (checked here, before the model loads; serve() uses it)
 
         from ..core.runtime import runtime_of
-        from ..frontends.http_app import ServerConfig, create_app
+        from ..server.http_app import ServerConfig, create_app
     except ImportError as e:
         raise MoestreamError(
             f"the server needs FastAPI, uvicorn and prometheus_client ({e}); install them with: pip install 'moestream[server]'"

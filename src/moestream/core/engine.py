@@ -254,7 +254,7 @@ def _second_matmul(call: _LayerCall, h: torch.Tensor, w: dict[str, torch.Tensor]
 
 
 def engine_of(model) -> ExpertEngine:
-    """The engine of a model that moestream.load() returned (frontends and tools use runtime.py's Runtime)."""
+    """The engine of a model that moestream.load() returned (generation and tools use runtime.py's Runtime)."""
     engine = getattr(model, "_moestream_engine", None)
     if engine is None:
         raise UsageError("this model was not loaded with moestream.load()")

@@ -1,6 +1,6 @@
-"""A loaded model's runtime as the frontends and tools see it: its store, statistics, fast paths, routing
+"""A loaded model's runtime as generation, the server and tools see it: its store, statistics, fast paths, routing
 and read recording, close. They go through this instead of the engine, its supply or its reader, so those
-can change without them (import-linter forbids the frontends, tools and commands the modules behind it:
+can change without them (import-linter forbids generation, the server, tools and commands the modules behind it:
 pyproject.toml)."""
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError
 
+from ..generation.generate import GenerationResult
+from ..generation.worker import Done, Piece
 from .answer_stream import AnswerStream, ArgumentsDelta, CallStarted, ContentDelta, Delta, FinalAnswer, ReasoningDelta
-from .generate import GenerationResult
 from .openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -48,7 +49,6 @@ from .openai_api import (
     _error_from_validation,
     _Strict,
 )
-from .worker import Done, Piece
 
 # The system block an agent CLI puts first to attribute its requests: no instruction to the model, and it
 # may change on every request, so it is not part of the prompt.

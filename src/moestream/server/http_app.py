@@ -37,10 +37,12 @@ from ..conversion.store import MANIFEST, file_checksum
 from ..core import loading
 from ..core.memory import current_rss_bytes, peak_rss_bytes
 from ..core.runtime import runtime_of
+from ..generation.batching import KVBudgetExceeded
+from ..generation.generate import context_length
+from ..generation.kv_cache import PrefixCache, PrefixStats
+from ..generation.serving import TooManyChoices
+from ..generation.worker import ClientGone, Done, Job, ModelThread, Quiet, Worker, WorkerError, WorkerStats
 from .anthropic_api import Messages, anthropic_error
-from .batching import KVBudgetExceeded
-from .generate import context_length
-from .kv_cache import PrefixCache, PrefixStats
 from .openai_api import (
     APIError,
     ChatCompletions,
@@ -52,8 +54,6 @@ from .openai_api import (
     model_not_found,
 )
 from .responses_api import Responses
-from .serving import TooManyChoices
-from .worker import ClientGone, Done, Job, ModelThread, Quiet, Worker, WorkerError, WorkerStats
 
 # A request body larger than this is refused (413) before it is parsed: prompts are text, and a body
 # of gigabytes would otherwise be read into memory.

@@ -4,7 +4,7 @@ Inbound: a request body (already parsed JSON) is validated against OpenAI's requ
 into one worker.Choice per choice (prompt ids and the SamplingParams: sampling parameters and penalties, logit bias, stop
 sequences, max tokens, the grammar of a response_format or a forced tool call, logprobs) for the worker.
 Every field of OpenAI's chat and completions schemas is honoured or refused with a 400 that names it
-(README, "Serving"); fields outside them are refused as OpenAI refuses them.
+(docs/guides/serving-and-agents.md, "What a request may ask for"); fields outside them are refused as OpenAI refuses them.
 Outbound: text pieces and the GenerationResults become OpenAI's response and chunk objects (tool calls
 parsed from the answer by the chat template's format, tool_calls.py), and a worker's failures become
 OpenAI-style errors. The two endpoints, /v1/chat/completions and /v1/completions, differ only in how
@@ -27,13 +27,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import ExpertReadError
-from . import tool_calls
-from .answer_stream import AnswerStream, CallStarted, ContentDelta, Delta, ReasoningDelta, Thinking
-from .batching import KVBudgetExceeded
-from .constraints import Grammar, GrammarError, Vocabulary
-from .generate import GenerationResult, SamplingParams, TokenLogprob, chat_prompt, encode
-from .serving import TooManyChoices
-from .worker import (
+from ..generation.batching import KVBudgetExceeded
+from ..generation.constraints import Grammar, GrammarError, Vocabulary
+from ..generation.generate import GenerationResult, SamplingParams, TokenLogprob, chat_prompt, encode
+from ..generation.serving import TooManyChoices
+from ..generation.worker import (
     Choice,
     Done,
     GenerationFailed,
@@ -42,6 +40,8 @@ from .worker import (
     ShuttingDown,
     TimedOut,
 )
+from . import tool_calls
+from .answer_stream import AnswerStream, CallStarted, ContentDelta, Delta, ReasoningDelta, Thinking
 
 # OpenAI's limit on stop sequences per request.
 MAX_STOP_SEQUENCES = 4

@@ -10,7 +10,7 @@ deltas, `response.output_item.done`, `response.completed`), each event with its 
 
 What an agent sends that this server cannot do is refused with a 400 that names it
 (`previous_response_id`, `store: true`, images); what only shapes OpenAI's own service is accepted and
-changes nothing (README, "The Responses API"). Hosted tools (web search, file search, ...) are not
+changes nothing (docs/guides/serving-and-agents.md, "The Responses API"). Hosted tools (web search, file search, ...) are not
 offered to the model: this server runs none of them, and agents send them with every request.
 """
 
@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from ..generation.generate import GenerationResult
+from ..generation.worker import Done, Piece
 from .answer_stream import AnswerStream, ArgumentsDelta, CallStarted, ContentDelta, Delta, FinalAnswer, ReasoningDelta
-from .generate import GenerationResult
 from .openai_api import (
     APIError,
     ChatCompletionRequest,
@@ -33,7 +34,6 @@ from .openai_api import (
     _error_from_validation,
     _Strict,
 )
-from .worker import Done, Piece
 
 # Tools that OpenAI's service runs itself (the model only asks for them): not offered to a model here.
 HOSTED_TOOLS = frozenset(

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 # The forced arguments are written as json.dumps and the templates' `tojson` write JSON, so they look like
 # the calls the model saw in training (given to llguidance through the schema's "x-guidance" options).
-from .constraints import JSON_OPTIONS
+from ..generation.constraints import JSON_OPTIONS
 
 # End-of-turn tokens an answer may end with when decoded with its special tokens (the stop token is not
 # always cut off): none of them is content.

@@ -55,8 +55,8 @@ from ..core.kernel_timing import KernelReport
 from ..core.memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
 from ..core.supply.reader import RecordReader
 from ..errors import UsageError
-from ..frontends.generate import Timing
-from ..frontends.serving import timed
+from ..generation.generate import Timing
+from ..generation.serving import timed
 from ..units import format_bytes, parse_bytes
 
 
@@ -505,7 +505,7 @@ def _all_hit_steps(store_dir, budget: int, ids, forced, load_kwargs: dict) -> tu
     -> (seconds, how), or (None, why not) where no step hit everything."""
     from ..core.loading import close, load
     from ..core.runtime import runtime_of
-    from ..frontends.generate import Forward
+    from ..generation.generate import Forward
 
     tokens = ids[0].tolist() + list(forced or [])
     probe = tokens[: 1 + ALL_HIT_PROBE_STEPS]

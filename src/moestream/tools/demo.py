@@ -21,8 +21,8 @@ from ..conversion.store import Store
 from ..conversion.synthetic import VOCAB_SIZE, make_model, save_checkpoint, skew_router
 from ..core.loading import close, load, stats
 from ..core.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from ..frontends.generate import SamplingParams, encode
-from ..frontends.serving import stream
+from ..generation.generate import SamplingParams, encode
+from ..generation.serving import stream
 from ..native import fused_build
 from ..units import format_bytes
 

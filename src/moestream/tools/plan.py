@@ -203,7 +203,7 @@ def measure_compute(
     from ..conversion.convert import convert
     from ..conversion.synthetic import save_checkpoint
     from ..core.loading import close, load
-    from ..frontends.serving import timed
+    from ..generation.serving import timed
 
     _, _, name = expert_format(bits, group_for(f"int{bits}", group_size))
     _, total_moe = _reduced_config(config, 1)

@@ -232,7 +232,7 @@ def compare_models(
 def decode_logits(model, batch: torch.Tensor) -> torch.Tensor:
     """[L - 1, vocab]: the next-token logits after each of a window's first L - 1 tokens, fed one at a time
     with the KV cache (teacher forced): every experts call a decode step's one-token call."""
-    from ..frontends.serving import teacher_forced
+    from ..generation.serving import teacher_forced
 
     steps: list[torch.Tensor] = []
     teacher_forced(model, batch[0, :-1], on_logits=steps.append)

@@ -304,7 +304,7 @@ def record_text(
     serving.teacher_forced).
     """
     from ..core.loading import close, load
-    from ..frontends.serving import teacher_forced
+    from ..generation.serving import teacher_forced
 
     if max_tokens < 1 or prefill < 0:
         raise UsageError("--max-tokens must be at least 1 and --prefill at least 0")

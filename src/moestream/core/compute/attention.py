@@ -146,7 +146,7 @@ def install(model, choice: str | None, on_gpu: bool, kv_cache_dtype: str = "auto
 
 def quantizes_kv(model) -> bool:
     """Whether the model was loaded with an 8-bit KV cache: its caches' full-attention layers whose tensors
-    reach the attention as they are (`packable_layers`) are to hold packed rows (frontends/kv_layer.py) once
+    reach the attention as they are (`packable_layers`) are to hold packed rows (generation/kv_layer.py) once
     a forward pass has made them."""
     return getattr(model, "_moestream_kv_cache_dtype", None) == "int8"
 
