@@ -64,7 +64,10 @@ def decode(n):
         try:
             from moestream.generation.serving import timed
         except ImportError:
-            from moestream.generation.generate import timed
+            try:
+                from moestream.frontends.serving import timed
+            except ImportError:
+                from moestream.frontends.generate import timed
         return timed(model, ids[0].tolist(), n).decode_tokens_per_second
     times = Times()
     with torch.inference_mode():

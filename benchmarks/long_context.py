@@ -7,7 +7,8 @@ cache, llama.cpp with q8_0 keys and values), and feeds the same token ids (rando
 a real text's, through the store's tokenizer, so that calibrated routers route as on text): a prompt of the first context's
 length in one prefill (timed: the prefill figure), then `--steps` single-token decode steps (timed), then
 the next stretch of ids as one more prefill up to the next context, `--steps` decode steps there, and so
-on. Decode steps are teacher-forced from the same ids (a step costs the same whatever its token is, and
+on (moestream through the loop users run: each stretch a request whose prompt is the sequence so far,
+its KV up to the stretch from the prefix cache, as an agent's next turn). Decode steps are teacher-forced from the same ids (a step costs the same whatever its token is, and
 both engines then hold the same sequence). Every expert is in memory before anything is timed: moestream
 prefills a 512-token warm-up prompt first (it routes to every expert) with a budget that holds them all,
 and decodes its last 4 tokens one at a time (a first one-token step checks the fused kernels once per
@@ -83,29 +84,41 @@ def run_moestream(
     import torch
 
     import moestream
-    from moestream.generation.generate import Forward
-    from moestream.generation.kv_layer import grow_in_place
+    from moestream.generation.generate import SamplingParams
+    from moestream.generation.kv_cache import PrefixCache
+    from moestream.generation.serving import stream, teacher_forced
 
     torch.set_num_threads(threads)
     model, _ = moestream.load(store, memory, kv_cache_dtype=kv, prefetch="off")
     warm, ids = warmup_and_measured_ids(text, store, model.config.vocab_size, warmup, contexts[-1] + steps)
-    with torch.inference_mode():
-        warmup = Forward(model)
-        warmup(torch.tensor([warm[:-WARM_STEPS]]))  # every expert read in
-        for token in warm[-WARM_STEPS:]:  # and the one-token kernels' first-call checks done
-            warmup(torch.tensor([[token]]))
-        forward = Forward(model)
-        out = []
-        for start, end in plan(contexts, steps):
-            begin = time.perf_counter()
-            forward(torch.tensor([ids[start:end]]))
-            grow_in_place(forward.cache)  # after a prefill, as the batch does (kv_cache.BatchKV.add): decode appends into room
-            prefill = time.perf_counter() - begin
-            begin = time.perf_counter()
-            for t in range(end, end + steps):
-                forward(torch.tensor([[ids[t]]]))
-            decode = time.perf_counter() - begin
-            out.append({"context": end, "prefill_tokens": end - start, "prefill_seconds": prefill, "decode_seconds": decode})
+    # every expert read in, and the one-token kernels' first-call checks done
+    teacher_forced(model, warm, prefill=len(warm) - WARM_STEPS)
+    # Each stretch is a request of the loop users run, as an agent's next turn is: its prompt is the whole
+    # sequence so far, whose KV up to the stretch the prefix cache holds (so only the stretch is prefilled,
+    # in one pass), then `steps` tokens teacher-forced one at a time; its KV goes back into the cache.
+    prefixes = PrefixCache(budget_bytes=1 << 60)
+    out, at = [], []  # at: when each forward pass's logits came, in the stretch being run
+
+    def stamp(_logits) -> None:
+        at.append(time.perf_counter())
+
+    for start, end in plan(contexts, steps):
+        at.clear()
+        forced = ids[end : end + steps] + [0]  # the last token is chosen, never fed
+        reused = prefixes.stats().tokens_reused
+        begin = time.perf_counter()
+        stream(
+            model,
+            None,
+            ids[:end],
+            SamplingParams.timed(steps + 1, forced),
+            prefix_cache=prefixes,
+            on_logits=stamp,
+        )
+        prefill, decode = at[0] - begin, at[-1] - at[0]
+        if prefixes.stats().tokens_reused - reused != start:
+            sys.exit(f"long_context: the stretch from {start} to {end} did not start from the cached {start} tokens")
+        out.append({"context": end, "prefill_tokens": end - start, "prefill_seconds": prefill, "decode_seconds": decode})
     stats = moestream.stats(model)
     note = next((p["note"] for p in stats["fast_paths"] if p["name"] == "attention function"), "")
     moestream.close(model)

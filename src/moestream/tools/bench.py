@@ -500,31 +500,32 @@ ALL_HIT_PROBE_STEPS = 8
 
 def _all_hit_steps(store_dir, budget: int, ids, forced, load_kwargs: dict) -> tuple[float | None, str]:
     """All-hits compute per token when not every expert fits: a one-token prompt and the ALL_HIT_PROBE_STEPS
-    tokens after it (the run's own: its prompt's, then its decode's) fed twice under `budget`; the second
-    time each step is timed alone, and the steps that missed no expert are the measurement (their median).
+    tokens after it (the run's own: its prompt's, then its decode's) fed twice under `budget`, teacher-forced
+    through the one loop; the second time each step is timed from the logits before it to its own, and the
+    steps that missed no expert are the measurement (their median).
     -> (seconds, how), or (None, why not) where no step hit everything."""
     from ..core.loading import close, load
     from ..core.runtime import runtime_of
-    from ..generation.generate import Forward
+    from ..generation.serving import teacher_forced
 
     tokens = ids[0].tolist() + list(forced or [])
     probe = tokens[: 1 + ALL_HIT_PROBE_STEPS]
     model, _ = load(store_dir, budget, **load_kwargs)
     runtime = runtime_of(model)
-    seconds = []
+    marks: list[tuple[float, int]] = []  # after each forward pass: (time, misses so far)
+
+    def mark(_logits) -> None:
+        misses = runtime.stats()["misses"]
+        marks.append((time.perf_counter(), misses))
+
     try:
-        with torch.inference_mode():
-            for timed_pass in (False, True):
-                forward = Forward(model)
-                for step, token in enumerate(probe):
-                    before = runtime.stats()["misses"]
-                    start = time.perf_counter()
-                    forward(torch.tensor([[token]]))
-                    took = time.perf_counter() - start
-                    if timed_pass and step and runtime.stats()["misses"] == before:  # (step 0: an empty KV cache)
-                        seconds.append(took)
+        teacher_forced(model, probe, prefill=1, on_logits=mark)  # the first time reads what the steps need
+        marks.clear()
+        teacher_forced(model, probe, prefill=1, on_logits=mark)
     finally:
         close(model)
+    # (the first pass has no step before it: an empty KV cache, timed from nothing)
+    seconds = [t - t0 for (t0, m0), (t, m) in zip(marks, marks[1:]) if m == m0]
     if not seconds:
         return None, f"no step of a {len(probe)}-token pass fed twice under --memory hit every expert"
     seconds.sort()
