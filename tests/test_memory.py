@@ -1,7 +1,9 @@
 """Resident memory tracks the budget, not the model; the page cache keeps no copy of expert bytes."""
 
 import os
+import time
 
+import pytest
 import torch
 
 import moestream
@@ -81,3 +83,56 @@ def test_buffered_io_keeps_read_experts_in_the_page_cache(tmp_path):
         assert read > 0
     assert cached[True] == 0  # direct: no copy outside the process
     assert cached[False] >= manifest.max_record_stride  # buffered: the OS keeps what was read
+
+
+def test_the_freed_heap_goes_back_to_the_os(monkeypatch):
+    """glibc keeps freed memory for later: 200 MiB of 64 KiB blocks (below its mmap threshold, so on the
+    heap), every fourth kept, the rest freed, leave the RSS high until release_freed_heap hands the free
+    pages back (where the C library has no malloc_trim, there is nothing to hand back, and the test says so)."""
+    from moestream.core import memory
+
+    if memory._malloc_trim is None:
+        pytest.skip("this C library has no malloc_trim (not glibc)")
+    memory.release_freed_heap()
+    blocks = [torch.ones(64 * 2**10, dtype=torch.uint8) for _ in range(3200)]
+    kept = blocks[::4]
+    del blocks
+    before = current_rss_bytes()
+    memory.release_freed_heap()
+    after = current_rss_bytes()
+    assert before - after > 100 * 2**20, (before, after)  # of the 150 MiB freed between the kept blocks
+    assert sum(int(b.sum()) for b in kept) == 800 * 64 * 2**10  # the kept blocks are untouched
+
+
+def test_the_server_worker_releases_the_heap_when_its_work_runs_out(tmp_path, monkeypatch):
+    """The worker hands the freed heap back after a step that leaves it idle (at most once a second), so a
+    server's RSS tracks what it holds between bursts, not what its steps once needed."""
+    import asyncio
+
+    from tiny import tiny_checkpoint
+
+    from moestream.generation import worker as worker_module
+    from moestream.generation.generate import SamplingParams
+    from moestream.generation.worker import Choice, Worker
+
+    released = []
+    monkeypatch.setattr(worker_module, "release_freed_heap", lambda: released.append(time.monotonic()))
+    monkeypatch.setattr(worker_module, "RELEASE_HEAP_IDLE_SECONDS", 0.0)
+    _, ckpt = tiny_checkpoint("qwen3_moe", tmp_path / "hf", seed=4)
+    store = moestream.convert(ckpt, tmp_path / "store", progress=False)
+    model, tokenizer = moestream.load(store, "1MiB")
+    worker = Worker(model, tokenizer, 4)
+    worker.start()
+
+    async def ask():
+        job = worker.submit([Choice([5, 6, 7, 8], SamplingParams.greedy(6))], timeout=120)
+        return [event async for event in job.output()]
+
+    try:
+        asyncio.run(ask())
+        assert len(released) >= 1
+        steps = worker.stats().batch_steps
+        assert len(released) <= steps + 1  # once per step at the most: the last one left it idle
+    finally:
+        worker.close()
+        moestream.close(model)

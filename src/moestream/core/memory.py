@@ -33,11 +33,20 @@ def current_rss_bytes() -> int:
     return (kib or 0) * 1024
 
 
+def release_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; nothing where the C library has
+    none). glibc keeps what was freed for later allocations: a long-running server, whose steps allocate
+    and free tensors of every size, would otherwise see its RSS creep up by memory it no longer uses (a
+    soak's server grew 95 MiB in 20 minutes that one trim gave back). About 1-15 ms."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 def reset_peak_rss() -> bool:
     """Restart peak-RSS accounting (Linux's clear_refs "5"), so one run's peak can be measured in a process
     that did other work before. Returns False where the kernel does not allow it."""
     gc.collect()
-    _libc.malloc_trim(0)  # hand freed heap back to the OS first, or it would count as part of the new peak
+    release_freed_heap()  # first, or the freed heap would count as part of the new peak
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -51,6 +60,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc's (musl and macOS have none)
 
 
 def page_cache_bytes(path: str | os.PathLike) -> int:
