@@ -48,6 +48,19 @@ def test_report_is_consistent_with_its_own_measurements(store):
     assert report.per_step_floor_seconds_per_token == pytest.approx(expected)
     assert report.per_step_efficiency == pytest.approx(expected * run.decode_tokens_per_second)
     assert "per decode step, its own reads hidden behind compute" in report.table()
+    # The prefill: prompt tokens over the time to the first token, its matmul work per second held against
+    # the CPU's int8 peak; the weights a token meets counted here from the config by hand.
+    c = manifest.model_config
+    attention = c["hidden_size"] * c["head_dim"] * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    router = c["hidden_size"] * c["num_local_experts"]
+    experts = c["num_experts_per_tok"] * 3 * c["hidden_size"] * c["moe_intermediate_size"]
+    assert not c.get("mlp_only_layers") and c.get("decoder_sparse_step", 1) == 1  # every layer is MoE
+    assert run.matmul_weights_per_token == c["num_hidden_layers"] * (attention + router + experts)
+    assert run.prefill_tokens_per_second == pytest.approx(8 / run.ttft_seconds)
+    assert report.int8_peak_ops_per_second > 0
+    share = 2 * run.matmul_weights_per_token * run.prefill_tokens_per_second / report.int8_peak_ops_per_second
+    assert report.prefill_share_of_int8_peak == pytest.approx(share)
+    assert f"{share:.1%} of this CPU's int8 peak" in report.table()
 
 
 def test_per_step_floor_keeps_each_steps_reads_in_its_step():

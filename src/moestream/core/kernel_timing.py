@@ -64,6 +64,31 @@ def memory_bandwidth(nbytes: int = ROTATION_BYTES) -> float:
     return buffer.numel() * 4 / (kernels.fastest_ms(buffer.sum, ROUNDS) / 1e3)
 
 
+# The int8 peak's matmul: [M, K] x [K, N], large enough that torch's int8 GEMM (oneDNN: AMX tiles or
+# VNNI where the CPU has them) runs at its best, small enough to time in a second on two cores.
+PEAK_SHAPE = (1024, 4096, 4096)
+
+
+def int8_peak_ops_per_second(shape: tuple[int, int, int] = PEAK_SHAPE) -> float | None:
+    """This CPU's int8 matmul speed on torch's threads, in ops/s (a multiply and an add count two): torch's
+    own int8 GEMM (`torch._int_mm`, int8 x int8 -> int32) on random matrices, the fastest of ROUNDS. It is
+    the yardstick a prefill's matmuls are held against; None where torch has no int8 matmul on this CPU."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=g)
+    try:
+        torch._int_mm(a, b)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return 2 * m * k * n / (kernels.fastest_ms(lambda: torch._int_mm(a, b), ROUNDS) / 1e3)
+
+
+def expert_matrix_weights(layer) -> int:
+    """Weights one expert of `layer` multiplies a token by (rows x columns over its matrices)."""
+    return sum(rows * cols for _, (rows, cols) in _matrices(layer))
+
+
 def time_kernels(store_dir, rotation_bytes: int = ROTATION_BYTES) -> KernelReport:
     """Every distinct expert matrix of the store, timed with each kernel the engine may run it with."""
     store = Store(store_dir)

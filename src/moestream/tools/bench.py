@@ -49,9 +49,9 @@ from queue import Empty
 
 import torch
 
-from ..conversion.sizes import ModelSizes
+from ..conversion.sizes import ModelSizes, routed_top_k
 from ..conversion.store import Store
-from ..core.kernel_timing import KernelReport
+from ..core.kernel_timing import PEAK_SHAPE, KernelReport, expert_matrix_weights, int8_peak_ops_per_second
 from ..core.memory import page_cache_bytes, peak_rss_bytes, reset_peak_rss
 from ..core.supply.reader import RecordReader
 from ..errors import UsageError
@@ -78,6 +78,13 @@ class RunResult:
     read_ahead: dict | None = None  # moestream's: the decode's speculative reads (`read_ahead_of`)
     decode_step_bytes: list[int] | None = None  # moestream's: bytes of the reads each decode step started
     decode_read_busy_seconds: float | None = None  # moestream's: decode time with at least one read in flight
+    prefill_bytes_read: int | None = None  # moestream's: expert bytes read before the first token
+    matmul_weights_per_token: int | None = None  # moestream's: weights a token is multiplied by
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        """Prompt tokens over the time to the first token (the prompt's one forward pass, and its reads)."""
+        return self.prompt_tokens / self.ttft_seconds if self.ttft_seconds else 0.0
 
     @property
     def seconds_per_token(self) -> float:
@@ -118,6 +125,15 @@ class BenchReport:
     teacher_forced: bool  # the decode followed --text
     store_page_cache_bytes: int
     peers: list[RunResult] = field(default_factory=list)
+    int8_peak_ops_per_second: float | None = None  # this CPU's int8 matmul speed (kernel_timing), None: none
+
+    @property
+    def prefill_share_of_int8_peak(self) -> float | None:
+        """The prefill's matmul work per second (2 ops per weight and token) over the CPU's int8 peak."""
+        r = self.moestream
+        if not self.int8_peak_ops_per_second or not r.matmul_weights_per_token:
+            return None
+        return 2 * r.matmul_weights_per_token * r.prefill_tokens_per_second / self.int8_peak_ops_per_second
 
     def table(self) -> str:
         r = self.moestream
@@ -133,6 +149,7 @@ class BenchReport:
             f"reads hidden behind compute: {self.overlapped_floor_seconds_per_token * 1e3:.1f} ms "
             f"(efficiency {self.overlapped_efficiency:.2f}); measured {r.seconds_per_token * 1e3:.1f} ms",
             _per_step_line(self),
+            _prefill_line(self),
             f"page cache held by the store after the run: {format_bytes(self.store_page_cache_bytes)}",
             _read_ahead_line(r.read_ahead),
             r.fast_paths,
@@ -150,6 +167,42 @@ class BenchReport:
                     f"moestream / {peer.name}: {r.decode_tokens_per_second / peer.decode_tokens_per_second:.2f}x decode tokens/s"
                 )
         return "\n".join(lines)
+
+
+def _prefill_line(report: BenchReport) -> str:
+    r = report.moestream
+    weights = r.matmul_weights_per_token or 0
+    line = (
+        f"prefill: {r.prompt_tokens} tokens at {r.prefill_tokens_per_second:.1f} tok/s, "
+        f"{2 * weights * r.prefill_tokens_per_second / 1e9:.1f} GOP/s of matmuls (2 x {weights / 1e9:.3f} G weights a token)"
+    )
+    share = report.prefill_share_of_int8_peak
+    line += (
+        f", {share:.1%} of this CPU's int8 peak ({report.int8_peak_ops_per_second / 1e9:.0f} GOP/s: torch's int8 GEMM "
+        f"on {'x'.join(map(str, PEAK_SHAPE))})"
+        if share is not None
+        else "; torch has no int8 GEMM on this CPU to hold it against"
+    )
+    if r.prefill_bytes_read:
+        line += f"; its time includes reading {r.prefill_bytes_read / 1e6:.0f} MB of experts (a budget that holds them times compute alone)"
+    return line
+
+
+def matmul_weights_per_token(model, manifest) -> int:
+    """Weights one token is multiplied by: every linear layer that stays resident (attention, routers,
+    shared experts; not the LM head, which a prompt needs at its last position only) and the routed top-k
+    experts of each MoE layer."""
+    dense = 0
+    for name, module in model.named_modules():
+        if name.endswith("lm_head") or "Embedding" in type(module).__name__:  # (a lookup, not a matmul)
+            continue
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "in_features") and hasattr(module, "out_features"):  # linear, float or quantized
+            dense += module.in_features * module.out_features
+        elif isinstance(weight, torch.Tensor) and weight.dim() == 2:  # a router that is not an nn.Linear
+            dense += weight.numel()
+    top_k = routed_top_k(manifest.model_config)
+    return dense + top_k * sum(expert_matrix_weights(layer) for layer in manifest.layers)
 
 
 def _per_step_line(report: BenchReport) -> str:
@@ -273,6 +326,7 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
     reset_peak_rss()
     model, _ = load(store_dir, memory, **load_kwargs)
     runtime = runtime_of(model)
+    weights = matmul_weights_per_token(model, runtime.store.manifest)
     at_first: dict = {}
 
     def first_token() -> None:
@@ -300,6 +354,8 @@ def run_moestream(store_dir, memory: int, ids, new_tokens: int, name: str, trace
         read_ahead=read_ahead_of(at_first.get("prefetch"), stats["prefetch"]),
         decode_step_bytes=decode_reads.step_bytes() if decode_reads else [],
         decode_read_busy_seconds=decode_reads.busy_seconds if decode_reads else 0.0,
+        prefill_bytes_read=at_first.get("bytes_read", 0),
+        matmul_weights_per_token=weights,
     )
     return run, decode_reads.reads if decode_reads else []
 
@@ -479,6 +535,7 @@ def bench(
         teacher_forced=forced is not None,
         store_page_cache_bytes=cached,
         peers=peers,
+        int8_peak_ops_per_second=int8_peak_ops_per_second(),
     )
 
 
