@@ -114,16 +114,9 @@ inline int& simd_cap() {
   return cap;
 }
 
-inline bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return yes && simd_cap() >= 2;
-}
+inline bool has_avx512() { return cpu::features().avx512 && simd_cap() >= 2; }
 
-inline bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes && simd_cap() >= 1;
-}
+inline bool has_avx2() { return cpu::features().avx2_fma && simd_cap() >= 1; }
 
 // As scores_avx512 with AVX2 (D a multiple of 8, G a multiple of 4): sixteen registers do not hold a widened
 // key, so it is widened into `row` (in L1) and read from there for each four heads.

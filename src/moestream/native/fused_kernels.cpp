@@ -22,6 +22,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_features.h"
 #include "decode_attention.h"
 #include "lowbit_dot.h"
 

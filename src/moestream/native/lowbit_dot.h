@@ -440,10 +440,7 @@ LOWBIT_AVX2 inline void to_nibble_order_avx2(const int8_t* natural, int8_t* out)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_permute2x128_si256(first, second, 0x31));
 }
 
-inline bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
+inline bool has_avx2() { return cpu::features().avx2_fma; }
 
 // ---- AVX-512 with VNNI (Intel Ice Lake and later, AMD Zen 4 and later) ------------------------------------
 // The same integer dot products as the AVX2 loops, each 4-byte group summed by one vpdpbusd (u8 x s8 -> s32)
@@ -452,12 +449,7 @@ inline bool has_avx2() {
 // the same; the float sums over blocks run over 16 lanes instead of 8 (another order of the same terms).
 #define LOWBIT_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
-inline bool has_avx512_vnni() {
-  static const bool yes = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return yes;
-}
+inline bool has_avx512_vnni() { return cpu::features().avx512_vnni; }
 
 // Two 256-bit halves as one 512-bit vector (lo in the low half).
 #define LOWBIT_JOIN(lo, hi) _mm512_inserti64x4(_mm512_castsi256_si512(lo), (hi), 1)

@@ -286,7 +286,7 @@ MOESTREAM_AVX2 static void repack_16_columns(const uint8_t* src, uint8_t* dst, i
 static void repack_range(const uint8_t* s, uint8_t* d, int64_t half_k, const int64_t* lp, const int64_t* hp, const int64_t* op,
                          const int64_t* sp, int64_t c0, int64_t c1) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx2") && half_k % 32 == 0) {
+  if (cpu::features().avx2_fma && half_k % 32 == 0) {
     for (int64_t c = c0; c < c1; c += 16) {
       bool regular = c + 16 <= c1;
       for (int t = 1; t < 16 && regular; ++t) regular = op[c + t] == op[c] + t && sp[c + t] == sp[c];
