@@ -97,25 +97,12 @@ def run_moestream(
     # sequence so far, whose KV up to the stretch the prefix cache holds (so only the stretch is prefilled,
     # in one pass), then `steps` tokens teacher-forced one at a time; its KV goes back into the cache.
     prefixes = PrefixCache(budget_bytes=1 << 60)
-    out, at = [], []  # at: when each forward pass's logits came, in the stretch being run
-
-    def stamp(_logits) -> None:
-        at.append(time.perf_counter())
-
+    out = []
     for start, end in plan(contexts, steps):
-        at.clear()
         forced = ids[end : end + steps] + [0]  # the last token is chosen, never fed
         reused = prefixes.stats().tokens_reused
-        begin = time.perf_counter()
-        stream(
-            model,
-            None,
-            ids[:end],
-            SamplingParams.timed(steps + 1, forced),
-            prefix_cache=prefixes,
-            on_logits=stamp,
-        )
-        prefill, decode = at[0] - begin, at[-1] - at[0]
+        timing = stream(model, None, ids[:end], SamplingParams.timed(steps + 1, forced), prefix_cache=prefixes).timing
+        prefill, decode = timing.time_to_first_token, timing.decode_seconds
         if prefixes.stats().tokens_reused - reused != start:
             sys.exit(f"long_context: the stretch from {start} to {end} did not start from the cached {start} tokens")
         out.append({"context": end, "prefill_tokens": end - start, "prefill_seconds": prefill, "decode_seconds": decode})

@@ -63,24 +63,21 @@ def run_moestream(args) -> dict:
     import torch
 
     import moestream
-    from moestream.generation.serving import teacher_forced
+    from moestream.generation.serving import timed
 
     torch.set_num_threads(args.threads)
     ids = text_ids(args.store, args.text, args.prefill + args.tokens)
     model, _ = moestream.load(args.store, args.memory, prefetch=args.prefetch)
-    # Teacher-forced through the loop users run: the prompt, then each text token alone. The clock starts
-    # when the prompt's logits come and stops at the last token's.
-    at: dict = {}
+    # Teacher-forced through the loop users run: the prompt, then each text token alone (the last chosen
+    # token is never fed); the decode is timed from the first new token to the last (generate.Timing).
+    at_first: dict = {}
 
-    def mark(_logits) -> None:
-        if "start" not in at:
-            at["before"], at["before stats"] = read_bytes(), moestream.stats(model)
-            at["start"] = time.perf_counter()
-        at["end"] = time.perf_counter()
+    def first_token() -> None:
+        at_first.update(bytes=read_bytes(), stats=moestream.stats(model))
 
-    teacher_forced(model, ids[: args.prefill + args.tokens], prefill=args.prefill, on_logits=mark)
-    seconds = at["end"] - at["start"]
-    before, before_stats = at["before"], at["before stats"]
+    forced = ids[args.prefill :] + [0]
+    seconds = timed(model, ids[: args.prefill], len(forced), forced=forced, on_first_token=first_token).timing.decode_seconds
+    before, before_stats = at_first["bytes"], at_first["stats"]
     stats = moestream.stats(model)
     hits, misses = stats["hits"] - before_stats["hits"], stats["misses"] - before_stats["misses"]
     return dict(

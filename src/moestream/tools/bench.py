@@ -87,6 +87,11 @@ class RunResult:
         return self.prompt_tokens / self.ttft_seconds if self.ttft_seconds else 0.0
 
     @property
+    def prefill_ops_per_second(self) -> float:
+        """The prefill's matmul work per second: 2 ops (a multiply and an add) per weight and prompt token."""
+        return 2 * (self.matmul_weights_per_token or 0) * self.prefill_tokens_per_second
+
+    @property
     def seconds_per_token(self) -> float:
         return 1.0 / self.decode_tokens_per_second if self.decode_tokens_per_second else float("inf")
 
@@ -133,7 +138,7 @@ class BenchReport:
         r = self.moestream
         if not self.int8_peak_ops_per_second or not r.matmul_weights_per_token:
             return None
-        return 2 * r.matmul_weights_per_token * r.prefill_tokens_per_second / self.int8_peak_ops_per_second
+        return r.prefill_ops_per_second / self.int8_peak_ops_per_second
 
     def table(self) -> str:
         r = self.moestream
@@ -171,10 +176,9 @@ class BenchReport:
 
 def _prefill_line(report: BenchReport) -> str:
     r = report.moestream
-    weights = r.matmul_weights_per_token or 0
     line = (
-        f"prefill: {r.prompt_tokens} tokens at {r.prefill_tokens_per_second:.1f} tok/s, "
-        f"{2 * weights * r.prefill_tokens_per_second / 1e9:.1f} GOP/s of matmuls (2 x {weights / 1e9:.3f} G weights a token)"
+        f"prefill: {r.prompt_tokens} tokens at {r.prefill_tokens_per_second:.1f} tok/s, {r.prefill_ops_per_second / 1e9:.1f} "
+        f"GOP/s of matmuls (2 x {(r.matmul_weights_per_token or 0) / 1e9:.3f} G weights a token)"
     )
     share = report.prefill_share_of_int8_peak
     line += (
