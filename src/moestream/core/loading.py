@@ -27,7 +27,7 @@ from ..units import format_bytes, parse_bytes
 from . import engine as engine_module
 from . import fastpaths
 from .compute import attention as attention_module
-from .compute import dense, fused, kernels
+from .compute import dense, fused, kernels, row_buckets
 from .compute.plan import choose_activations, experts_plans, plan_linears
 from .devices import CudaDevice, Device
 from .engine import IMPLEMENTATION, ExpertEngine
@@ -158,6 +158,7 @@ def load(
     if not on_gpu:
         dense.routers_in_float32(routers)
         fused.install(model, routers)
+        row_buckets.install(model)  # the resident bf16 and fp16 linears: a bounded set of matmul shapes
     _rebuild_buffers(model)
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if still_meta:

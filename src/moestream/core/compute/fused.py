@@ -60,7 +60,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from ...native import fused_build
-from . import attention, dense, kernels
+from . import attention, dense, kernels, row_buckets
 
 
 def unavailable_reason() -> str | None:
@@ -369,7 +369,7 @@ def _projection(linear: nn.Module) -> tuple | None:
             return None
         table = kernels.table_values(fmt.name) if fmt.table is not None else _NO_TABLE
         return linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, plan.int8_activations, table
-    if type(linear) is nn.Linear and linear.bias is None:
+    if type(linear) in (nn.Linear, row_buckets.BucketedLinear) and linear.bias is None:
         return linear.weight, linear.weight, 0, 0, False, _NO_TABLE
     return None
 

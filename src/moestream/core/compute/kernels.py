@@ -47,6 +47,7 @@ from ...conversion.quant import (
 from ...errors import StoreError, UsageError
 from ...native import fused_build
 from .repack import RecordPreparer
+from .row_buckets import bucketed_linear
 
 
 def _int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -186,14 +187,23 @@ def quantized_matmul(
 
 
 def expert_linear(
-    x: torch.Tensor, w: dict, name: str, fmt: QuantFormat | None, transposed: bool, int8_activations: bool = False
+    x: torch.Tensor,
+    w: dict,
+    name: str,
+    fmt: QuantFormat | None,
+    transposed: bool,
+    int8_activations: bool = False,
+    bucketed_rows: bool = False,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] with the record's matrix `name`.
 
-    Float records keep the module's own orientation (`transposed`: stored [K, N], as gpt-oss does);
-    quantized records are always stored [N, K] (the converter transposes before quantizing)."""
+    Float records keep the module's own orientation (`transposed`: stored [K, N], as gpt-oss does), and run
+    at a bucketed row count where their plan says so (row_buckets.py); quantized records are always stored
+    [N, K] (the converter transposes before quantizing)."""
     if fmt is None:
         weight = w[name]
+        if bucketed_rows:
+            return bucketed_linear(x, weight, transposed=transposed)
         return x @ weight if transposed else F.linear(x, weight)
     return quantized_matmul(x, w[f"{name}.qweight"], w[f"{name}.{fmt.params}"], fmt, int8_activations)
 

@@ -27,11 +27,13 @@ from torch import nn
 
 from ...choices import ACTIVATIONS
 from ...conversion.quant import QuantFormat, pack, quantize
+from ...conversion.store import DTYPES
 from ...errors import UsageError
 from ...native import fused_build
 from . import fused, kernels
 from .dense import QuantizedLinear
 from .repack import RecordPreparer
+from .row_buckets import BUCKETED_DTYPES
 
 #: What `load` takes when not told (the test suite's exactness tests set "float").
 DEFAULT_ACTIVATIONS = "auto"
@@ -134,6 +136,7 @@ class ExpertsPlan:
     one_token_off: str | None  # why no fused one-token kernel can run this layer (None: one may, per module)
     isa: str | None = None  # the int8-activation loops' variant(s) its matrices run (None: float activations)
     one_token: dict = field(default_factory=dict)  # activation dtype -> the fused kernel's arguments, or None
+    bucketed_rows: bool = False  # float records' matmuls run at bucketed row counts (row_buckets.py)
 
     @property
     def fmt(self) -> QuantFormat | None:
@@ -141,7 +144,7 @@ class ExpertsPlan:
 
     def linear(self, x: torch.Tensor, record: dict, name: str, transposed: bool) -> torch.Tensor:
         """x [M, K] -> [M, N] with the record's matrix `name` (kernels.expert_linear, as this plan says)."""
-        return kernels.expert_linear(x, record, name, self.fmt, transposed, self.int8_activations)
+        return kernels.expert_linear(x, record, name, self.fmt, transposed, self.int8_activations, self.bucketed_rows)
 
     def one_token_kernel(self, module: nn.Module, x: torch.Tensor) -> tuple | None:
         """The fused one-token experts kernel's arguments for this layer and x's dtype, or None: decided once
@@ -188,7 +191,11 @@ def experts_plans(layers, cpu_kernels: bool, int8_activations: bool, tiered: boo
         preparer = record_preparer(layer.quantization, layer.layout, cpu_kernels, integer)
         off = "a device tier" if tiered else None if cpu_kernels else "a GPU"
         isa = loops_variant(layer.quantization, layer.quantized_matrices) if integer else None
-        plans.append(ExpertsPlan(layer, integer, preparer, off or compiled_format(layer.quantization, integer), isa))
+        one_token_off = off or compiled_format(layer.quantization, integer)
+        bucketed = (
+            cpu_kernels and layer.quantization is None and any(DTYPES[t.dtype] in BUCKETED_DTYPES for t in layer.layout.tensors)
+        )  # bf16 and fp16 records compute in their dtype, through oneDNN
+        plans.append(ExpertsPlan(layer, integer, preparer, one_token_off, isa, bucketed_rows=bucketed))
     return plans
 
 
