@@ -1,5 +1,6 @@
 """Batched decoding and prefix reuse: sequences decoded together give transformers' own tokens for each
-alone; a prefix's KV reused gives the tokens of a fresh prefill; the KV budgets hold."""
+alone; a prefix's KV reused gives the tokens of a fresh prefill; the KV budgets hold; the scheduler's
+three parts (schedule, run, update) each do their part alone."""
 
 import pytest
 import torch
@@ -8,9 +9,20 @@ from tiny import tiny_checkpoint
 import moestream
 from moestream.cli import main
 from moestream.generation.batching import BatchGenerator, KVBudgetExceeded
-from moestream.generation.generate import Decoding, SamplingParams
-from moestream.generation.kv_cache import PrefixCache, kv_bytes
-from moestream.generation.serving import generate_batch, stream
+from moestream.generation.generate import Decoding, Forward, SamplingParams
+from moestream.generation.kv_cache import BatchKV, PrefixCache, kv_bytes
+from moestream.generation.serving import (
+    Failed,
+    Finished,
+    Request,
+    Scheduler,
+    Started,
+    StepOutput,
+    StepPlan,
+    generate_batch,
+    run_until_idle,
+    stream,
+)
 
 NEW = 10
 BATCH_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"]
@@ -213,3 +225,99 @@ def test_a_cancelled_newcomer_leaves_during_its_prefill(qwen):
     assert batch.prefill_step() == [leaving] and batch.prefilling is None
     assert leaving.result().finish_reason == "cancelled" and leaving.result().token_ids == []
     assert len(batch.running) == 1
+
+
+# -- the scheduler's three parts, each alone -------------------------------------------------------------------
+
+
+def _request(model, prompt, **callbacks) -> Request:
+    return Request.of(Decoding(model, None, prompt, SamplingParams.timed(NEW), **callbacks))
+
+
+def test_schedule_plans_a_step_from_the_queue_and_the_batch_without_the_model(qwen, monkeypatch):
+    _, model = qwen
+    short, long, third = _prompts(seed=11, lengths=(3, 17, 5))
+    scheduler = Scheduler(model, max_batch=3, prefill_chunk=4)
+    first, second, last = (_request(model, p) for p in (short, long, third))
+    for request in (first, second, last):
+        scheduler.add(request)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("schedule called the model")
+
+    plan = _planned(scheduler, monkeypatch, no_model)
+    # nobody running: the first request joins with its whole prompt, nothing decodes
+    assert plan.join == (first, [0]) and plan.prefill and plan.prefill_tokens is None and plan.decode == []
+    scheduler.update(plan, scheduler.run(plan))
+    (row,) = scheduler.batch.running
+    plan = _planned(scheduler, monkeypatch, no_model)
+    # one running: the next joins, fed 4 tokens a step beside the running row's step
+    assert plan.join == (second, [0]) and plan.prefill_tokens == 4 and plan.decode == [row]
+    scheduler.update(plan, scheduler.run(plan))
+    plan = _planned(scheduler, monkeypatch, no_model)
+    # a newcomer being fed: no other joins until it is in
+    assert plan.join is None and plan.prefill and plan.decode == [row]
+    assert scheduler.queued() == 1
+    last.cancel.set()  # a request cancelled before its turn leaves the queue unrun
+    while scheduler.batch.prefilling is not None:
+        scheduler.update(plan, scheduler.run(plan))
+        plan = _planned(scheduler, monkeypatch, no_model)
+    assert plan.join is None and scheduler.queued() == 0 and len(plan.decode) == 2
+
+
+def _planned(scheduler: Scheduler, monkeypatch, forbidden) -> StepPlan:
+    with monkeypatch.context() as m:
+        m.setattr(Forward, "__call__", forbidden)
+        return scheduler.schedule()
+
+
+def test_run_chooses_tokens_and_update_accepts_them(qwen):
+    """`run` computes a step's tokens and accepts none (no text, no KV row joined); `update` accepts them,
+    sends the events, and gives transformers' own greedy tokens."""
+    hf_model, model = qwen
+    prompt = _prompts(seed=12, lengths=(9,))[0]
+    accepted, heard = [], []
+    scheduler = Scheduler(model, max_batch=2, listener=heard.append)
+    request = _request(model, prompt, on_first_token=lambda: accepted.append(True))
+    decoding = request.make(0)
+    scheduler.add(request)
+    expected = _transformers_greedy(hf_model, prompt, NEW)
+    plan = scheduler.schedule()
+    out = scheduler.run(plan)
+    assert out.part.first_tokens == expected[:1]
+    assert decoding.new == accepted == [] and scheduler.batch.running == []  # chosen, not accepted
+    assert [type(e) for e in heard] == [Started]  # sent as its prefill began
+    assert scheduler.update(plan, out) == heard and decoding.new == expected[:1] and accepted == [True]
+    plan = scheduler.schedule()
+    out = scheduler.run(plan)
+    assert out.tokens == expected[1:2] and decoding.new == expected[:1]
+    scheduler.update(plan, out)
+    assert decoding.new == expected[:2]
+    run_until_idle(scheduler)
+    assert decoding.result().token_ids == expected and isinstance(heard[-1], Finished)
+
+
+def test_update_applies_what_it_is_given(qwen):
+    """`update` alone: tokens handed to it are accepted as they are (the runner's choice is not redone),
+    and a decode error fails the running rows' requests and no other."""
+    _, model = qwen
+    a, b = _prompts(seed=13, lengths=(4, 6))
+    scheduler = Scheduler(model, max_batch=2)
+    first, second = _request(model, a), _request(model, b)
+    scheduler.add(first)
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    scheduler.update(plan, scheduler.run(plan))  # the first joins
+    plan = scheduler.schedule()  # the second joins; the first decodes
+    out = scheduler.run(plan)
+    out.tokens = [7]  # any token the runner might have given
+    scheduler.update(plan, out)
+    (row, newcomer) = scheduler.batch.running
+    assert row.new[-1] == 7 and len(newcomer.new) == 1
+    plan = scheduler.schedule()
+    assert plan.decode == [row, newcomer]
+    error = RuntimeError("a disk error")
+    scheduler.batch.running, scheduler.batch.kv = [], BatchKV()  # as `choose_next` leaves them on an error
+    events = scheduler.update(plan, StepOutput(decode_error=error))
+    assert [(type(e), e.request) for e in events] == [(Failed, first), (Failed, second)]
+    assert all(e.error is error for e in events) and scheduler.idle()

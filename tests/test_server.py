@@ -441,18 +441,29 @@ def slow_server(store, monkeypatch):
 
     import moestream
     from moestream.generation import serving
-    from moestream.generation.batching import BatchGenerator
+    from moestream.generation.batching import BatchGenerator, Part, _Prefill
     from moestream.server import http_app
 
     class SlowBatch(BatchGenerator):
-        def admit(self, decoding, siblings=()):
-            time.sleep(2.0 if decoding.prompt_ids == self.stuck else 0.05)
-            ended = [d for d in (decoding, *siblings) if d.accept(self.a)]
-            self.running += [d for d in (decoding, *siblings) if d not in ended]
+        def start(self, decoding, siblings=()):
+            self.prefilling = _Prefill(decoding, None, 0, list(siblings))
+
+        def feed(self, tokens):
+            p = self.prefilling
+            time.sleep(2.0 if p.decoding.prompt_ids == self.stuck else 0.05)
+            return Part(first_tokens=[self.a] * (1 + len(p.siblings)))
+
+        def join(self, first_tokens):
+            p, self.prefilling = self.prefilling, None
+            ended = [d for d in (p.decoding, *p.siblings) if d.accept(self.a)]
+            self.running += [d for d in (p.decoding, *p.siblings) if d not in ended]
             return ended
 
-        def decode(self):
+        def choose_next(self):
             time.sleep(0.05)
+            return [self.a] * len(self.running)
+
+        def accept_next(self, tokens):
             ended = [d for d in self.running if d.accept(self.a)]
             self.running = [d for d in self.running if d not in ended]
             return ended

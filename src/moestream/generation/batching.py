@@ -19,8 +19,11 @@ not changed a token in any test (transformers' own greedy `generate` of each pro
 reference); in bf16 it can flip a near-tie (docs/BENCHMARKS.md, "Batched decoding: exactness": 2-3 of 16 greedy answers of the
 trained fixture part from their solo ones after 7-22 tokens).
 
-`BatchGenerator` is driven step by step by the serving scheduler (serving.py: `admit` between steps,
-`decode` once per step), which the server's worker and `generate_batch` (the Python API) both step.
+`BatchGenerator` is driven step by step by the serving scheduler (serving.py), which the server's worker
+and `generate_batch` (the Python API) both step: a newcomer is `start`ed, `feed` gives its prompt's parts
+and then its first tokens, `join` accepts them; `choose_next` gives the running rows' next tokens,
+`accept_next` accepts them. Choosing and accepting are apart so that the scheduler can run a step before
+applying it; `admit`, `prefill_step` and `decode` do both at once (the tests and the benchmarks drive it so).
 """
 
 from __future__ import annotations
@@ -57,6 +60,14 @@ class _Prefill:
     fed: int  # prompt tokens whose KV the forward's cache holds
     siblings: list[Decoding] = field(default_factory=list)  # more answers to the same prompt (n > 1)
     chunks: list[int] = field(default_factory=list)  # tokens fed per step (the tests check the interleaving)
+
+
+@dataclass
+class Part:
+    """What feeding a newcomer's part gave (`BatchGenerator.feed`)."""
+
+    interrupted: list[Decoding] = field(default_factory=list)  # it and its siblings, cancelled or timed out: dropped unfed
+    first_tokens: list[int] | None = None  # its prompt is in: the first token each of them chose, to `join` with
 
 
 @dataclass
@@ -129,13 +140,18 @@ class BatchGenerator:
         return (len(self.running) + rows) * widest * self.position_bytes <= self.kv_budget_bytes
 
     def admit(self, decoding: Decoding, siblings: Sequence[Decoding] = ()) -> list[Decoding]:
-        """Start `decoding`'s prefill (from the longest prefix the prefix cache holds): all of it now when
-        no sequence is running, else `prefill_chunk` tokens per `prefill_step`. Once the prompt is in, its
-        first token is chosen and it joins the batch; so do `siblings`, more answers to the same prompt
-        (OpenAI's n), from the same prefill: each chooses its own first token from the prompt's logits and
-        gets a copy of its KV. Returns those that ended already (a one-token answer). A decoding that asks
-        for its prompt's log-probabilities has all of its prompt but the last token fed now, every
-        position's logits kept (generate.prompt_logprobs), and no prefix reused."""
+        """`start` the decoding's prefill, and feed all of it now when no sequence is running (`prefill_step`);
+        returns those that ended already (a one-token answer)."""
+        self.start(decoding, siblings)
+        return self.prefill_step() if not self.running else []
+
+    def start(self, decoding: Decoding, siblings: Sequence[Decoding] = ()) -> None:
+        """Make `decoding` the newcomer, its prefill to start from the longest prefix the prefix cache holds.
+        Once its prompt is in (`feed`), it chooses its first token and joins the batch (`join`); so do
+        `siblings`, more answers to the same prompt (OpenAI's n), from the same prefill: each chooses its own
+        first token from the prompt's logits and gets a copy of its KV. A decoding that asks for its prompt's
+        log-probabilities has all of its prompt but the last token fed now, every position's logits kept
+        (generate.prompt_logprobs), and no prefix reused."""
         start = None
         if decoding.params.prompt_logprobs is not None:
             entries, start = prompt_logprobs(self.model, decoding.prompt_ids, decoding.params.prompt_logprobs)
@@ -150,22 +166,28 @@ class BatchGenerator:
             for d in (decoding, *siblings):
                 d.cached_tokens = reused
         self.prefilling = _Prefill(decoding, Forward(self.model, cache), reused, list(siblings))
-        return self.prefill_step() if not self.running else []
 
     def prefill_step(self) -> list[Decoding]:
-        """Feed the next part of the newcomer's prompt (the rest of it when nobody is running); returns it
-        if it ended (its first token ended it, or its cancel flag or deadline). Raises what the forward
-        pass raised, having dropped the newcomer; the batch is unchanged."""
-        p = self.prefilling
-        if p is None:
+        """`feed` the newcomer's next part (`prefill_chunk` tokens while others run, else the rest), and
+        `join` it once its prompt is in; returns those of it that ended."""
+        if self.prefilling is None:
             return []
+        part = self.feed(None if not self.running else self.prefill_chunk)
+        return part.interrupted if part.first_tokens is None else self.join(part.first_tokens)
+
+    def feed(self, tokens: int | None) -> Part:
+        """Feed the next `tokens` of the newcomer's prompt (None: the rest) and, once it is all in, choose
+        the newcomer's and its siblings' first tokens (not yet accepted: `join` does). A newcomer cancelled or
+        past its deadline is dropped unfed. Raises what the forward pass raised, having dropped the
+        newcomer; the batch is unchanged."""
+        p = self.prefilling
         decoding, prompt = p.decoding, p.decoding.prompt_ids
         if decoding.interrupted():  # (siblings share the cancel flag and the deadline)
             self.prefilling = None
             for sibling in p.siblings:
                 sibling.interrupted()
-            return [decoding, *p.siblings]
-        end = len(prompt) if not self.running or self.prefill_chunk is None else min(len(prompt), p.fed + self.prefill_chunk)
+            return Part(interrupted=[decoding, *p.siblings])
+        end = len(prompt) if tokens is None else min(len(prompt), p.fed + tokens)
         try:
             with torch.inference_mode():
                 logits = p.forward(torch.tensor([prompt[p.fed : end]], dtype=torch.long))
@@ -175,26 +197,34 @@ class BatchGenerator:
         p.chunks.append(end - p.fed)
         p.fed = end
         if end < len(prompt):
-            return []
-        self.prefilling = None
+            return Part()
         last = logits[:, -1, :].to("cpu", torch.float32)
+        with torch.inference_mode():  # (as every choice: tensors a decoding keeps stay usable in place)
+            # a copy each: every sampler changes its logits in place
+            return Part(first_tokens=[int(d.choose(last.clone())[0]) for d in (decoding, *p.siblings)])
+
+    def join(self, first_tokens: list[int]) -> list[Decoding]:
+        """The newcomer, its prompt fed, accepts its first tokens (`feed`'s) and joins the batch, with its
+        siblings; returns those that ended there (their KV goes to the prefix cache)."""
+        p, self.prefilling = self.prefilling, None
         ended = []
-        for d in (decoding, *p.siblings):
-            with torch.inference_mode():  # (as every choice: tensors a decoding keeps stay usable in place)
-                token = int(d.choose(last.clone())[0])  # a copy: each sampler changes its logits in place
+        for d, token in zip((p.decoding, *p.siblings), first_tokens):
             if d.accept(token):
                 self._keep_prefix(d, p.forward.cache)
                 ended.append(d)
             else:
-                self.kv.add(p.forward.cache, len(prompt))
+                self.kv.add(p.forward.cache, len(p.decoding.prompt_ids))
                 self.running.append(d)
         return ended
 
     def decode(self) -> list[Decoding]:
-        """One step of every running sequence; returns those that ended. On an error every running
-        sequence fails (the batch's KV is then incomplete): they are dropped, and the error is raised."""
-        if not self.running:
-            return []
+        """One step of every running sequence (`choose_next` then `accept_next`); returns those that ended."""
+        return self.accept_next(self.choose_next()) if self.running else []
+
+    def choose_next(self) -> list[int]:
+        """Every running sequence's next token, chosen (not yet accepted: `accept_next` does). On an error
+        every running sequence fails (the batch's KV is then incomplete): they are dropped, and the error
+        is raised."""
         forward = self.step_forward
         forward.cache = self.kv.cache
         ids = torch.tensor([[d.new[-1]] for d in self.running], dtype=torch.long)
@@ -208,6 +238,11 @@ class BatchGenerator:
             raise
         self.kv.cache, forward.cache = forward.cache, None  # (held by the batch only: it goes when the rows do)
         self.kv.advance()
+        return tokens
+
+    def accept_next(self, tokens: list[int]) -> list[Decoding]:
+        """Each running sequence accepts its token (`choose_next`'s); those that ended leave the batch (their
+        KV goes to the prefix cache) and are returned."""
         self.stats.steps += 1
         self.stats.rows += len(self.running)
         ended, keep = [], []

@@ -20,6 +20,13 @@ Cancellation, deadlines and errors, handled here once:
 - an error while a group prefills fails that request, the batch unchanged; an error in a batched step
   fails every running request (the batch's KV is then incomplete); a failed request's other answers stop.
 
+A step is three parts, each testable alone, in the shape of vLLM's engine core: `schedule()` decides it from
+the queue and the batch (a `StepPlan`: which group joins, whether and how much of the newcomer's prompt is
+fed, which rows decode), `run(plan)` does its model work (forward passes, tokens chosen: a `StepOutput`),
+`update(plan, output)` applies it (tokens accepted, so text flows; rows joined and retired; events; only a
+request's `Started` is sent by `run`, as its prefill begins). A group
+that joins this step prefills now, and its rows decode from the next step on.
+
 One thread steps the scheduler (the model is not thread-safe); `add`, `abort` and the counts may be
 called from any thread.
 
@@ -37,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..core.runtime import runtime_of
-from .batching import BatchGenerator
+from .batching import BatchGenerator, Part
 from .generate import Decoding, GenerationResult, SamplingParams, encode, token_list
 from .kv_cache import PrefixCache
 
@@ -118,6 +125,30 @@ class Failed:
 Event = Started | Finished | Failed
 
 
+@dataclass
+class StepPlan:
+    """What one step does, decided before any of it runs (`Scheduler.schedule`)."""
+
+    join: tuple[Request, list[int]] | None = None  # a group whose prefill starts now: (its request, its answers)
+    prefill: bool = False  # the newcomer's next part is fed (the joining group's, or the one already prefilling)
+    prefill_tokens: int | None = None  # how many prompt tokens that part is (None: the rest of the prompt)
+    decode: list[Decoding] = field(default_factory=list)  # the running rows, one token each
+
+
+@dataclass
+class StepOutput:
+    """What running a plan gave (`Scheduler.run`): tokens chosen, not yet accepted, and errors met."""
+
+    joined: list[Decoding] = field(default_factory=list)  # the joining group's decodings, as made
+    join_error: Exception | None = None  # making them failed (a grammar that does not compile)
+    prefilled: object = None  # the newcomer that was fed (batching._Prefill)
+    part: Part | None = None  # what feeding it gave
+    prefill_error: Exception | None = None  # its prefill failed: it is dropped, the batch unchanged
+    tokens: list[int] | None = None  # one per planned decode row
+    decode_error: Exception | None = None  # the batched step failed: every running row is dropped
+    events: list = field(default_factory=list)  # sent while running: a joining request's Started
+
+
 class Closed(Exception):
     """The error of a request that was still queued when the scheduler closed: it never ran."""
 
@@ -175,13 +206,90 @@ class Scheduler:
     # -- the stepping thread ----------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Groups that may join do (their prefill, all of it unless others are running), the newcomer's
-        next part is fed, then every running sequence takes one step."""
-        events: list[Event] = []
-        while (joining := self._next_group()) is not None:
-            self._join(*joining, events)
-        self._prefill(events)
-        self._decode(events)
+        """One step: `schedule` it, `run` it, `update` from what it gave."""
+        plan = self.schedule()
+        return self.update(plan, self.run(plan))
+
+    def schedule(self) -> StepPlan:
+        """What the next step does, decided from the queue and the batch alone (no model call): the first
+        queued group that may join does (its prompt fed whole when nobody is running, else `prefill_chunk`
+        tokens a step), the newcomer's next part is fed, and every running sequence takes one token.
+        Requests cancelled or past their deadline before their turn leave the queue unrun."""
+        batch = self.batch
+        join = None
+        while batch.prefilling is None and (candidate := self._next_group()) is not None:
+            if not (candidate[0].expired() or candidate[0].failed):  # (else its caller has given up)
+                join = candidate
+                break
+        prefilling = join is not None or batch.prefilling is not None
+        return StepPlan(
+            join=join,
+            prefill=prefilling,
+            prefill_tokens=batch.prefill_chunk if batch.running else None,
+            decode=list(batch.running),
+        )
+
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Run a plan's model work: the joining group's decodings made and its prefill started, the
+        newcomer's part fed (and its first tokens chosen once its prompt is in), the running rows' next
+        tokens chosen. Nothing is accepted here (`update` does that); an error is kept in the output, the
+        batch left as each part's doc says. The one event sent here is a joining request's `Started`, as its
+        prefill begins."""
+        out = StepOutput()
+        batch = self.batch
+        if plan.join is not None:
+            request, group = plan.join
+            try:
+                out.joined = [request.make(i) for i in group]
+            except Exception as e:  # a grammar that fails to compile against the vocabulary
+                out.join_error = e
+            else:
+                for i, decoding in zip(group, out.joined):
+                    request.index[decoding] = i
+                    self._owner[decoding] = request
+                if not request.started:  # now, not at `update`: its caller learns it runs before a long prefill ends
+                    request.started = True
+                    self._emit(Started(request), out.events)
+                try:
+                    batch.start(out.joined[0], out.joined[1:])
+                except Exception as e:
+                    out.prefill_error = e
+        if plan.prefill and batch.prefilling is not None and out.prefill_error is None:
+            out.prefilled = batch.prefilling
+            try:
+                out.part = batch.feed(plan.prefill_tokens)
+            except Exception as e:  # the newcomer is dropped; the batch is unchanged
+                out.prefill_error = e
+        if plan.decode:
+            try:
+                out.tokens = batch.choose_next()
+            except Exception as e:  # a disk error, a damaged record: every running row fails
+                out.decode_error = e
+        return out
+
+    def update(self, plan: StepPlan, out: StepOutput) -> list[Event]:
+        """Apply what a step gave (after the `Started` that `run` sent): the newcomer's first tokens accepted (it joins the batch, or ends), every running row's token accepted; `Finished`
+        for each answer that ended, `Failed` for each request that met an error."""
+        events = out.events
+        if out.join_error is not None:
+            self._fail(plan.join[0], out.join_error, events)
+        # The running rows first: the newcomer joins their batch after their step (its row is not in it).
+        if out.decode_error is not None:
+            failed = {id(r): r for d in plan.decode if (r := self._owner.pop(d, None)) is not None}
+            for request in failed.values():
+                self._fail(request, out.decode_error, events)
+        elif out.tokens is not None:
+            self._finished(self.batch.accept_next(out.tokens), events)
+        if out.prefill_error is not None:
+            newcomer = out.prefilled
+            decodings = [newcomer.decoding, *newcomer.siblings] if newcomer is not None else out.joined
+            request = self._owner[decodings[0]]
+            for decoding in decodings:
+                del self._owner[decoding]
+            self._fail(request, out.prefill_error, events)
+        elif out.part is not None:
+            ended = out.part.interrupted if out.part.first_tokens is None else self.batch.join(out.part.first_tokens)
+            self._finished(ended, events)
         return events
 
     def close(self) -> list[Event]:
@@ -214,54 +322,6 @@ class Scheduler:
             if request.joined == len(request.groups):
                 self._waiting.popleft()
             return request, group
-
-    def _join(self, request: Request, group: list[int], events: list[Event]) -> None:
-        """A group's prefill and first tokens (they may end right there)."""
-        if request.expired() or request.failed:
-            return  # its caller has given up, or gives up at the deadline
-        try:
-            decodings = [request.make(i) for i in group]
-        except Exception as e:  # a grammar that fails to compile against the vocabulary
-            self._fail(request, e, events)
-            return
-        for i, decoding in zip(group, decodings):
-            request.index[decoding] = i
-            self._owner[decoding] = request
-        if not request.started:
-            request.started = True
-            self._emit(Started(request), events)
-        try:
-            ended = self.batch.admit(decodings[0], decodings[1:])
-        except Exception as e:  # this request fails; the batch is unchanged
-            for decoding in decodings:
-                del self._owner[decoding]
-            self._fail(request, e, events)
-            return
-        self._finished(ended, events)
-
-    def _prefill(self, events: list[Event]) -> None:
-        """The next part of a newcomer's prompt, between two steps of the batch (--prefill-chunk)."""
-        prefilling = self.batch.prefilling
-        if prefilling is None:
-            return
-        try:
-            ended = self.batch.prefill_step()
-        except Exception as e:  # this request fails; the batch is unchanged
-            request = self._owner.pop(prefilling.decoding)
-            for sibling in prefilling.siblings:
-                del self._owner[sibling]
-            self._fail(request, e, events)
-            return
-        self._finished(ended, events)
-
-    def _decode(self, events: list[Event]) -> None:
-        try:
-            ended = self.batch.decode()
-        except Exception as e:  # a disk error, a damaged record: the running requests fail, the rest go on
-            for request in {id(r): r for _, r in self._take_all()}.values():
-                self._fail(request, e, events)
-            return
-        self._finished(ended, events)
 
     def _emit(self, event: Event, events: list[Event]) -> None:
         if self.listener is not None:
