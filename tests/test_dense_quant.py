@@ -13,6 +13,7 @@ from moestream.conversion.quant import QuantFormat, pack, quantize, reference_de
 from moestream.conversion.skeleton import expert_parameters, experts_modules
 from moestream.conversion.store import MANIFEST, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
+from moestream.core.compute import kernels
 from moestream.core.compute.dense import QuantizedLinear, align_weights, prepare_for_cpu
 from moestream.core.compute.kernels import int8_activations_reference
 from moestream.core.compute.plan import plan_linears
@@ -32,7 +33,7 @@ def test_quantized_linear_matches_the_float64_definition(name, group, dtype, int
     layer = QuantizedLinear(256, 96, torch.nn.Parameter(bias.to(dtype)), fmt)
     layer.load_state_dict({k.removeprefix("w."): v for k, v in pack(q, fmt, "w").items()} | {"bias": bias.to(dtype)}, assign=True)
     packed = {k: v.clone() for k, v in layer.state_dict().items()}
-    plan_linears(layer, int8_activations, cpu_kernels=True)  # as load() does on the CPU
+    plan_linears(layer, int8_activations, cpu_kernels=True, dtype=dtype)  # as load() does on the CPU
     prepare_for_cpu(layer)
     assert layer.plan.int8_activations == int8_activations
     x = torch.randn(2, 5, 256, generator=g)
@@ -194,7 +195,8 @@ def test_the_int8_kernel_is_right_for_inputs_that_are_not_a_multiple_of_16(input
     q = quantize(w, fmt)
     layer = QuantizedLinear(inputs, 64, None, fmt)
     layer.load_state_dict({k.removeprefix("w."): v for k, v in pack(q, fmt, "w").items()}, assign=True)
-    plan_linears(layer, int8_activations=False, cpu_kernels=True)
+    plan_linears(layer, int8_activations=False, cpu_kernels=True, dtype=torch.bfloat16)
+    assert layer.plan.matmul.func is kernels._int8_in_float32  # chosen once, at load, from K
     x = torch.randn(3, inputs, generator=g).bfloat16()
     expected = x.double() @ reference_dequantize(q, fmt).T
     relative = ((layer(x).double() - expected).norm() / expected.norm()).item()
@@ -222,7 +224,7 @@ def test_quantized_weights_get_aligned_memory():
     layer.load_state_dict({"qweight": misaligned, "scales": packed["w.scales"]}, assign=True)
     assert layer.qweight.data_ptr() % 64 != 0
     container = torch.nn.Sequential(layer)
-    plan_linears(container, int8_activations=False, cpu_kernels=True)
+    plan_linears(container, int8_activations=False, cpu_kernels=True, dtype=torch.bfloat16)
     align_weights(container)
     assert layer.qweight.data_ptr() % 64 == 0 and torch.equal(layer.qweight, packed["w.qweight"])
     x = torch.randn(3, 256, generator=g).bfloat16()

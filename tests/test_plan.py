@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tiny import TINY, tiny_checkpoint
 
 import moestream
@@ -216,3 +217,26 @@ def test_measured_compute_includes_a_miss_cost(tmp_path):
     measured = measure_compute(config, 16, tokens=6, workdir=tmp_path)
     assert measured["seconds_per_token"] > 0 and set(measured["measured"]) == {1, 2}
     assert 0 <= measured["seconds_per_miss"] < 0.1
+
+
+@pytest.mark.parametrize("experts_dtype, dtype, expected", [("int8", torch.float32, "_int8"), ("int4", torch.float32, "_int4_through_bf16"),
+                                                           ("int4", torch.bfloat16, "_int4"), ("bf16", torch.bfloat16, "bucketed_linear"),
+                                                           ("fp32", torch.float32, "float_matmul")])  # fmt: skip
+def test_each_experts_matrix_gets_its_kernel_once_at_load(tmp_path, experts_dtype, dtype, expected):
+    """The engine's plans bind every record matrix's kernel when the model loads (kernels.matmul_kernel), for
+    the compute dtype (quantized records) or the record's own (float ones); per call only the rows vary.
+    (What they compute: the families' tests against transformers.)"""
+    ckpt = save_checkpoint(make_model("qwen3_moe", seed=3, **dict(TINY["qwen3_moe"], moe_intermediate_size=32)), tmp_path / "hf")
+    store = moestream.convert(
+        ckpt, tmp_path / "store", experts_dtype, group_size=32 if experts_dtype == "int4" else None, progress=False
+    )
+    model, _ = moestream.load(store, "1MiB", compute_dtype="bf16" if dtype == torch.bfloat16 else "fp32", activations="float")
+    try:
+        plan = model._moestream_engine.plans[0]
+        layer = Store(store).manifest.layers[0]
+        quantized = [t.name.removesuffix(".qweight") for t in layer.layout.tensors if t.name.endswith(".qweight")]
+        assert set(quantized or [t.name for t in layer.layout.tensors]) == set(plan.matmuls)
+        kernel = plan.matmuls["down_proj"].args[0]
+        assert getattr(kernel, "func", kernel).__name__ == expected
+    finally:
+        moestream.close(model)

@@ -147,7 +147,7 @@ def load(
     result = model.load_state_dict(state, strict=False, assign=True)
     del state
     model.tie_weights()
-    plan_linears(model, int8_activations, cpu_kernels=not on_gpu)  # how each quantized linear computes
+    plan_linears(model, int8_activations, cpu_kernels=not on_gpu, dtype=dtype)  # how each quantized linear computes
     if not on_gpu:
         dense.prepare_for_cpu(model)
     dense.align_weights(model)
@@ -169,7 +169,9 @@ def load(
     model.eval()
     # The device tier's budget is what the GPU has free once the resident weights are on it.
     device_budget = _resident_on_device(model, opened, accelerator, gpu_memory) if accelerator is not None else 0
-    plans = experts_plans(manifest.layers, not on_gpu, int8_activations, tiered=accelerator is not None)  # each layer's experts
+    plans = experts_plans(
+        manifest.layers, not on_gpu, int8_activations, tiered=accelerator is not None, dtype=dtype
+    )  # each layer's experts
     prefetcher = Prefetcher(routers, routed_top_k(manifest.model_config), prefetch)
     supply = ExpertSupply(
         opened, budget, preparers=[plan.preparer for plan in plans], prefetcher=prefetcher, io_threads=io_threads, direct_io=direct_io,

@@ -1,9 +1,11 @@
 """Matmuls on weights as stored: y = x @ W.T for a float or quantized W [N, K] (quant.py).
 
-Expert records go through `expert_linear`, resident quantized linears (dense.py) through
-`quantized_matmul`, each called by its plan (plan.py, where every choice of kernel is made: the
-activations, and which matrices take int8 ones). What is here is each storage format's matmul per device
-and activations (the registries below; the C++ has its one dispatch too, native/matmuls.h's `project`).
+Each matrix's plan (plan.py, where every choice of kernel is made: the activations, and which matrices
+take int8 ones) binds its kernel once, at load: `matmul_kernel` for quantized matrices, of experts and of
+resident linears (dense.py) alike, `float_matmul` (or row_buckets.bucketed_linear) for float expert records.
+What is here is each storage format's matmul per device, dtype and activations (the C++ has its one
+dispatch too, native/matmuls.h's `project`); `quantized_matmul` and `expert_linear` choose per call, for
+callers outside the plans.
 
 CPU kernels with int8 activations (`load(activations=...)`, the default where they are measured faster,
 plan.choose_activations): the compiled kernels of native/lowbit_dot.h quantize each activation row to int8 (a
@@ -47,25 +49,36 @@ from ...conversion.quant import (
 from ...errors import StoreError, UsageError
 from ...native import fused_build
 from .repack import RecordPreparer
-from .row_buckets import bucketed_linear
 
 
 def _int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    if x.device.type != "cpu":
-        return int8_dequantized(x, qweight, scales)
-    if x.dtype == torch.bfloat16 and x.shape[1] % 16:
-        return torch._weight_int8pack_mm(x.float(), qweight, scales.float()).to(x.dtype)
     return torch._weight_int8pack_mm(x, qweight, scales if scales.dtype == x.dtype else scales.to(x.dtype))
+
+
+def _int8_in_float32(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """bf16 activations on a matrix whose width is not a multiple of 16, which torch's bf16 path gets wrong."""
+    return torch._weight_int8pack_mm(x.float(), qweight, scales.float()).to(x.dtype)
+
+
+def _int8_on_gpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    return int8_dequantized(x, qweight, scales)
 
 
 def _int4(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.bits < 4:
         qweight = expand_int4_bytes(qweight, fmt.bits)  # int3/int2 are int4 with fewer bits stored
-    if x.device.type != "cpu":
-        return int4_dequantized(x, qweight, scales_zeros, fmt)
-    if x.dtype == torch.bfloat16:
-        return torch._weight_int4pack_mm_for_cpu(x, qweight, fmt.group_size, scales_zeros)
-    return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), qweight, fmt.group_size, scales_zeros).to(x.dtype)
+    return torch._weight_int4pack_mm_for_cpu(x, qweight, fmt.group_size, scales_zeros)
+
+
+def _int4_through_bf16(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """float32 (or fp16) activations: torch's int4 kernel takes bf16 ones (in float32 its AVX2 path is ~10x slower)."""
+    return _int4(x.to(torch.bfloat16), qweight, scales_zeros, fmt).to(x.dtype)
+
+
+def _int4_on_gpu(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    if fmt.bits < 4:
+        qweight = expand_int4_bytes(qweight, fmt.bits)
+    return int4_dequantized(x, qweight, scales_zeros, fmt)
 
 
 def _int6(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -172,39 +185,52 @@ def check_packing(fmt: QuantFormat | None, where: str, on_gpu: bool) -> None:
         )
 
 
-_KERNELS = {"int8": _int8, "int6": _int6, "int4": _int4, "int3": _int4, "int2": _int4, "mxfp4": _table, "iq4nl": _table}
 _INT8_ACTIVATION_KERNELS = {"int8": _int8_activations_int8, "int6": _int8_activations_int4, "int4": _int8_activations_int4,
                             "int3": _int8_activations_int4, "int2": _int8_activations_int4, "mxfp4": _int8_activations_table,
                             "iq4nl": _int8_activations_table}  # fmt: skip
+_DEQUANTIZING_KERNELS = {"int6": _int6, "mxfp4": _table, "iq4nl": _table}  # no torch kernel: on every device
+
+
+def matmul_kernel(fmt: QuantFormat, int8_activations: bool, on_gpu: bool, dtype: torch.dtype, k: int):
+    """The function (x, qweight, params) -> x @ W.T for a quantized [N, K] matrix of `fmt`, chosen once, by the
+    matrix's plan at load (plan.py), from what stays the same call after call: the activations (int8 ones:
+    a matrix that `int8_activations_fit`, on the CPU), the device, the compute dtype and K."""
+    if int8_activations:
+        kernel = _INT8_ACTIVATION_KERNELS[fmt.name]
+    elif fmt.name in _DEQUANTIZING_KERNELS:
+        kernel = _DEQUANTIZING_KERNELS[fmt.name]
+    elif fmt.name == "int8":
+        kernel = _int8_on_gpu if on_gpu else _int8_in_float32 if dtype == torch.bfloat16 and k % 16 else _int8
+    else:  # the int4 family
+        kernel = _int4_on_gpu if on_gpu else _int4 if dtype == torch.bfloat16 else _int4_through_bf16
+    return functools.partial(kernel, fmt=fmt)
 
 
 def quantized_matmul(
     x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor, fmt: QuantFormat, int8_activations: bool = False
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] with a quantized matrix: `qweight` and its `fmt.params` tensor; with
-    `int8_activations` (a matrix that `int8_activations_fit`, on the CPU) the integer kernels."""
-    return (_INT8_ACTIVATION_KERNELS if int8_activations else _KERNELS)[fmt.name](x, qweight, params, fmt)
+    `int8_activations` (a matrix that `int8_activations_fit`, on the CPU) the integer kernels. The kernel is
+    chosen for this call (`matmul_kernel`): for callers outside the plans (timings, tests)."""
+    kernel = matmul_kernel(fmt, int8_activations, x.device.type != "cpu", x.dtype, x.shape[-1])
+    return kernel(x, qweight, params)
+
+
+def float_matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """x @ W.T for a float record's matrix; W stored [K, N] where `transposed` (gpt-oss's experts)."""
+    return x @ weight if transposed else F.linear(x, weight)
 
 
 def expert_linear(
-    x: torch.Tensor,
-    w: dict,
-    name: str,
-    fmt: QuantFormat | None,
-    transposed: bool,
-    int8_activations: bool = False,
-    bucketed_rows: bool = False,
+    x: torch.Tensor, w: dict, name: str, fmt: QuantFormat | None, transposed: bool, int8_activations: bool = False
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N] with the record's matrix `name`.
+    """x [M, K] -> [M, N] with the record's matrix `name`, its kernel chosen for this call (the engine's
+    plans choose theirs once: plan.ExpertsPlan).
 
-    Float records keep the module's own orientation (`transposed`: stored [K, N], as gpt-oss does), and run
-    at a bucketed row count where their plan says so (row_buckets.py); quantized records are always stored
-    [N, K] (the converter transposes before quantizing)."""
+    Float records keep the module's own orientation (`transposed`: stored [K, N], as gpt-oss does);
+    quantized records are always stored [N, K] (the converter transposes before quantizing)."""
     if fmt is None:
-        weight = w[name]
-        if bucketed_rows:
-            return bucketed_linear(x, weight, transposed=transposed)
-        return x @ weight if transposed else F.linear(x, weight)
+        return float_matmul(x, w[name], transposed)
     return quantized_matmul(x, w[f"{name}.qweight"], w[f"{name}.{fmt.params}"], fmt, int8_activations)
 
 

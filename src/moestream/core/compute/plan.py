@@ -30,7 +30,7 @@ from ...conversion.quant import QuantFormat, pack, quantize
 from ...conversion.store import DTYPES
 from ...errors import UsageError
 from ...native import fused_build
-from . import fused, kernels
+from . import fused, kernels, row_buckets
 from .dense import QuantizedLinear
 from .repack import RecordPreparer
 from .row_buckets import BUCKETED_DTYPES
@@ -137,14 +137,15 @@ class ExpertsPlan:
     isa: str | None = None  # the int8-activation loops' variant(s) its matrices run (None: float activations)
     one_token: dict = field(default_factory=dict)  # activation dtype -> the fused kernel's arguments, or None
     bucketed_rows: bool = False  # float records' matmuls run at bucketed row counts (row_buckets.py)
+    matmuls: dict = field(default_factory=dict)  # matrix name -> its kernel (x, record, transposed) -> y, bound at load
 
     @property
     def fmt(self) -> QuantFormat | None:
         return self.layer.quantization
 
     def linear(self, x: torch.Tensor, record: dict, name: str, transposed: bool) -> torch.Tensor:
-        """x [M, K] -> [M, N] with the record's matrix `name` (kernels.expert_linear, as this plan says)."""
-        return kernels.expert_linear(x, record, name, self.fmt, transposed, self.int8_activations, self.bucketed_rows)
+        """x [M, K] -> [M, N] with the record's matrix `name`, through the kernel bound for it at load."""
+        return self.matmuls[name](x, record, transposed)
 
     def one_token_kernel(self, module: nn.Module, x: torch.Tensor) -> tuple | None:
         """The fused one-token experts kernel's arguments for this layer and x's dtype, or None: decided once
@@ -181,10 +182,36 @@ def record_preparer(fmt: QuantFormat | None, layout, cpu_kernels: bool, int8_act
     return RecordPreparer(fmt, [t.name for t in layout.tensors if t.name.endswith(".qweight")])
 
 
-def experts_plans(layers, cpu_kernels: bool, int8_activations: bool, tiered: bool = False) -> list[ExpertsPlan]:
+def _record_matmuls(layer, int8_activations: bool, on_gpu: bool, dtype: torch.dtype, bucketed: bool) -> dict:
+    """Each matrix of a layer's records -> its kernel (x, record, transposed) -> y, chosen now."""
+    fmt = layer.quantization
+    if fmt is None:
+        matmul = row_buckets.bucketed_linear if bucketed else kernels.float_matmul
+        return {t.name: functools.partial(_float_record_matmul, matmul, t.name) for t in layer.layout.tensors}
+    matmuls = {}
+    for t in layer.layout.tensors:
+        if t.name.endswith(".qweight"):
+            name, k = t.name.removesuffix(".qweight"), t.shape[1] * 8 // fmt.bits
+            kernel = kernels.matmul_kernel(fmt, int8_activations, on_gpu, dtype, k)
+            matmuls[name] = functools.partial(_quantized_record_matmul, kernel, t.name, f"{name}.{fmt.params}")
+    return matmuls
+
+
+def _float_record_matmul(matmul, name: str, x: torch.Tensor, record: dict, transposed: bool) -> torch.Tensor:
+    return matmul(x, record[name], transposed=transposed)
+
+
+def _quantized_record_matmul(kernel, qweight: str, params: str, x: torch.Tensor, record: dict, transposed: bool) -> torch.Tensor:
+    return kernel(x, record[qweight], record[params])  # (stored [N, K] whatever the module's orientation)
+
+
+def experts_plans(
+    layers, cpu_kernels: bool, int8_activations: bool, tiered: bool = False, dtype: torch.dtype = torch.float32
+) -> list[ExpertsPlan]:
     """Per MoE layer of a store: int8 activations where asked for, on the CPU's kernels, and every matrix
-    fits them; the record preparer that goes with that choice; and whether a fused one-token kernel may
-    run it (the CPU's kernels, no device tier, a format the C++ computes)."""
+    fits them; the record preparer that goes with that choice; whether a fused one-token kernel may run it
+    (the CPU's kernels, no device tier, a format the C++ computes); and each matrix's kernel, bound for the
+    model's compute `dtype` (quantized records compute in it; float ones in their own)."""
     plans = []
     for layer in layers:
         integer = int8_activations and cpu_kernels and takes_int8_activations(layer)
@@ -195,7 +222,8 @@ def experts_plans(layers, cpu_kernels: bool, int8_activations: bool, tiered: boo
         bucketed = (
             cpu_kernels and layer.quantization is None and any(DTYPES[t.dtype] in BUCKETED_DTYPES for t in layer.layout.tensors)
         )  # bf16 and fp16 records compute in their dtype, through oneDNN
-        plans.append(ExpertsPlan(layer, integer, preparer, one_token_off, isa, bucketed_rows=bucketed))
+        matmuls = _record_matmuls(layer, integer, not cpu_kernels, dtype, bucketed)
+        plans.append(ExpertsPlan(layer, integer, preparer, one_token_off, isa, bucketed_rows=bucketed, matmuls=matmuls))
     return plans
 
 
@@ -218,18 +246,17 @@ class LinearPlan:
     int8_activations: bool = False
     compiled: bool = False  # the C++ computes it as `matmul` does (the fused attention kernels may run it)
     isa: str | None = None  # the int8-activation loops' variant it runs (None: float activations)
-
-    def matmul(self, x: torch.Tensor, qweight: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        return kernels.quantized_matmul(x, qweight, params, self.fmt, self.int8_activations)
+    matmul: object = None  # (x, qweight, params) -> y: its kernel, bound at load (kernels.matmul_kernel)
 
 
-def plan_linears(model: nn.Module, int8_activations: bool, cpu_kernels: bool) -> None:
+def plan_linears(model: nn.Module, int8_activations: bool, cpu_kernels: bool, dtype: torch.dtype = torch.float32) -> None:
     """Give every QuantizedLinear of `model` its plan: int8 activations where asked for, on the CPU's
-    kernels, and its matrix fits them."""
+    kernels, and its matrix fits them; its kernel bound for the model's compute `dtype`."""
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             fmt = module.fmt
             n, k = module.out_features, module.in_features
             integer = int8_activations and cpu_kernels and int8_activations_fit(fmt, n, k)
             isa = loops_variant(fmt, [(n, k)]) if integer else None
-            module.plan = LinearPlan(fmt, integer, cpu_kernels and compiled_format(fmt, integer) is None, isa)
+            compiled = cpu_kernels and compiled_format(fmt, integer) is None
+            module.plan = LinearPlan(fmt, integer, compiled, isa, kernels.matmul_kernel(fmt, integer, not cpu_kernels, dtype, k))
