@@ -54,6 +54,7 @@ ORDER = [
     "chat-templates",
     "soak",
     "soak-30b-shape",
+    "shape-memory",
     "agent-sessions",
     "checksums",
     "converter-memory",
