@@ -41,8 +41,10 @@ def bucketed(x: torch.Tensor) -> torch.Tensor:
 def bucketed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, transposed: bool = False):
     """F.linear(x, weight, bias) for x [..., K] (x @ weight where `transposed`: weight stored [K, N], no bias),
     computed at a bucketed row count."""
-    flat = x.reshape(-1, x.shape[-1])
-    m = flat.shape[0]
+    m = x.numel() // x.shape[-1]
+    if m < 16:  # its own bucket: a decode step's rows, as they are (no reshape, no copy)
+        return x @ weight if transposed else F.linear(x, weight, bias)
+    flat = x.reshape(m, x.shape[-1])
     padded = bucketed(flat)
     y = padded @ weight if transposed else F.linear(padded, weight, bias)
     return y[:m].view(*x.shape[:-1], y.shape[-1])
