@@ -268,8 +268,9 @@ class Scheduler:
         return out
 
     def update(self, plan: StepPlan, out: StepOutput) -> list[Event]:
-        """Apply what a step gave (after the `Started` that `run` sent): the newcomer's first tokens accepted (it joins the batch, or ends), every running row's token accepted; `Finished`
-        for each answer that ended, `Failed` for each request that met an error."""
+        """Apply what a step gave (after the `Started` that `run` sent): every running row's token accepted,
+        then the newcomer's first tokens (it joins the batch, or ends); `Finished` for each answer that ended,
+        `Failed` for each request that met an error."""
         events = out.events
         if out.join_error is not None:
             self._fail(plan.join[0], out.join_error, events)
