@@ -202,6 +202,28 @@ def test_a_loaded_model_rotates_with_the_kernel_and_equals_transformers_own(ext,
         assert torch.equal(a, b)
 
 
+def test_the_rotary_is_checked_at_load_for_the_models_kinds_only(ext, store, monkeypatch):
+    """The load checks the kinds of call the model's config makes; a call of another kind (here a head size
+    of 12) goes to the original function, and nothing is checked at call time."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    ckpt, path = store
+    model, _ = moestream.load(path, "1MiB", compute_dtype="fp32")
+    function = modeling_qwen3_moe.apply_rotary_pos_emb
+    verdicts = function.args[2]
+    config = model.config
+    assert verdicts[(torch.float32, config.head_dim, config.num_attention_heads, config.num_key_value_heads)] is True
+    checked = dict(verdicts)
+    calls = []
+    monkeypatch.setattr(fused, "rotary_agrees", lambda *args, **kwargs: calls.append(args) or True)
+    g = torch.Generator().manual_seed(50)
+    q, k = torch.randn(1, 2, 3, 12, generator=g), torch.randn(1, 1, 3, 12, generator=g)
+    cos, sin = torch.randn(1, 3, 12, generator=g), torch.randn(1, 3, 12, generator=g)
+    for a, b in zip(function(q, k, cos, sin), function.args[0](q, k, cos, sin)):
+        assert torch.equal(a, b)
+    assert not calls and verdicts == checked
+
+
 # -- the one-token experts kernel -------------------------------------------------------------------------
 
 
@@ -230,6 +252,7 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name,
         exact.append(quant.reference_dequantize(q2, fmt) @ a)
     p = fmt.params
     table = table_values(name) if fmt.table is not None else None
+    chosen = [_chosen(fmt, int8_activations, dtype, k) for k in (hidden, inner)]  # the plan's kernels
     got = ext.experts_decode(
         x,
         [r["gate_up_proj.qweight"] for r in records],
@@ -238,7 +261,7 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name,
         [r[f"down_proj.{p}"] for r in records],
         fmt.bits,
         fmt.group_size or 0,
-        int8_activations,
+        *chosen,
         None,
         table,
     )
@@ -254,9 +277,16 @@ def test_experts_kernel_matches_float64_math_and_the_engines_own_path(ext, name,
     weights = torch.rand(n, 1, generator=g)  # float32, as the routers give them on the CPU
     summed = ext.experts_decode(
         x, *(list(args) for args in zip(*[_matrices(r, fmt) for r in records])), fmt.bits, fmt.group_size or 0,
-        int8_activations, weights, table,
+        *chosen, weights, table,
     )  # fmt: skip
     assert torch.equal(summed, got.clone().mul_(weights).view(1, n, -1).sum(dim=1))  # as the engine sums them
+
+
+def _chosen(fmt, int8_activations, dtype, k):
+    """The kernel the plan chooses for a matrix of K inputs, by the code the C++ takes."""
+    from moestream.core.compute import kernels
+
+    return kernels.compiled_kernel(kernels.matmul_kernel(fmt, int8_activations, False, dtype, k))
 
 
 def _matrices(record, fmt):
@@ -382,11 +412,25 @@ def test_one_token_attention_takes_the_fused_step_with_the_modules_own_bits(ext,
     model, _ = moestream.load(_store_of(family, tmp_path, dense_dtype), "64MiB", prefetch="off", compute_dtype=compute_dtype)
     attention = _attention_modules(model)
     assert attention and all(getattr(m.forward, "func", None) is fused._fused_attention for m in attention)
+    owns = [m.forward.args[-1] for m in attention]
+    fallbacks = _count_fallbacks(attention)
     fast = _decode_logits(model)
-    for m in attention:
-        m.forward = m.forward.args[-1]  # the module's own forward
+    assert len(fallbacks) == len(attention)  # the prompt only: the keywords checked at load are those decoding passes
+    for m, own in zip(attention, owns):
+        m.forward = own  # the module's own forward
     own = _decode_logits(model)
     assert all(torch.equal(a, b) for a, b in zip(fast, own))
+
+
+def _count_fallbacks(attention) -> list:
+    """Make each fused attention module's fallback (its own forward) note the shape of each call it takes."""
+    calls = []
+    for m in attention:
+        own = m.forward.args[-1]
+        m.forward = functools.partial(
+            m.forward.func, *m.forward.args[:-1], lambda *a, own=own, **k: calls.append(a[0].shape) or own(*a, **k)
+        )
+    return calls
 
 
 def test_table_format_projections_take_the_fused_steps_with_the_modules_own_bits(ext, tmp_path):
@@ -417,12 +461,7 @@ def test_table_format_projections_take_the_fused_steps_with_the_modules_own_bits
 
 def test_the_fused_attention_leaves_prompts_masks_and_batches_to_the_modules_own(ext, tmp_path):
     model, _ = moestream.load(_store_of("qwen3_moe", tmp_path, "int8"), "64MiB", prefetch="off", compute_dtype="bf16")
-    calls = []
-    for m in _attention_modules(model):
-        own = m.forward.args[-1]
-        m.forward = functools.partial(
-            m.forward.func, *m.forward.args[:-1], lambda *a, own=own, **k: calls.append(a[0].shape) or own(*a, **k)
-        )
+    calls = _count_fallbacks(_attention_modules(model))
     _decode_logits(model, steps=3)
     layers = len(model.model.layers)
     assert calls == [torch.Size([1, 7, 32])] * layers  # the prompt only: the one-token steps took the kernels
@@ -476,8 +515,10 @@ def test_experts_kernel_runs_int8_at_widths_torchs_bf16_kernel_gets_wrong_as_the
         h = quant.reference_dequantize(q1, fmt) @ x.double()[0]
         exact.append(quant.reference_dequantize(q2, fmt) @ (torch.nn.functional.silu(h[:inner]) * h[inner:]))
     got = ext.experts_decode(
-        x, *(list(args) for args in zip(*[_matrices(r, fmt) for r in records])), 8, 0, False, None, None
+        x, *(list(args) for args in zip(*[_matrices(r, fmt) for r in records])), 8, 0,
+        *(_chosen(fmt, False, torch.bfloat16, k) for k in (hidden, inner)), None, None,
     )  # fmt: skip
+    assert _chosen(fmt, False, torch.bfloat16, hidden) == 3  # (the plan's choice: in float32)
     for j, r in enumerate(records):
         assert ((got[j].double() - exact[j]).norm() / exact[j].norm()).item() < 1e-2
         gate, up = expert_linear(x, r, "gate_up_proj", fmt, False).chunk(2, dim=-1)

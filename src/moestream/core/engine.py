@@ -174,11 +174,11 @@ class _LayerCall:
         (`SHARED_GATE_WIDTH`): the gate is row-wise, and at decode the small ops between the matmuls cost as
         much as the matmuls (docs/DECISIONS.md, "One gate for a token's cached experts")."""
         if self.single and self.fused is not None:
-            kernel, (q1, p1, q2, p2), bits, group, integer, table = self.fused
+            kernel, (q1, p1, q2, p2), bits, group, first_kernel, second_kernel, table = self.fused
             experts = sorted(experts, key=lambda item: self.rows[item[0]])  # in k order
             whole = len(experts) == self.k  # every choice at once: the kernel also sums them, as `result` would
             out = kernel(self.x, [w[q1] for _, w in experts], [w[p1] for _, w in experts],
-                         [w[q2] for _, w in experts], [w[p2] for _, w in experts], bits, group, integer,
+                         [w[q2] for _, w in experts], [w[p2] for _, w in experts], bits, group, first_kernel, second_kernel,
                          self.weights if whole else None, table)  # fmt: skip
             if whole:
                 self.total = out

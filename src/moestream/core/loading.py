@@ -155,11 +155,11 @@ def load(
     attention_note = attention_module.install(
         model, attention, on_gpu, kv_cache_dtype
     )  # before fused.install: it reads the choice
+    _rebuild_buffers(model)
     if not on_gpu:
         dense.routers_in_float32(routers)
-        fused.install(model, routers)
+        fused.install(model, routers)  # with real buffers: its checks run the model's rotary embedding
         row_buckets.install(model)  # the resident bf16 and fp16 linears: a bounded set of matmul shapes
-    _rebuild_buffers(model)
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if still_meta:
         raise StoreError(

@@ -103,14 +103,14 @@ std::vector<torch::Tensor> softmax_topk_router(torch::Tensor x, torch::Tensor we
 
 // One token's attention inputs as transformers' Llama-family attention computes them, x [1, H] ->
 // q [1, heads, 1, D], k and v [1, kv heads, 1, D]: the three projections (weights, params, bits, groups,
-// int8 activations, table formats' values or empty: q, k, v), the optional RMSNorms of q and k (over each
+// the kernels their plans chose (`MatmulKernel`), table formats' values or empty: q, k, v), the optional RMSNorms of q and k (over each
 // head, or over the whole projection before it is split into heads), then the rotary embedding of q and k.
 std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> params,
-                                                std::vector<int64_t> bits, std::vector<int64_t> groups, std::vector<bool> integer,
+                                                std::vector<int64_t> bits, std::vector<int64_t> groups, std::vector<int64_t> kernels,
                                                 std::vector<torch::Tensor> tables, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
                                                 double q_eps, double k_eps, bool norm_per_head, int64_t head_dim,
                                                 torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(weights.size() == 3 && params.size() == 3 && bits.size() == 3 && groups.size() == 3 && integer.size() == 3 && tables.size() == 3,
+  TORCH_CHECK(weights.size() == 3 && params.size() == 3 && bits.size() == 3 && groups.size() == 3 && kernels.size() == 3 && tables.size() == 3,
               "attention_decode_qkv: q, k, v");
   const int8_t* values[3] = {table_values(tables[0]), table_values(tables[1]), table_values(tables[2])};
   const auto same_table = [&](int i) {
@@ -119,13 +119,13 @@ std::vector<torch::Tensor> attention_decode_qkv(std::vector<torch::Tensor> weigh
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "attention_decode_qkv: x must be one contiguous row [1, H]");
   torch::Tensor states[3];
   // With int8 activations and one format for all three, x is quantized once for them (as each would).
-  const bool shared = integer[0] && integer[1] && integer[2] && bits[0] == bits[1] && bits[1] == bits[2] && groups[0] == groups[1] &&
+  const bool shared = kernels[0] == kInt8Activations && kernels[1] == kInt8Activations && kernels[2] == kInt8Activations && bits[0] == bits[1] && bits[1] == bits[2] && groups[0] == groups[1] &&
                       groups[1] == groups[2] && (bits[0] == 4 || bits[0] == 6 || bits[0] == 8) && same_table(1) && same_table(2);
   thread_local lowbit::Activations xq;
   if (shared) quantize_for(x, bits[0], groups[0], xq);
   for (int i = 0; i < 3; ++i) {
     auto y = shared ? against(xq, weights[i], params[i], bits[i], x.scalar_type(), values[i])
-                    : project(x, weights[i], params[i], bits[i], groups[i], integer[i], values[i]);
+                    : project(x, weights[i], params[i], kernels[i], bits[i], groups[i], values[i]);
     const c10::optional<torch::Tensor>& norm = i == 0 ? q_norm : k_norm;
     const double eps = i == 0 ? q_eps : k_eps;
     if (i < 2 && norm.has_value() && !norm_per_head) y = rms_norm(y, *norm, eps);
@@ -143,11 +143,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // transformers calls it for one query without a mask (`flash`: decode_attention, registered as the
 // model's own; else sdpa, no causal flag, grouped heads in sdpa itself), heads joined, then the output
 // projection -> [1, 1, H].
-torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, bool integer, torch::Tensor table,
+torch::Tensor attention_decode_out(torch::Tensor weight, torch::Tensor params, int64_t bits, int64_t group, int64_t kernel, torch::Tensor table,
                                    double scale, bool grouped, bool flash, torch::Tensor q, torch::Tensor k, torch::Tensor v) {
   TORCH_CHECK(flash || k.scalar_type() != at::kChar, "attention_decode_out: an 8-bit KV cache is read by the flash-decoding kernel only");
   auto o = flash ? decode_attention(q, k, v, c10::nullopt, scale) : at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, false, scale, grouped);
-  return project(o.transpose(1, 2).reshape({1, -1}), weight, params, bits, group, integer, table_values(table)).view({1, 1, -1});
+  return project(o.transpose(1, 2).reshape({1, -1}), weight, params, kernel, bits, group, table_values(table)).view({1, 1, -1});
 }
 
 // One query position per row against a KV cache (decode_attention.h): q [B, H, 1, D], k and v [B, KVH, T, D]

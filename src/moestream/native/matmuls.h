@@ -142,40 +142,58 @@ std::string lowbit_variant(int64_t bits, int64_t group, int64_t k) {
   return kIsaNames[static_cast<int>(variant)];
 }
 
+// What `project` runs for a matrix: the kernel its plan chose at load (kernels.py, `matmul_kernel`), by the
+// codes of kernels.py's `compiled_kernel`. The C++ does not choose again.
+enum MatmulKernel : int64_t {
+  kFloatWeight = 0,        // at::linear on a float weight
+  kInt8Activations = 1,    // the int8-activation loops (int8, the int4 family's portable bytes, a table format)
+  kTorchInt8 = 2,          // torch's int8 kernel
+  kTorchInt8InFloat32 = 3, // the same in float32 (bf16 activations at widths torch's bf16 path gets wrong)
+  kTorchInt4 = 4,          // torch's int4 kernel on its own layout, bf16 activations
+  kTorchInt4ThroughBf16 = 5,  // the same for float32 or fp16 activations, cast to bf16 and back
+};
+
 // A matrix without bias as kernels.py runs it on the CPU, x [M, K] -> [M, N], for an expert's matmuls and a
-// resident linear alike (the one format dispatch here): bits 0 a float weight (at::linear); with `integer`
-// the int8-activation kernels (portable int4-family bytes, or int8); else 8 torch's int8 kernel (in float32
-// for bf16 activations whose width is not a multiple of 16, where its bf16 path is wrong), 4 the int4
-// kernel on torch's layout (in bf16, cast back).
-static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t bits, int64_t group, bool integer,
-                             const int8_t* table = nullptr) {
-  if (bits == 0) return at::linear(x, w);
-  if (integer) return integer_matmul(x, w, params, bits, group, table);
-  TORCH_CHECK(table == nullptr, "a table format runs with int8 activations only");
-  if (bits == 8) {
-    if (x.scalar_type() == at::kBFloat16 && x.size(1) % 16)
+// resident linear alike, with the `kernel` its plan chose.
+static torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& params, int64_t kernel, int64_t bits,
+                             int64_t group, const int8_t* table = nullptr) {
+  TORCH_CHECK(table == nullptr || kernel == kInt8Activations, "a table format runs with int8 activations only");
+  switch (kernel) {
+    case kFloatWeight:
+      return at::linear(x, w);
+    case kInt8Activations:
+      return integer_matmul(x, w, params, bits, group, table);
+    case kTorchInt8:
+      return at::_weight_int8pack_mm(x, w, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
+    case kTorchInt8InFloat32:
       return at::_weight_int8pack_mm(x.to(at::kFloat), w, params.to(at::kFloat)).to(x.scalar_type());
-    return at::_weight_int8pack_mm(x, w, params.scalar_type() == x.scalar_type() ? params : params.to(x.scalar_type()));
+    case kTorchInt4:
+      return at::_weight_int4pack_mm_for_cpu(x, w, group, params);
+    case kTorchInt4ThroughBf16:
+      return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, params).to(x.scalar_type());
   }
-  TORCH_CHECK(bits == 4, "project: 0, 4 or 8 bits");
-  if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, w, group, params);
-  return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w, group, params).to(x.scalar_type());
+  TORCH_CHECK(false, "project: no kernel ", kernel);
 }
 
 // One token through n quantized experts with the SiLU gate: x [1, H]; per expert its first matrix (gate
 // and up stacked, [2I, H]) and second ([H, I]) in torch's CPU kernels' layouts (bits 4: the int4 kernel
 // with `group`; 8: the int8 kernel) -> [n, H], row j expert j's output. The same kernels the engine calls
 // one op at a time, without the dispatch between them.
-// With `table` (int8 activations): the matrices are a 4-bit table format's (quant.py), these its 16 values.
+// `first_kernel` and `second_kernel`: the kernels the layer's plan chose for the two matrices (`MatmulKernel`;
+// both int8-activation ones or neither). With `table` (int8 activations): the matrices are a 4-bit table
+// format's (quant.py), these its 16 values.
 // With `weights` [n, 1]: instead the weighted sum over the experts [1, H], as the engine computes it (its
 // rows multiplied in place, then summed), one call for a whole one-token experts call.
 torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, std::vector<torch::Tensor> first_params,
                              std::vector<torch::Tensor> second, std::vector<torch::Tensor> second_params, int64_t bits, int64_t group,
-                             bool integer, c10::optional<torch::Tensor> weights, c10::optional<torch::Tensor> table) {
+                             int64_t first_kernel, int64_t second_kernel, c10::optional<torch::Tensor> weights,
+                             c10::optional<torch::Tensor> table) {
   const int64_t n = static_cast<int64_t>(first.size());
   TORCH_CHECK(n > 0 && first_params.size() == first.size() && second.size() == first.size() && second_params.size() == first.size(),
               "experts_decode: one first and one second matrix per expert");
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "experts_decode: x must be one contiguous row [1, H]");
+  const bool integer = first_kernel == kInt8Activations;
+  TORCH_CHECK(integer == (second_kernel == kInt8Activations), "experts_decode: int8 activations for both matrices or neither");
   TORCH_CHECK(bits == 4 || bits == 8 || (bits == 6 && integer), "experts_decode: 4 or 8 bits (6 with int8 activations)");
   const int8_t* values = table_values(table);  // a 4-bit table format (int8 activations only), or null
   TORCH_CHECK(values == nullptr || (integer && bits == 4 && group == lowbit::kBlock), "experts_decode: a table format takes int8 activations");
@@ -185,10 +203,10 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   std::vector<torch::Tensor> ys(n);
   auto expert = [&](int64_t j) {
     auto h = integer ? against(xq, first[j], first_params[j], bits, x.scalar_type(), values)
-                     : project(x, first[j], first_params[j], bits, group, false);
+                     : project(x, first[j], first_params[j], first_kernel, bits, group);
     auto a = torch::empty({1, h.size(1) / 2}, h.options());
     silu_gate_into(h, a);
-    ys[j] = project(a, second[j], second_params[j], bits, group, integer, values);
+    ys[j] = project(a, second[j], second_params[j], second_kernel, bits, group, values);
   };
   // With int8 activations and at least two experts per thread, each thread takes whole experts: one fork
   // and join per call instead of two per expert (inside, the matmuls and torch's ops run on that thread).

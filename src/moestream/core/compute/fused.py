@@ -37,13 +37,14 @@ forward it reproduces bit for bit on random states and cached positions (`attent
 checks) cost as much as its kernels at the fixture's width. Prompts, masks, batches and other caches
 take the module's own forward.
 
-Every check runs on what the module will meet: the attention's on the model's own rotary embedding (a
-partial rotary, whose width the kernel does not take, keeps the module's own forward) and with the
-keywords its decoder layer passes (a call with others is checked once when it first comes); the norms'
+Every check runs at load, on what the module will meet: the attention's on the model's own rotary
+embedding (a partial rotary, whose width the kernel does not take, keeps the module's own forward) and
+with the keywords its decoder layer passes (`decoder_keywords`: one call of the model, stopped as the
+first attention is entered); the rotary's for the head sizes and counts of the model's config; the norms'
 and routers' on probes whose every parameter and buffer is random (a bias zero at init hides nothing).
-At call time anything else than what was checked (another width, dtype, layout, keyword) goes to the
-module's own code, and a check that fails, or raises, leaves the module as it was: a fast path never
-breaks a model.
+At call time each fused forward tests, in one guard, that the call is of the kind checked (one token or a
+prompt, a batch, a mask, the width, dtype, layout and keywords); anything else goes to the module's own
+code, and a check that fails, or raises, leaves the module as it was: a fast path never breaks a model.
 
 Without a C++ compiler, or with MOESTREAM_FUSED=0, nothing changes (one line says so: `unavailable_reason`).
 """
@@ -134,15 +135,17 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
 
 def install(model: nn.Module, routers=()) -> int:
     """Give each RMSNorm module whose class agrees with the kernel (`agrees`) the fused forward, the
-    model's modeling modules the fused rotary (`install_rotary`) and its `routers` the fused router where
-    it agrees (`install_routers`); returns how many norms. The norm's
-    forward falls back to the module's own for inputs the kernel does not take (another dtype than the
-    weight's, a device other than the CPU, more arguments than the one checked, or with autograd
-    recording)."""
+    model's modeling modules the fused rotary (`install_rotary`), its `routers` the fused router where
+    it agrees (`install_routers`) and its attention modules the fused one-token step (`install_attention`);
+    returns how many norms. The norm's forward falls back to the module's own for inputs the kernel does
+    not take (another dtype than the weight's, a device other than the CPU, more arguments than the one
+    checked, or with autograd recording). Called with the model's weights and buffers real: the attention's
+    check runs the model's own rotary embedding, and one call of the model finds what its layers pass."""
     ext = fused_build.extension()
     if ext is None:
         return 0
-    install_rotary(model, ext.rotary)
+    dtype = dense.embedding_output(model)[1]
+    install_rotary(model, ext.rotary, dtype)
     install_routers(routers, ext.softmax_topk_router)
     norms = _rms_norms(model)
     verdict: dict[tuple, bool] = {}
@@ -154,7 +157,7 @@ def install(model: nn.Module, routers=()) -> int:
         if verdict[key]:
             module.forward = functools.partial(_fused_forward, module, ext.rms_norm, _epsilon(module))
             installed += 1
-    install_attention(model, ext, dense.embedding_output(model)[1])  # after the norms: it runs theirs
+    install_attention(model, ext, dtype)  # after the norms: it runs theirs
     return installed
 
 
@@ -203,34 +206,59 @@ def rotary_agrees(function, kernel, dtypes=(torch.bfloat16, torch.float16, torch
     return True
 
 
-def install_rotary(model: nn.Module, kernel) -> int:
+def rotary_kinds(model: nn.Module, dtype: torch.dtype) -> set[tuple]:
+    """The (dtype, head size, query heads, key heads) of the rotary calls the model's attention makes, from
+    its config (a partial rotary's narrower calls are not among them: they keep the original function)."""
+    kinds = set()
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+        hidden = getattr(config, "hidden_size", None)
+        head_dim = getattr(config, "head_dim", None) or (hidden // heads if isinstance(hidden, int) and heads else None)
+        if all(isinstance(v, int) and v > 0 for v in (heads, head_dim)):
+            kinds.add((dtype, head_dim, heads, kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else heads))
+    return kinds
+
+
+def install_rotary(model: nn.Module, kernel, dtype: torch.dtype) -> int:
     """Replace `apply_rotary_pos_emb` in each modeling module that defines the model's classes, where the
-    kernel agrees with it (`rotary_agrees`); returns how many modules. The replacement serves every model
-    of that module in this process: it checks each head size and dtype it meets once, when it first comes
-    (`_fused_rotary`), and hands anything it does not take to the original."""
-    replaced = 0
+    kernel agrees with it (`rotary_agrees`); returns how many modules. The check runs here, for the kinds
+    of call the model makes (`rotary_kinds`); the replacement serves every model of that module in this
+    process, each load adding its own kinds, and hands any call of a kind not checked to the original."""
+    replaced, kinds = 0, rotary_kinds(model, dtype)
     for name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(name)
         function = getattr(module, "apply_rotary_pos_emb", None)
-        if function is None or isinstance(function, functools.partial):
-            continue  # none here, or already ours
-        if rotary_agrees(function, kernel):
-            module.apply_rotary_pos_emb = functools.partial(_fused_rotary, function, kernel, {})
-            replaced += 1
+        if function is None:
+            continue
+        ours = isinstance(function, functools.partial) and function.func is _fused_rotary
+        if ours:
+            original, verdicts = function.args[0], function.args[2]
+        elif isinstance(function, functools.partial) or not rotary_agrees(function, kernel):
+            continue
+        else:
+            original, verdicts = function, {}
+        for kind in kinds - verdicts.keys():
+            dtype_, head_dim, heads, kv_heads = kind
+            verdicts[kind] = rotary_agrees(original, kernel, (dtype_,), head_dim, (heads, kv_heads))
+        if not ours:
+            module.apply_rotary_pos_emb = functools.partial(_fused_rotary, original, kernel, verdicts)
+        replaced += 1
     return replaced
 
 
 def _fused_rotary(original, kernel, verdicts: dict, *args, **kwargs):
     """The kernel for the call `rotary_agrees` checks: (q, k, cos, sin) by position, cos and sin over the
-    whole head, in the layout it checked, for a head size, head counts and dtype checked when they first
-    came (`verdicts`); any other call (keywords, unsqueeze_dim, queries alone, a partial rotary, another
-    shape, a kind whose check disagreed) goes to `original`."""
+    whole head, in the layout it checked, of a kind (dtype, head size, head counts) checked at load
+    (`verdicts`); any other call (keywords, unsqueeze_dim, queries alone, a partial rotary, another shape,
+    a kind not checked or whose check disagreed) goes to `original`."""
     if len(args) != 4 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
         return original(*args, **kwargs)
     q, k, cos, sin = args
     if (
-        q.device.type == "cpu"
-        and q.dim() == k.dim() == 4
+        verdicts.get((q.dtype, q.shape[-1], q.shape[1], k.shape[1]) if q.dim() == 4 else None)
+        and q.device.type == "cpu"
+        and k.dim() == 4
         and cos.dim() == 3
         and q.dtype == k.dtype == cos.dtype == sin.dtype
         and cos.shape == sin.shape
@@ -238,14 +266,9 @@ def _fused_rotary(original, kernel, verdicts: dict, *args, **kwargs):
         and q.shape[0] == k.shape[0]
         and cos.shape[1] == q.shape[2] == k.shape[2]
         and cos.shape[2] == q.shape[3] == k.shape[3]
-        and q.shape[3] % 2 == 0
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
     ):
-        kind = (q.dtype, q.shape[3], q.shape[1], k.shape[1])
-        if kind not in verdicts:
-            verdicts[kind] = rotary_agrees(original, kernel, (q.dtype,), q.shape[3], (q.shape[1], k.shape[1]))
-        if verdicts[kind]:
-            return tuple(kernel(q, k, cos, sin))
+        return tuple(kernel(q, k, cos, sin))
     return original(*args)
 
 
@@ -325,11 +348,12 @@ _GATE_VERDICTS: dict[tuple, bool] = {}  # (class, activation class, width, dtype
 
 def experts_call(module, layer, dtype: torch.dtype, int8_activations: bool) -> tuple | None:
     """`experts_decode` with its arguments for one token through a layer's experts, whose format its plan
-    admitted (plan.compiled_format): the record tensors' names it takes, its bits, group size, whether it
-    takes int8 activations (the records are then as stored) and a table format's values (else None); or
-    None without the extension or where the module's gate differs from the kernel's (`experts_kernel`).
-    int8 in bf16 at widths torch's kernel gets wrong runs in float32 inside it, and int4 with float32
-    activations casts them to bf16 and back, as kernels.py's `_int8` and `_int4` do: the same numbers."""
+    admitted (plan.compiled_format): the record tensors' names it takes, its bits, group size, the kernels
+    kernels.matmul_kernel chooses for its two matrices at `dtype` as the C++ names them (int8 activations:
+    the records are as stored; int8 in bf16 at widths torch's kernel gets wrong in float32; int4 with float32
+    activations through bf16: the numbers of the engine's own path) and a table format's values (else
+    None); or None without the extension or where the module's gate differs from the kernel's
+    (`experts_kernel`)."""
     fmt = layer.quantization
     first = "gate_up_proj" if module.has_gate else "up_proj"
     shapes = {t.name: t.shape for t in layer.layout.tensors}
@@ -339,7 +363,11 @@ def experts_call(module, layer, dtype: torch.dtype, int8_activations: bool) -> t
         return None
     table = kernels.table_values(fmt.name) if fmt.table is not None else None
     names = (f"{first}.qweight", f"{first}.{fmt.params}", "down_proj.qweight", f"down_proj.{fmt.params}")
-    return kernel, names, fmt.bits, fmt.group_size or 0, int8_activations, table
+    chosen = [
+        kernels.compiled_kernel(kernels.matmul_kernel(fmt, int8_activations, False, dtype, shapes[name][1] * 8 // fmt.bits))
+        for name in (names[0], names[2])
+    ]
+    return kernel, names, fmt.bits, fmt.group_size or 0, *chosen, table
 
 
 def experts_kernel(module: nn.Module, width: int, dtype: torch.dtype):
@@ -361,16 +389,17 @@ _NO_TABLE = torch.empty(0, dtype=torch.int8)  # what the attention kernels take 
 
 
 def _projection(linear: nn.Module) -> tuple | None:
-    """(weight, params, bits, group, int8 activations, a table format's values or _NO_TABLE) of a bias-free
-    resident linear as the kernel takes it, or None where its plan says the C++ does not compute it."""
+    """(weight, params, bits, group, the kernel its plan chose as the C++ names it, a table format's values or
+    _NO_TABLE) of a bias-free resident linear as the kernel takes it, or None where its plan says the C++ does
+    not compute it."""
     if isinstance(linear, dense.QuantizedLinear) and linear.bias is None:
         fmt, plan = linear.fmt, linear.plan
-        if not plan.compiled:
+        if plan.compiled is None:
             return None
         table = kernels.table_values(fmt.name) if fmt.table is not None else _NO_TABLE
-        return linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, plan.int8_activations, table
+        return linear.qweight, getattr(linear, fmt.params), fmt.bits, fmt.group_size or 0, plan.compiled, table
     if type(linear) in (nn.Linear, row_buckets.BucketedLinear) and linear.bias is None:
-        return linear.weight, linear.weight, 0, 0, False, _NO_TABLE
+        return linear.weight, linear.weight, 0, 0, kernels.FLOAT_WEIGHT, _NO_TABLE
     return None
 
 
@@ -459,22 +488,9 @@ def attention_agrees(module: nn.Module, forward, own, dtype: torch.dtype, rotary
 
 
 def _rotary_module(model: nn.Module) -> nn.Module | None:
-    """The model's one rotary embedding module, with real buffers (load() rebuilds the model's own inv_freq
-    after the kernels are installed: until then a copy computed as from_pretrained computes it), or None."""
+    """The model's one rotary embedding module, or None."""
     rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(rotaries) != 1:
-        return None
-    rotary = rotaries[0]
-    if any(b.is_meta for b in rotary.buffers()):
-        rotary = copy.deepcopy(rotary)
-        for name, buffer in list(rotary.named_buffers(recurse=False)):
-            if buffer.is_meta:
-                rotary._buffers[name] = torch.empty_like(buffer, device="cpu")
-        try:
-            model._init_weights(rotary)
-        except Exception:
-            return None
-    return rotary
+    return rotaries[0] if len(rotaries) == 1 else None
 
 
 def _rotary_of(rotary: nn.Module | None, module: nn.Module, dtype: torch.dtype):
@@ -510,36 +526,67 @@ def _rotary_of(rotary: nn.Module | None, module: nn.Module, dtype: torch.dtype):
 
 
 class _AttentionStep:
-    """What one module's fused one-token attention runs with: its kernels (`attention_plan`), the dtype
-    and rotary width its check saw, the model's rotary embedding for further checks, and the verdicts of
-    the checks per kind of call (`_call_kind`: the keywords a decoder layer passes vary by family)."""
+    """What one module's fused one-token attention runs with: its kernels (`attention_plan`), and the dtype,
+    rotary width and kind of call (`_call_kind`: the keywords its decoder layer passes) its check saw."""
 
-    __slots__ = ("module", "own", "dtype", "width", "rotary", "qkv", "out", "verdicts")
+    __slots__ = ("module", "dtype", "width", "kind", "qkv", "out")
 
-    def __init__(self, module, dtype, width, rotary, qkv, out):
-        self.module, self.own, self.dtype, self.width = module, module.forward, dtype, width
-        self.rotary, self.qkv, self.out = rotary, qkv, out
-        self.verdicts: dict[frozenset, bool] = {}
+    def __init__(self, module, dtype, width, kind, qkv, out):
+        self.module, self.dtype, self.width, self.kind, self.qkv, self.out = module, dtype, width, kind, qkv, out
+
+
+class _Entered(Exception):
+    """Raised by `decoder_keywords`' hook to stop the model's forward as its first attention is entered."""
+
+
+def decoder_keywords(model: nn.Module, modules: list[nn.Module]) -> dict | None:
+    """The keywords the model's decoder layers pass their attention `modules` in a one-token step (they vary
+    by family and transformers version: the check must see the call the modules will meet), from one call
+    of the model on one token stopped as the first of them is entered: no layer runs, no expert is read.
+    None where the model cannot be called so."""
+    found = {}
+
+    def entered(_module, args, kwargs):
+        found.update(kwargs)
+        raise _Entered
+
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    handles = [module.register_forward_pre_hook(entered, with_kwargs=True) for module in modules]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True, **{cache_name: DynamicCache()})
+        return None  # (no attention module was called)
+    except _Entered:
+        pass
+    except Exception:
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name in ("hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values"):
+        found.pop(name, None)  # (the arguments the step reads itself)
+    return found
 
 
 def install_attention(model: nn.Module, ext, dtype: torch.dtype) -> int:
     """Give each attention module whose one-token step the fused kernels reproduce bit for bit
-    (`attention_plan`, `attention_agrees` on the model's own rotary embedding) the fused forward; returns
-    how many. The forward takes the kernels only for the rotary width and dtype the check saw, and checks
-    each other kind of call (its keywords) once, when it first comes."""
+    (`attention_plan`, `attention_agrees` on the model's own rotary embedding, called with the keywords the
+    decoder layers pass: `decoder_keywords`) the fused forward; returns how many. The forward takes the
+    kernels only for the rotary width, dtype and keywords the check saw."""
     installed, rotary = 0, _rotary_module(model)
-    for module in model.modules():
-        if not type(module).__name__.endswith("Attention") or module.training:
-            continue
+    modules = [m for m in model.modules() if type(m).__name__.endswith("Attention") and not m.training]
+    keywords = decoder_keywords(model, modules) if modules else None
+    kind = _call_kind(keywords) if keywords is not None else None
+    if kind is None:
+        return 0
+    for module in modules:
         try:
             plan = attention_plan(module, ext)
             if plan is None:
                 continue
             embed = _rotary_of(rotary, module, dtype)
             width = embed(0)[0].shape[-1] if embed is not None else module.head_dim
-            step = _AttentionStep(module, dtype, width, embed, *plan)
-            keywords = {"position_ids": None, "use_cache": True}  # the check's own, as a decoder layer passes them
-            step.verdicts[_call_kind(keywords)] = True  # the check's calls of the fused step take the kernels
+            step = _AttentionStep(module, dtype, width, kind, *plan)
             forward = functools.partial(_fused_attention, step, module.forward)
             agreed = attention_agrees(module, forward, module.forward, dtype, embed, keywords)
         except Exception:  # a module the plan misread: it keeps its own forward rather than failing the load
@@ -568,32 +615,23 @@ def _fused_attention(
     step: _AttentionStep, fallback, hidden_states, position_embeddings=None, attention_mask=None, cache=None, *args, **kwargs
 ):
     """One token of one sequence without a mask, on the CPU, in the dtype checked, with transformers'
-    dynamic cache and a rotary embedding of the width checked: two kernel calls around the cache's own
-    update (growing layers and the prefix cache keep working). A call with other keywords than those
-    checked is checked once (`attention_agrees` with them) when it first comes. Anything else, and any
-    kind of call whose check disagreed, goes to the module's own forward."""
+    dynamic cache, a rotary embedding of the width checked and the keywords checked (all chosen at load,
+    `install_attention`): two kernel calls around the cache's own update (growing layers and the prefix
+    cache keep working). Anything else (a prompt, a batch, a mask, another cache or call) goes to the
+    module's own forward."""
     if (
-        type(cache) is not DynamicCache
-        or args
-        or attention_mask is not None
-        or not _rotary_takes(position_embeddings, step.width, step.dtype)
-        or hidden_states.shape[0] != 1
+        hidden_states.shape[0] != 1
         or hidden_states.shape[1] != 1
+        or attention_mask is not None
+        or args
+        or type(cache) is not DynamicCache
         or hidden_states.dtype != step.dtype
         or hidden_states.device.type != "cpu"
         or (torch.is_grad_enabled() and hidden_states.requires_grad)
+        or not _rotary_takes(position_embeddings, step.width, step.dtype)
+        or _call_kind(kwargs) != step.kind
     ):
         return fallback(hidden_states, position_embeddings, attention_mask, cache, *args, **kwargs)
-    kind = _call_kind(kwargs)
-    if kind is None:
-        return fallback(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
-    verdict = step.verdicts.get(kind)
-    if verdict is None:
-        step.verdicts[kind] = True  # the check's own calls of the fused step take the kernels
-        forward = functools.partial(_fused_attention, step, step.own)
-        verdict = step.verdicts[kind] = attention_agrees(step.module, forward, step.own, step.dtype, step.rotary, kwargs)
-    if not verdict:
-        return fallback(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
     q, k, v = step.qkv(hidden_states.reshape(1, -1).contiguous(), *position_embeddings)  # the kernel takes one row
     k, v = cache.update(k, v, step.module.layer_idx, kwargs=kwargs)  # as the module's own forward calls it
     attention.mark_read(step.module, k, v)  # (the keys and values went to the attention as they are)

@@ -191,6 +191,19 @@ _INT8_ACTIVATION_KERNELS = {"int8": _int8_activations_int8, "int6": _int8_activa
 _DEQUANTIZING_KERNELS = {"int6": _int6, "mxfp4": _table, "iq4nl": _table}  # no torch kernel: on every device
 
 
+# What the C++ (native/matmuls.h, `project`) runs for a matrix, as the plan chose it: the codes of its
+# `MatmulKernel`, one per kernel below that it computes the same way (a float weight is 0).
+FLOAT_WEIGHT = 0
+_COMPILED_KERNELS = {_int8_activations_int8: 1, _int8_activations_int4: 1, _int8_activations_table: 1, _int8: 2,
+                     _int8_in_float32: 3, _int4: 4, _int4_through_bf16: 5}  # fmt: skip
+
+
+def compiled_kernel(matmul) -> int:
+    """The C++'s code for a kernel `matmul_kernel` bound (what the fused one-token attention and experts steps
+    are told to run, instead of choosing again)."""
+    return _COMPILED_KERNELS[matmul.func]
+
+
 def matmul_kernel(fmt: QuantFormat, int8_activations: bool, on_gpu: bool, dtype: torch.dtype, k: int):
     """The function (x, qweight, params) -> x @ W.T for a quantized [N, K] matrix of `fmt`, chosen once, by the
     matrix's plan at load (plan.py), from what stays the same call after call: the activations (int8 ones:

@@ -244,7 +244,7 @@ class LinearPlan:
 
     fmt: QuantFormat
     int8_activations: bool = False
-    compiled: bool = False  # the C++ computes it as `matmul` does (the fused attention kernels may run it)
+    compiled: int | None = None  # the C++'s code for `matmul` (kernels.compiled_kernel; None: the C++ does not run it)
     isa: str | None = None  # the int8-activation loops' variant it runs (None: float activations)
     matmul: object = None  # (x, qweight, params) -> y: its kernel, bound at load (kernels.matmul_kernel)
 
@@ -258,5 +258,6 @@ def plan_linears(model: nn.Module, int8_activations: bool, cpu_kernels: bool, dt
             n, k = module.out_features, module.in_features
             integer = int8_activations and cpu_kernels and int8_activations_fit(fmt, n, k)
             isa = loops_variant(fmt, [(n, k)]) if integer else None
-            compiled = cpu_kernels and compiled_format(fmt, integer) is None
-            module.plan = LinearPlan(fmt, integer, compiled, isa, kernels.matmul_kernel(fmt, integer, not cpu_kernels, dtype, k))
+            matmul = kernels.matmul_kernel(fmt, integer, not cpu_kernels, dtype, k)
+            compiled = kernels.compiled_kernel(matmul) if cpu_kernels and compiled_format(fmt, integer) is None else None
+            module.plan = LinearPlan(fmt, integer, compiled, isa, matmul)
