@@ -16,9 +16,9 @@ disk error, under faults). It samples the server's RSS, threads and open files e
 requests by outcome, p50/p99 time to first token and per token, the RSS slope per hour after the first tenth
 of the run, and the probes. Exits 1 if anything was unexpected, a probe changed or the stop was not clean.
 
-The probes are exact only where the engine promises the same tokens from a reused prefix as from a fresh
-prefill: give `--compute-dtype fp32` in --serve-args for a model that computes in bf16 (docs/DECISIONS.md, "The
-soak compares its probes in fp32 compute").
+The probes ask with echo and logprobs, so the server prefills each whole (a scored prompt reuses no cached
+prefix): the same computation every time, exact in any compute dtype (docs/DECISIONS.md, "The soak's probes
+are prefilled whole").
 """
 
 from __future__ import annotations
@@ -247,7 +247,9 @@ class Soak:
         with httpx.Client(base_url=url, timeout=600) as http:
             for prompt in PROBES:
                 for _ in range(20):  # under faults a probe may fail; it is asked again
-                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+                    # echo with logprobs scores the prompt, which the server then prefills whole, never from a
+                    # cached prefix: the same computation every time, so the answer is exact in any compute dtype.
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "echo": True, "logprobs": 0}
                     response = http.post("/v1/completions", json=body)
                     if response.status_code == 200:
                         answers.append(response.json()["choices"][0]["text"])
@@ -416,6 +418,12 @@ def main() -> int:
         "rss slope per hour": round(rss_slope, 4),
         "rss beyond the prefix cache slope per hour": round(beyond_slope, 4),
         "prefix cache MiB last": round(samples[-1][1]["prefix cache"] / 2**20, 1) if samples else None,
+        # One sample a minute, so a curve (a plateau or a line) can be read back from the JSON: seconds, server
+        # pid, RSS and the prefix cache in MiB.
+        "rss samples": [
+            [round(t), s["pid"], round(s["rss"] / 2**20, 1), round(s["prefix cache"] / 2**20, 1)]
+            for t, s in samples[:: max(1, round(60 / args.sample_every))]
+        ],
         "threads min/max": [min(s["threads"] for _, s in samples), max(s["threads"] for _, s in samples)] if samples else None,
         "open files min/max": [min(s["files"] for _, s in samples), max(s["files"] for _, s in samples)] if samples else None,
         "probes equal": same(probes_after) and same(stop.get("probes after the restart", reference)),

@@ -113,6 +113,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "one pass)",
     )
     parser.add_argument(
+        "--warmup",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="before serving, run each bf16/fp16 matmul shape the model will meet (every bucketed row count up to "
+        "the context), for at most this long (default 10; 0: none), so the memory the CPU's matmul library keeps "
+        "per shape is there from the start instead of growing over hours of serving",
+    )
+    parser.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level (default info: one line per request)"
     )
 
@@ -143,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     positive(args.max_batch, "--max-batch")
     if args.prefill_chunk is not None:
         positive(args.prefill_chunk, "--prefill-chunk")
+    non_negative(args.warmup, "--warmup")
     batch_kv = positive(parse_bytes(args.batch_kv_memory), "--batch-kv-memory")
     kv_memory = non_negative(parse_bytes(args.kv_memory), "--kv-memory")
     origins = cors_origins(args.cors)
@@ -168,6 +178,17 @@ def run(args: argparse.Namespace) -> int:
             f"--context {args.context} is beyond this model's context window ({own_context} tokens, its config's "
             f"max_position_embeddings); give at most {own_context}, or leave --context out"
         )
+    if args.warmup > 0:
+        from ..core.runtime import warm_matmul_shapes
+        from ..generation.generate import PREFILL_PIECE
+
+        rows = min(args.context or own_context or PREFILL_PIECE, PREFILL_PIECE)  # the most rows one forward pass runs
+        warmed = model_thread.call(warm_matmul_shapes, model, rows, args.warmup)
+        if warmed.of:
+            print(
+                f"moestream: warm-up ran {warmed.built} of {warmed.of} matmul shapes in {warmed.seconds:.1f} s (--warmup)",
+                flush=True,
+            )
     name = args.model_name or Path(args.store).resolve().name
     config = ServerConfig(
         name,

@@ -6,8 +6,14 @@ pyproject.toml)."""
 from __future__ import annotations
 
 from ..conversion.store import Store
-from . import fastpaths
+from . import fastpaths, shape_warmup
 from .engine import ExpertEngine, engine_of
+
+
+def warm_matmul_shapes(model, max_rows: int, seconds: float) -> shape_warmup.Warmed:
+    """Build every bucketed matmul shape the model runs up to `max_rows` rows, within `seconds`
+    (shape_warmup.py): a server's memory then stays where it starts."""
+    return shape_warmup.warm(model, engine_of(model), max_rows, seconds)
 
 
 def runtime_of(model) -> Runtime:

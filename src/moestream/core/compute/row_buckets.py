@@ -31,6 +31,11 @@ def padded_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+def row_counts(max_rows: int) -> list[int]:
+    """The row counts a matmul of 1 to max_rows rows runs at, ascending."""
+    return sorted({padded_rows(m) for m in range(1, max_rows + 1)})
+
+
 def bucketed(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] with zero rows appended up to padded_rows(M) (x itself where none are needed)."""
     m = x.shape[0]
