@@ -1,4 +1,6 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,13 @@ def _fused_kernels_built():
 
     fused_build.extension()
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kv_tier_in_a_temporary_directory():
+    # `serve` and `chat` keep a KV tier on disk by default (--kv-disk auto, under the user's cache): the tests'
+    # servers and chats, in this process or its subprocesses, keep theirs in a directory of the session's.
+    with tempfile.TemporaryDirectory(prefix="moestream-kv-") as directory:
+        os.environ["MOESTREAM_KV_DISK"] = directory
+        yield
+        os.environ.pop("MOESTREAM_KV_DISK", None)

@@ -166,3 +166,19 @@ def test_chat_command_line(store):
     )
     assert run.returncode == 0, run.stderr
     assert "moestream chat" in run.stdout and "hit rate" in run.stdout and "no chat template" in run.stdout
+
+
+def test_a_chat_that_starts_as_an_earlier_one_did_reads_its_kv_from_the_disk_tier(loaded, tmp_path):
+    """At its end a chat's KV goes to the tier on disk (`close`); a later chat with the same opening message
+    reads that prefix instead of prefilling it, and answers the same."""
+    from moestream.generation.kv_disk import tier_for
+
+    model, tok = loaded
+    first = ChatSession(model, tok, params=SamplingParams.greedy(12), kv_disk=tier_for(model, tmp_path, 2**30))
+    answer = first.ask("Hello there", notice=lambda _: None)
+    first.close()
+    later = ChatSession(model, tok, params=SamplingParams.greedy(12), kv_disk=tier_for(model, tmp_path, 2**30))
+    again = later.ask("Hello there", notice=lambda _: None)
+    assert again.cached_tokens > 0 and later.prefix_cache.disk.stats().hits == 1
+    assert again.text == answer.text
+    assert "KV on disk" in later.stats_text()

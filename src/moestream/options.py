@@ -55,6 +55,38 @@ def add_kv_memory_argument(parser: argparse.ArgumentParser, default: str = "1GiB
     )
 
 
+def add_kv_disk_arguments(parser: argparse.ArgumentParser) -> None:
+    """--kv-disk and --kv-disk-memory: the prefix cache's tier on disk (serve)."""
+    parser.add_argument(
+        "--kv-disk",
+        default="auto",
+        metavar="DIR",
+        help="keep the KV of prefixes that leave --kv-memory in files here, and all of them at a clean stop, so a "
+        "conversation that comes back (after other conversations, or after a restart) reads its prefix instead of "
+        "prefilling it again; auto (the default): a directory of this store's under $MOESTREAM_KV_DISK, else "
+        "$XDG_CACHE_HOME/moestream/kv (~/.cache/moestream/kv); off: none. Files of another store, KV layout or version are never loaded",
+    )
+    parser.add_argument(
+        "--kv-disk-memory",
+        default="8GiB",
+        metavar="SIZE",
+        help="disk space the KV tier may use, least recently used out first (default 8GiB)",
+    )
+
+
+def kv_disk_directory(value: str, store: str | os.PathLike) -> str | None:
+    """--kv-disk as a directory (None: off); auto is this store's directory under the user's cache."""
+    if value == "off":
+        return None
+    if value != "auto":
+        return value
+    from .conversion.store import MANIFEST, file_checksum  # (the store's identity: its manifest's checksum)
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = os.environ.get("MOESTREAM_KV_DISK") or os.path.join(cache, "moestream", "kv")
+    return os.path.join(root, file_checksum(Path(store) / MANIFEST)[:16])
+
+
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",

@@ -7,10 +7,13 @@ from pathlib import Path
 
 from ..options import (
     add_chat_template_argument,
+    add_kv_disk_arguments,
     add_kv_memory_argument,
     add_sampling_arguments,
     add_store_arguments,
+    kv_disk_directory,
     load_model,
+    positive,
     sampling_params,
 )
 from ..units import parse_bytes
@@ -20,7 +23,8 @@ DESCRIPTION = (
     "(a plain 'User: ... Assistant:' format when it has none) with the conversation so far; the answer "
     "streams as it is generated. When the conversation outgrows the model's context, the oldest exchanges "
     "are dropped. The conversation's KV cache is kept between answers (--kv-memory), so each prefill feeds only "
-    "the new message. Commands: /stats (hit rate, MB read, tokens/s, RSS), /reset (new conversation), /exit "
+    "the new message, and it goes to a tier on disk when it leaves RAM or the chat ends (--kv-disk), so a later chat "
+    "that starts the same way reads it instead of prefilling it. Commands: /stats (hit rate, MB read, tokens/s, RSS), /reset (new conversation), /exit "
     "(or Ctrl-D). Ctrl-C stops the current answer, not the program."
 )
 
@@ -32,21 +36,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, max_new_tokens=512, seed_help="seed the conversation's sampling: the same messages give the same answers"
     )
     add_kv_memory_argument(parser)
+    add_kv_disk_arguments(parser)
     add_chat_template_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..generation.chat import ChatSession, banner, run_chat
+    from ..generation.kv_disk import tier_for
 
     params = sampling_params(args)
     kv_memory = parse_bytes(args.kv_memory)
+    kv_disk_memory = positive(parse_bytes(args.kv_disk_memory), "--kv-disk-memory")
     model, tokenizer = load_model(args)
+    directory = kv_disk_directory(args.kv_disk, args.store) if kv_memory > 0 else None
     session = ChatSession(
         model,
         tokenizer,
         system=args.system,
         params=params,
         kv_memory=kv_memory,
+        kv_disk=tier_for(model, directory, kv_disk_memory) if directory else None,
     )
     print(banner(session, Path(args.store).name), flush=True)
-    return run_chat(session)
+    try:
+        return run_chat(session)
+    finally:
+        session.close()

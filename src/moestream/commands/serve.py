@@ -8,7 +8,16 @@ import re
 from pathlib import Path
 
 from ..errors import MoestreamError, UsageError
-from ..options import add_chat_template_argument, add_kv_memory_argument, add_store_arguments, load_model, non_negative, positive
+from ..options import (
+    add_chat_template_argument,
+    add_kv_disk_arguments,
+    add_kv_memory_argument,
+    add_store_arguments,
+    kv_disk_directory,
+    load_model,
+    non_negative,
+    positive,
+)
 from ..units import format_bytes, parse_bytes
 
 DESCRIPTION = (
@@ -103,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every running one's prompt + max_tokens still fits, and one that could never fit is refused (400)",
     )
     add_kv_memory_argument(parser)
+    add_kv_disk_arguments(parser)
     parser.add_argument(
         "--prefill-chunk",
         type=int,
@@ -155,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     non_negative(args.warmup, "--warmup")
     batch_kv = positive(parse_bytes(args.batch_kv_memory), "--batch-kv-memory")
     kv_memory = non_negative(parse_bytes(args.kv_memory), "--kv-memory")
+    kv_disk_memory = positive(parse_bytes(args.kv_disk_memory), "--kv-disk-memory")
     origins = cors_origins(args.cors)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535 (0: any free port), not {args.port}")
@@ -202,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         args.api_key or None,
         origins,
         args.context,
+        kv_disk_directory(args.kv_disk, args.store) if kv_memory > 0 else None,
+        kv_disk_memory,
     )
     app = create_app(model, tokenizer, config, model_thread)
 
@@ -210,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"moestream: memory budgets: experts {format_bytes(parse_bytes(args.memory))} (--memory), running requests' "
             f"KV {format_bytes(batch_kv)} (--batch-kv-memory, up to {args.max_batch} together), reused prefixes' KV "
-            f"{format_bytes(kv_memory)} (--kv-memory); resident weights come on top",
+            f"{format_bytes(kv_memory)} (--kv-memory)"
+            + (f", on disk {format_bytes(kv_disk_memory)} in {config.kv_disk} (--kv-disk)" if config.kv_disk else "")
+            + "; resident weights come on top",
             flush=True,
         )
         print(f"moestream: serving {name} at http://{where}:{port}/v1 (OpenAI-compatible; /health, /metrics)", flush=True)

@@ -35,6 +35,7 @@ from .generate import (
     has_chat_template,
 )
 from .kv_cache import PrefixCache
+from .kv_disk import DiskTier
 from .serving import Request, Scheduler, run_until_idle
 
 COMMANDS = {
@@ -55,9 +56,10 @@ class ChatSession:
         system: str | None = None,
         params: SamplingParams | None = None,
         kv_memory: int = 2**30,
+        kv_disk: DiskTier | None = None,
     ):
         self.model = model
-        self.prefix_cache = PrefixCache(kv_memory) if kv_memory > 0 else None
+        self.prefix_cache = PrefixCache(kv_memory, disk=kv_disk) if kv_memory > 0 else None
         self.scheduler = Scheduler(model, max_batch=1, prefix_cache=self.prefix_cache)
         self.tokenizer = tokenizer
         self.system = system
@@ -157,7 +159,18 @@ class ChatSession:
                 f"kept KV: {format_bytes(kv.bytes)} of {format_bytes(self.prefix_cache.budget_bytes)} (--kv-memory); "
                 f"{kv.tokens_reused} prompt tokens reused instead of prefilled"
             )
+            if self.prefix_cache.disk is not None:
+                disk = self.prefix_cache.disk.stats()
+                lines.append(
+                    f"KV on disk: {format_bytes(disk.bytes)} of {format_bytes(self.prefix_cache.disk.budget_bytes)} in "
+                    f"{self.prefix_cache.disk.directory} (--kv-disk); {disk.hits} prefixes read back, {disk.tokens_reused} tokens"
+                )
         return "\n".join(lines)
+
+    def close(self) -> None:
+        """At the end of a chat: the conversation's KV goes to the disk tier, where the next chat finds it."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from .kv_disk import DiskTier
 from .kv_layer import GrowingLayer, Int8Layer, grow_in_place
 
 _LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer, Int8Layer)  # growing: a decoding sequence's
@@ -202,10 +203,15 @@ class PrefixCache:
     the entry sharing the longest prefix with the prompt and returns a cache of that prefix, cut to it,
     always leaving at least one prompt token to feed (its logits choose the first new token). Feeding the
     rest after that cache computes the same as feeding the whole prompt. Thread-safe: the server's
-    generation thread uses it while /metrics reads its statistics."""
+    generation thread uses it while /metrics reads its statistics.
 
-    def __init__(self, budget_bytes: int):
+    With `disk` (kv_disk.DiskTier), an entry that leaves RAM for the budget goes to the disk, as every entry
+    does at a clean stop (`flush`), and a prompt whose longest prefix is on disk, and longer than any in RAM,
+    is read from there (and kept in RAM again)."""
+
+    def __init__(self, budget_bytes: int, disk: DiskTier | None = None):
         self.budget_bytes = budget_bytes
+        self.disk = disk
         self._entries: OrderedDict[tuple[int, ...], tuple[DynamicCache, int]] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = PrefixStats()
@@ -220,15 +226,32 @@ class PrefixCache:
                 n = _common_prefix(ids, prompt, len(prompt) - 1)
                 if n > best_len and _cuttable(self._entries[ids][0], len(ids), n):
                     best, best_len = ids, n
-            if best is None:
-                return None, 0
-            self._entries.move_to_end(best)
+            cache = _shallow(self._entries[best][0]) if best is not None else None
+            if best is not None:
+                self._entries.move_to_end(best)
+        if self.disk is not None:
+            found, n = self.disk.match(prompt, at_least=best_len + 1)
+            if found is not None:
+                self.put(prompt[:n], found)  # recently used again: back in RAM (cut to what it covers)
+                cache, best, best_len = _shallow(found), prompt[:n], n
+        if best is None:
+            return None, 0
+        with self._lock:
             self._stats.hits += 1
             self._stats.tokens_reused += best_len
-            cache = _shallow(self._entries[best][0])
         if best_len < len(best):
             cache.crop(best_len - len(best))
         return cache, best_len
+
+    def flush(self) -> None:
+        """Write every entry in RAM to the disk tier, and wait for the writes (a clean stop)."""
+        if self.disk is None:
+            return
+        with self._lock:
+            entries = [(ids, cache) for ids, (cache, _) in self._entries.items()]
+        for ids, cache in entries:
+            self.disk.put(ids, cache)
+        self.disk.flush()
 
     def put(self, ids: Sequence[int], cache: DynamicCache) -> None:
         """Keep `cache` (the KV of exactly `ids`); evicts least recently used entries to fit."""
@@ -243,7 +266,10 @@ class PrefixCache:
             self._entries[ids] = (_compact(cache), size)
             self._stats.bytes += size
             while self._stats.bytes > self.budget_bytes:
-                self._drop(next(iter(self._entries)))
+                evicted = next(iter(self._entries))
+                if self.disk is not None:
+                    self.disk.put(evicted, self._entries[evicted][0])  # (written in the background)
+                self._drop(evicted)
 
     def clear(self) -> None:
         with self._lock:

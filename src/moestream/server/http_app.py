@@ -40,6 +40,7 @@ from ..core.runtime import runtime_of
 from ..generation.batching import KVBudgetExceeded
 from ..generation.generate import context_length
 from ..generation.kv_cache import PrefixCache, PrefixStats
+from ..generation.kv_disk import DiskStats, tier_for
 from ..generation.serving import TooManyChoices
 from ..generation.worker import ClientGone, Done, Job, ModelThread, Quiet, Worker, WorkerError, WorkerStats
 from .anthropic_api import Messages, anthropic_error
@@ -73,6 +74,8 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1 requests must carry `Authorization: Bearer <api_key>`
     cors_origins: tuple[str, ...] = ()  # origins whose browser pages may call the API ("*": any)
     context: int | None = None  # the context window served (--context); None: the model's own
+    kv_disk: str | None = None  # the directory of the prefixes' tier on disk (None: none)
+    kv_disk_memory: int = 8 * 2**30  # its budget in bytes
 
 
 def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread | None = None) -> FastAPI:
@@ -87,6 +90,8 @@ def create_app(model, tokenizer, config: ServerConfig, model_thread: ModelThread
             yield
         finally:
             await asyncio.to_thread(service.worker.close)
+            if service.prefix_cache is not None:  # what a restart finds: the prefixes in RAM go to the disk tier
+                await asyncio.to_thread(service.prefix_cache.flush)
 
     app = FastAPI(title="moestream", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
@@ -183,7 +188,8 @@ class Service:
     def __init__(self, model, tokenizer, config: ServerConfig, model_thread: ModelThread | None = None):
         self.model = model
         self.config = config
-        self.prefix_cache = PrefixCache(config.kv_memory) if config.kv_memory > 0 else None
+        disk = tier_for(model, config.kv_disk, config.kv_disk_memory) if config.kv_disk and config.kv_memory > 0 else None
+        self.prefix_cache = PrefixCache(config.kv_memory, disk=disk) if config.kv_memory > 0 else None
         self.worker = Worker(
             model,
             tokenizer,
@@ -421,6 +427,25 @@ class ServerCollector:
         yield gauge("prefix_cache_entries", "Sequences whose KV the prefix cache holds.", prefix.entries)
         yield gauge("prefix_cache_bytes", "KV bytes the prefix cache holds.", prefix.bytes)
         yield gauge("prefix_cache_budget_bytes", "The prefix cache's budget (--kv-memory).", config.kv_memory)
+        tier = service.prefix_cache.disk if service.prefix_cache is not None else None
+        disk = tier.stats() if tier is not None else DiskStats()
+        yield gauge("kv_disk_entries", "Prefixes whose KV the tier on disk holds (--kv-disk).", disk.entries)
+        yield gauge("kv_disk_bytes", "Bytes the KV tier on disk holds.", disk.bytes)
+        yield gauge(
+            "kv_disk_budget_bytes", "The KV tier's budget (--kv-disk-memory; 0: no tier).", tier.budget_bytes if tier else 0
+        )
+        yield counter("kv_disk_hits", "Prompts whose longest prefix came from the KV tier on disk.", disk.hits)
+        yield counter("kv_disk_tokens_reused", "Prompt tokens whose KV came from the tier on disk.", disk.tokens_reused)
+        yield counter("kv_disk_writes", "Prefixes written to the KV tier.", disk.writes)
+        yield counter("kv_disk_written_bytes", "Bytes written to the KV tier.", disk.bytes_written)
+        yield counter("kv_disk_reads", "Prefixes read from the KV tier.", disk.reads)
+        yield counter("kv_disk_read_bytes", "Bytes read from the KV tier.", disk.bytes_read)
+        yield counter(
+            "kv_disk_dropped", "KV tier files found damaged or truncated, deleted, their prefix computed again.", disk.dropped
+        )
+        yield counter(
+            "kv_disk_errors", "KV tier writes that failed (a full disk, an I/O error): the prefix stayed in RAM.", disk.errors
+        )
         yield gauge("batch_kv_bytes", "KV bytes the running requests hold.", w.batch_kv_bytes)
         yield gauge("batch_kv_peak_bytes", "The most KV bytes the running requests have held.", w.batch_kv_peak_bytes)
         yield gauge("batch_kv_budget_bytes", "The running requests' KV budget (--batch-kv-memory).", config.batch_kv_memory)

@@ -1,0 +1,168 @@
+"""The prefix cache's tier on disk (generation/kv_disk.py): a continued conversation gets the same greedy
+tokens whether its prefix came from RAM, from disk, from disk after a restart, or from a fresh prefill; a
+damaged, truncated or foreign file is never loaded (the prefix is computed again, the tokens the same); the
+directory stays within its budget; a failed write leaves the prefix in RAM and the request served."""
+
+import os
+
+import pytest
+import torch
+from tiny import tiny_checkpoint
+
+import moestream
+from moestream.cli import main
+from moestream.generation.generate import SamplingParams
+from moestream.generation.kv_cache import PrefixCache
+from moestream.generation.kv_disk import SUFFIX, DiskTier, TierFileError, decode, encode, identity
+from moestream.generation.serving import generate_batch
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kvdisk")
+    _, checkpoint = tiny_checkpoint("qwen3_moe", root / "hf", seed=6)
+    assert main(["convert", str(checkpoint), str(root / "store"), "--experts-dtype", "fp32"]) == 0
+    return root / "store"
+
+
+def _tokens(model, tokenizer, prompt, prefixes=None, n=8):
+    (result,) = generate_batch(model, tokenizer, [prompt], SamplingParams.greedy(n, ignore_eos=True), prefix_cache=prefixes)
+    return result.token_ids, result.cached_tokens
+
+
+def _tier(model, directory, budget=2**30, store="this store"):
+    return DiskTier(directory, budget, identity(store, model.config))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_continuation_gets_the_same_tokens_from_ram_disk_a_restart_and_a_fresh_prefill(store, tmp_path, kv_cache_dtype):
+    if kv_cache_dtype == "int8":
+        pytest.importorskip("moestream.native.fused_build").extension() or pytest.skip("no compiled kernels")
+    model, tokenizer = moestream.load(store, "1GiB", compute_dtype="fp32", kv_cache_dtype=kv_cache_dtype)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, 250, (30,), generator=g).tolist()
+    other = torch.randint(3, 250, (30,), generator=g).tolist()
+    first, _ = _tokens(model, tokenizer, prompt)
+    follow = prompt + first + torch.randint(3, 250, (5,), generator=g).tolist()
+    fresh, cached = _tokens(model, tokenizer, follow)
+    assert cached == 0
+    # RAM
+    ram = PrefixCache(2**30)
+    _tokens(model, tokenizer, prompt, ram)
+    from_ram, cached = _tokens(model, tokenizer, follow, ram)
+    assert cached > 0
+    # evicted to disk: RAM holds one conversation, the other pushes it out
+    tier = _tier(model, tmp_path / "tier")
+    small = PrefixCache(2**30, disk=tier)
+    _tokens(model, tokenizer, prompt, small)
+    small.budget_bytes = small.stats().bytes * 3 // 2  # room for one conversation
+    _tokens(model, tokenizer, other, small)
+    tier.flush()
+    assert tier.stats().writes >= 1 and not any(ids[:30] == tuple(prompt) for ids in small._entries)
+    from_disk, cached_disk = _tokens(model, tokenizer, follow, small)
+    assert cached_disk == cached and tier.stats().hits == 1
+    # a restart: a new tier on the same directory finds what the last one wrote; a clean stop flushes RAM too,
+    # so the follow-up's own KV is there now, all of its prompt but the last token
+    small.flush()
+    restarted = PrefixCache(2**30, disk=_tier(model, tmp_path / "tier"))
+    after_restart, cached_restart = _tokens(model, tokenizer, follow, restarted)
+    assert cached_restart == len(follow) - 1 and restarted.disk.stats().hits == 1
+    assert from_ram == from_disk == after_restart
+    if kv_cache_dtype == "auto":  # (int8 rows read back differ from a fresh prefill's float ones: test_kv_int8.py)
+        assert fresh == from_ram
+    moestream.close(model)
+
+
+def test_a_damaged_truncated_or_foreign_file_is_never_loaded(store, tmp_path):
+    model, tokenizer = moestream.load(store, "1GiB", compute_dtype="fp32")
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(3, 250, (24,), generator=g).tolist()
+    first, _ = _tokens(model, tokenizer, prompt)
+    follow = prompt + first + [5, 6, 7]
+    fresh, _ = _tokens(model, tokenizer, follow)
+
+    def written(directory):
+        cache = PrefixCache(2**30, disk=_tier(model, directory))
+        _tokens(model, tokenizer, prompt, cache)
+        cache.flush()
+        (path,) = directory.glob(f"*{SUFFIX}")
+        return path
+
+    for damage in ("flip", "truncate"):
+        path = written(tmp_path / damage)
+        data = bytearray(path.read_bytes())
+        if damage == "flip":
+            data[-10] ^= 0x10  # a byte of the last tensor
+        else:
+            data = data[: len(data) - 100]
+        path.write_bytes(bytes(data))
+        restarted = PrefixCache(2**30, disk=_tier(model, tmp_path / damage))
+        tokens, cached = _tokens(model, tokenizer, follow, restarted)
+        assert cached == 0 and tokens == fresh, damage  # computed again, the same tokens
+        assert not path.exists() and restarted.disk.stats().dropped == 1
+    # a tier written for another store is left alone: not loaded, not deleted
+    path = written(tmp_path / "foreign")
+    other = PrefixCache(2**30, disk=_tier(model, tmp_path / "foreign", store="another store"))
+    tokens, cached = _tokens(model, tokenizer, follow, other)
+    assert cached == 0 and tokens == fresh and path.exists() and other.disk.stats().entries == 0
+    with pytest.raises(TierFileError, match="another store"):
+        decode(path.read_bytes(), identity("another store", model.config))
+    moestream.close(model)
+
+
+def test_the_directory_stays_within_its_budget_and_a_failed_write_loses_nothing(store, tmp_path, monkeypatch):
+    model, tokenizer = moestream.load(store, "1GiB", compute_dtype="fp32")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 250, (20,), generator=g).tolist() for _ in range(5)]
+    probe = PrefixCache(2**30)
+    _tokens(model, tokenizer, prompts[0], probe, n=2)
+    ((entry, _),) = probe._entries.values()
+    size = len(encode(prompts[0], entry, identity("s", model.config)))
+    tier = _tier(model, tmp_path / "budget", budget=2 * size + size // 2, store="s")
+    cache = PrefixCache(1, disk=tier)  # (RAM holds nothing: every prefix goes to disk)
+    for prompt in prompts:
+        cache.disk.put(prompt, entry)  # (any KV: the budget is in bytes)
+        tier.flush()
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "budget").iterdir())
+        assert on_disk <= tier.budget_bytes
+    assert tier.stats().entries == 2
+    # a full disk: the write fails, is counted, and nothing else changes
+    full = _tier(model, tmp_path / "full", store="s")
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("builtins.open", no_space)
+    full.put(prompts[0], entry)
+    full.flush()
+    monkeypatch.undo()
+    assert full.stats().errors == 1 and full.stats().entries == 0
+    assert not any(os.scandir(tmp_path / "full"))
+    moestream.close(model)
+
+
+def test_a_conversation_survives_a_server_restart_through_the_tier(store, tmp_path):
+    """The server's path: a conversation's KV goes to the tier at a clean stop; a new server on the same
+    directory reuses it (its usage says how many prompt tokens were cached, /metrics the tier's hit), and
+    the answer is the one a server without a tier gives."""
+    from fastapi.testclient import TestClient
+
+    from moestream.server.http_app import ServerConfig, create_app
+
+    model, tokenizer = moestream.load(store, "1GiB", compute_dtype="fp32")
+    with_tier = ServerConfig("m", kv_disk=str(tmp_path / "kv"), kv_disk_memory=2**30)
+    ask = {"model": "m", "prompt": "one two three four five six seven", "max_tokens": 6, "temperature": 0}
+    with TestClient(create_app(model, tokenizer, with_tier)) as http:
+        first = http.post("/v1/completions", json=ask).json()["choices"][0]["text"]
+    assert list((tmp_path / "kv").glob(f"*{SUFFIX}"))  # (written at the stop)
+    follow = {**ask, "prompt": ask["prompt"] + first + " eight nine"}
+    with TestClient(create_app(model, tokenizer, with_tier)) as http:
+        reply = http.post("/v1/completions", json=follow).json()
+        metrics = http.get("/metrics").text
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert "moestream_kv_disk_hits_total 1.0" in metrics
+    with TestClient(create_app(model, tokenizer, ServerConfig("m", kv_memory=0))) as http:
+        fresh = http.post("/v1/completions", json=follow).json()
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert reply["choices"][0]["text"] == fresh["choices"][0]["text"]
+    moestream.close(model)
