@@ -126,6 +126,11 @@ def test_the_directory_stays_within_its_budget_and_a_failed_write_loses_nothing(
         on_disk = sum(p.stat().st_size for p in (tmp_path / "budget").iterdir())
         assert on_disk <= tier.budget_bytes
     assert tier.stats().entries == 2
+    # the same prefix queued twice (evicted, then flushed at a stop) is one file, still there
+    tier.put(prompts[0], entry)
+    tier.put(prompts[0], entry)
+    tier.flush()
+    assert tier.match(prompts[0] + [1])[1] == len(prompts[0])
     # a full disk: the write fails, is counted, and nothing else changes
     full = _tier(model, tmp_path / "full", store="s")
 

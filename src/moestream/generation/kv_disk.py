@@ -272,6 +272,10 @@ class DiskTier:
             ids, cache = self._queue.get()
             try:
                 self._write(ids, cache)
+            except Exception as e:  # the writer outlives any one prefix: that one stays in RAM only
+                with self._lock:
+                    self._stats.errors += 1
+                log.warning("moestream: the KV tier could not write a prefix (%s)", e)
             finally:
                 self._queue.task_done()
 
@@ -296,7 +300,8 @@ class DiskTier:
             log.warning("moestream: the KV tier could not write a prefix (%s); it stays in RAM only", e)
             return
         with self._lock:
-            for old in [old for old in self._index if old == ids[: len(old)]]:  # dominated by the new one
+            # A shorter prefix of the new one is dominated by it (the same ids queued twice: the same file).
+            for old in [old for old in self._index if len(old) < len(ids) and old == ids[: len(old)]]:
                 self._remove(self._index.pop(old).path)
             self._index[ids] = _Entry(path, len(data), time.time(), _cuttable(read_header(path)))
             self._stats.writes += 1
