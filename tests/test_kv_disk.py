@@ -119,9 +119,9 @@ def test_the_directory_stays_within_its_budget_and_a_failed_write_loses_nothing(
     ((entry, _),) = probe._entries.values()
     size = len(encode(prompts[0], entry, identity("s", model.config)))
     tier = _tier(model, tmp_path / "budget", budget=2 * size + size // 2, store="s")
-    cache = PrefixCache(1, disk=tier)  # (RAM holds nothing: every prefix goes to disk)
+    cache = PrefixCache(1, disk=tier)  # RAM holds nothing: a prefix too big for it goes to the disk at once
     for prompt in prompts:
-        cache.disk.put(prompt, entry)  # (any KV: the budget is in bytes)
+        cache.put(prompt, entry)  # (any KV: the budget is in bytes)
         tier.flush()
         on_disk = sum(p.stat().st_size for p in (tmp_path / "budget").iterdir())
         assert on_disk <= tier.budget_bytes

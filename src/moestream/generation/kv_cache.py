@@ -257,7 +257,11 @@ class PrefixCache:
         """Keep `cache` (the KV of exactly `ids`); evicts least recently used entries to fit."""
         ids = tuple(ids)
         size = kv_bytes(cache)
-        if not ids or size > self.budget_bytes or batchable(cache) is not None:
+        if not ids or batchable(cache) is not None:
+            return
+        if size > self.budget_bytes:  # more than RAM may hold (a long agent prompt): the disk tier may
+            if self.disk is not None:
+                self.disk.put(ids, _compact(cache))
             return
         with self._lock:
             # An entry that is a prefix of the new one is dominated by it.

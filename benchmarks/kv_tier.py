@@ -1,0 +1,142 @@
+"""Conversations taking turns against one server whose RAM holds the KV of about one of them: with the KV tier
+on disk and without, and across a restart.
+
+    python benchmarks/kv_tier.py STORE --text heldout.txt [--conversations 4] [--turns 4] [--prompt-chars 2400]
+                                 [--kv-memory 3MiB] [--serve-args "--memory 8MiB"] [--record]
+
+Each conversation opens with --prompt-chars characters of --text (a stretch of its own: an agent's
+instructions and first request) and each later turn appends the answer and a short message, as agents resend
+the whole history. The conversations take turns (1, 2, ..., N, 1, 2, ...) against `moestream serve STORE` with
+--kv-memory (size it to hold about one conversation), greedy completions of --max-tokens tokens. Two runs:
+`--kv-disk off`, then a fresh `--kv-disk` directory; the second is stopped after its last turn (SIGTERM, a
+clean stop) and started again on the same directory, and every conversation takes one more turn. Per turn
+it reads the usage's prompt and cached tokens and times the request. It prints, per run, the share of prompt
+tokens reused over the turns after each conversation's first (and after the restart), and the median
+seconds a request took; the answers of the two runs must be the same (they are greedy; a reused prefix gives
+the tokens a fresh prefill gives in fp32 compute, so --serve-args should hold `--compute-dtype fp32` for a
+model that computes in bf16, as `soak.py` says). --record writes this machine's record of kv-tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import machine
+from soak import MODEL, ServerProcess
+
+NEW_MESSAGE = " Now the next part, please."
+
+
+def run(args, kv_disk: str, restart: bool, log: Path) -> list[dict]:
+    """The turns of one run: one dict per request (conversation, turn, prompt and cached tokens, seconds, text)."""
+    serve = [*shlex.split(args.serve_args), "--kv-memory", args.kv_memory, "--kv-disk", kv_disk, "--log-level", "warning"]
+    env = {k: v for k, v in os.environ.items() if k != "MOESTREAM_FAULTS"}
+    text = Path(args.text).read_text()
+    histories = [text[i * args.prompt_chars : (i + 1) * args.prompt_chars] for i in range(args.conversations)]
+    turns: list[dict] = []
+
+    def turn(url: str, i: int, number: int) -> None:
+        body = {"model": MODEL, "prompt": histories[i], "max_tokens": args.max_tokens, "temperature": 0}
+        began = time.perf_counter()
+        reply = httpx.post(url + "/completions", json=body, timeout=600)
+        seconds = time.perf_counter() - began
+        reply.raise_for_status()
+        out = reply.json()
+        usage = out["usage"]
+        answer = out["choices"][0]["text"]
+        turns.append(
+            {
+                "conversation": i,
+                "turn": number,
+                "prompt": usage["prompt_tokens"],
+                "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                "seconds": seconds,
+                "text": answer,
+            }
+        )
+        histories[i] += answer + NEW_MESSAGE
+
+    server = ServerProcess(args.store, serve, env, log)
+    try:
+        for number in range(args.turns):
+            for i in range(args.conversations):
+                turn(server.url, i, number)
+        if restart:
+            server.process.send_signal(signal.SIGTERM)
+            server.process.wait(120)
+            server = ServerProcess(args.store, serve, env, log)
+            for i in range(args.conversations):
+                turn(server.url, i, args.turns)
+    finally:
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(120)
+    return turns
+
+
+def summary(turns: list[dict], after: int = 1, only: int | None = None) -> tuple[float, float, int]:
+    """(share of prompt tokens reused, median seconds, requests) over the turns numbered `after` or later
+    (or exactly `only`)."""
+    chosen = [t for t in turns if (t["turn"] == only if only is not None else t["turn"] >= after)]
+    prompt = sum(t["prompt"] for t in chosen)
+    cached = sum(t["cached"] for t in chosen)
+    return cached / max(1, prompt), statistics.median(t["seconds"] for t in chosen), len(chosen)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("store")
+    parser.add_argument("--text", required=True, help="the conversations' opening text (a stretch each)")
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4, help="turns of each conversation before the restart")
+    parser.add_argument("--prompt-chars", type=int, default=2400)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--kv-memory", default="3MiB", help="the server's --kv-memory: about one conversation's KV")
+    parser.add_argument("--serve-args", default="--memory 8MiB", help="more arguments for moestream serve")
+    machine.add_record_argument(parser, "kv-tier")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="kv-tier-") as work:
+        log = Path(work) / "serve.log"
+        without = run(args, "off", False, log)
+        with_tier = run(args, str(Path(work) / "tier"), True, log)
+    same = [t["text"] for t in without] == [t["text"] for t in with_tier if t["turn"] < args.turns]
+    rows = []
+    for name, turns in (("--kv-disk off", without), ("--kv-disk DIR", with_tier)):
+        share, seconds, n = summary(turns)
+        _, first_seconds, _ = summary(turns, only=0)
+        tokens = statistics.mean(t["prompt"] for t in turns if t["turn"] >= 1)
+        rows.append([name, "later turns", n, f"{tokens:.0f}", f"{share:.1%}", f"{seconds:.3f}", f"{first_seconds:.3f}"])
+    share, seconds, n = summary(with_tier, only=args.turns)
+    tokens = statistics.mean(t["prompt"] for t in with_tier if t["turn"] == args.turns)
+    rows.append(["--kv-disk DIR", "the turn after a restart", n, f"{tokens:.0f}", f"{share:.1%}", f"{seconds:.3f}", ""])
+    print(machine.line())
+    for row in rows:
+        print("  ".join(str(c) for c in row))
+    print("answers the same with and without the tier:", "yes" if same else "NO")
+    if args.record:
+        caption = (
+            f"{args.conversations} conversations of about {args.prompt_chars} characters taking turns ({args.turns} each, then "
+            f"a restart and one more), `--kv-memory {args.kv_memory}`, serve `{args.serve_args}`, greedy completions of "
+            f"{args.max_tokens} tokens; the answers with and without the tier the same: {'yes' if same else 'NO'}:"
+        )
+        table = machine.table(
+            caption,
+            ["server", "turns", "requests", "prompt tokens (mean)", "of them reused", "median seconds a request", "first turns"],
+            rows,
+        )
+        path = machine.write_result(args.record, "Conversations through the KV tier on disk", machine.invocation(), [table])
+        print(f"wrote {path}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
