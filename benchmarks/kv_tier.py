@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import machine
+import torch
 from soak import MODEL, ServerProcess
 
 NEW_MESSAGE = " Now the next part, please."
@@ -82,6 +83,49 @@ def run(args, kv_disk: str, restart: bool, log: Path) -> list[dict]:
     return turns
 
 
+def file_read(args) -> list[list]:
+    """A prefix's file at a model's KV shape (--shape LAYERS,KV_HEADS,HEAD_DIM,POSITIONS, bf16): written by the
+    tier, dropped from the page cache, then found and read back as a request would (`DiskTier.match`), timed
+    --rounds times; rows of (bytes, write seconds, cold read seconds, GB/s)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    from moestream.generation.kv_disk import DiskTier
+
+    layers, heads, head_dim, positions = (int(v) for v in args.shape.split(","))
+    cache = DynamicCache.__new__(DynamicCache)
+    cache.__dict__.update({"layer_class_to_replicate": None, "offloading": False})
+    cache.layers = []
+    for _ in range(layers):
+        layer = DynamicLayer()
+        layer.is_initialized, layer.device = True, torch.device("cpu")
+        layer.keys, layer.values = (torch.randn(1, heads, positions, head_dim).bfloat16() for _ in range(2))
+        cache.layers.append(layer)
+    ids = list(range(positions))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kv-tier-", dir=args.work) as work:
+        for _ in range(args.rounds):
+            for old in Path(work).glob("*"):
+                old.unlink()
+            tier = DiskTier(work, 2**40, {"format": 1, "store": "bench"})
+            began = time.perf_counter()
+            tier.put(ids, cache)
+            tier.flush()
+            written = time.perf_counter() - began
+            (path,) = Path(work).glob("*.kv")
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a cold read, as after a restart
+            tier = DiskTier(work, 2**40, {"format": 1, "store": "bench"})  # (a restart: the index from the headers)
+            began = time.perf_counter()
+            found, n = tier.match(ids + [0])
+            read = time.perf_counter() - began
+            assert n == positions and torch.equal(found.layers[-1].values, cache.layers[-1].values)
+            rows.append([f"{size / 1e9:.2f} GB", f"{written:.2f}", f"{read:.2f}", f"{size / read / 1e9:.2f}"])
+            print("  ".join(rows[-1]), flush=True)
+    return rows
+
+
 def summary(turns: list[dict], after: int = 1, only: int | None = None) -> tuple[float, float, int]:
     """(share of prompt tokens reused, median seconds, requests) over the turns numbered `after` or later
     (or exactly `only`)."""
@@ -101,8 +145,27 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--kv-memory", default="3MiB", help="the server's --kv-memory: about one conversation's KV")
     parser.add_argument("--serve-args", default="--memory 8MiB", help="more arguments for moestream serve")
+    parser.add_argument(
+        "--shape",
+        help="instead: time one prefix's file at this KV shape, LAYERS,KV_HEADS,HEAD_DIM,POSITIONS (bf16; the "
+        "Qwen3-30B-A3B shape at 12k tokens: 48,4,128,12288), written, then read back cold",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --shape: files written and read")
+    parser.add_argument("--work", default=None, help="with --shape: a directory on the disk to measure")
     machine.add_record_argument(parser, "kv-tier")
     args = parser.parse_args()
+    if args.shape:
+        print(machine.line())
+        rows = file_read(args)
+        if args.record:
+            caption = (
+                f"One prefix's file at KV shape {args.shape} (layers, KV heads, head size, positions; bf16), written by the "
+                "tier, dropped from the page cache, then found and read back as after a restart (checksum and all):"
+            )
+            table = machine.table(caption, ["file", "write s", "cold read s", "read GB/s"], rows)
+            path = machine.write_result(args.record, "Conversations through the KV tier on disk", machine.invocation(), [table])
+            print(f"wrote {path}")
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="kv-tier-") as work:
         log = Path(work) / "serve.log"

@@ -25,6 +25,41 @@ def store(tmp_path_factory):
     return root / "store"
 
 
+def test_a_file_gives_back_every_layer_bit_for_bit():
+    """Float, 8-bit and sliding-window layers, odd sizes (an int8 tensor of an odd byte count before a bf16
+    one): decode(encode(cache)) has the same classes, attributes and tensors."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    from moestream.generation.kv_layer import Int8Layer
+
+    g = torch.Generator().manual_seed(10)
+    cache = DynamicCache.__new__(DynamicCache)
+    cache.__dict__.update({"layer_class_to_replicate": None, "offloading": False})
+    float_layer = DynamicLayer()
+    float_layer.lazy_initialization(torch.randn(1, 2, 5, 8, generator=g).bfloat16(), torch.randn(1, 2, 5, 8).bfloat16())
+    float_layer.keys, float_layer.values = (
+        torch.randn(1, 2, 5, 8, generator=g).bfloat16(),
+        torch.randn(1, 2, 5, 8, generator=g).bfloat16(),
+    )
+    packed = Int8Layer.__new__(Int8Layer)
+    packed.__dict__.update({"is_initialized": True, "device": torch.device("cpu"), "_buffers": None})
+    packed.keys = torch.randint(-128, 127, (1, 1, 3, 3), generator=g, dtype=torch.int8)  # 9 bytes
+    packed.values = torch.randint(-128, 127, (1, 1, 3, 3), generator=g, dtype=torch.int8)
+    sliding = DynamicSlidingWindowLayer(sliding_window=4)
+    sliding.lazy_initialization(torch.randn(1, 2, 3, 8).float(), torch.randn(1, 2, 3, 8).float())
+    sliding.keys, sliding.values = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g)
+    sliding.cumulative_length = 3
+    cache.layers = [float_layer, packed, sliding]
+    ident = {"format": 1, "store": "s"}
+    ids, back = decode(encode([1, 2, 3], cache, ident), ident)
+    assert ids == [1, 2, 3] and [type(layer) for layer in back.layers] == [type(layer) for layer in cache.layers]
+    for mine, theirs in zip(cache.layers, back.layers):
+        assert set(vars(mine)) == set(vars(theirs))
+        for key, value in vars(mine).items():
+            other = getattr(theirs, key)
+            assert torch.equal(value, other) and value.dtype == other.dtype if isinstance(value, torch.Tensor) else value == other
+
+
 def _tokens(model, tokenizer, prompt, prefixes=None, n=8):
     (result,) = generate_batch(model, tokenizer, [prompt], SamplingParams.greedy(n, ignore_eos=True), prefix_cache=prefixes)
     return result.token_ids, result.cached_tokens

@@ -10,7 +10,7 @@ A file per prefix (`<xxh3 of its token ids>.kv`):
 
     8 bytes   magic, b"MSKVTIER"
     8 bytes   the header's length H, little-endian
-    H bytes   the header, JSON: the tier's format version, the identity of what wrote it (the store's manifest
+    H bytes   the header, JSON (padded with spaces so that the payload starts at a multiple of 4 KiB): the tier's format version, the identity of what wrote it (the store's manifest
               checksum and the model's KV layout: `identity`), the token ids the KV covers, each layer's class
               and attributes, each tensor's dtype, shape and offset in the payload, and the payload's xxh3-64
     payload   the tensors' bytes, one after another
@@ -48,6 +48,7 @@ log = logging.getLogger("moestream")
 
 MAGIC = b"MSKVTIER"
 FORMAT = 1
+ALIGN = 4096  # the payload's start in a file (a page: each tensor's offset suits its dtype, and direct reads)
 SUFFIX = ".kv"
 _LAYER_CLASSES = {cls.__name__: cls for cls in (DynamicLayer, DynamicSlidingWindowLayer, Int8Layer)}
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64)}
@@ -106,8 +107,14 @@ def _restored(value):
 
 
 def encode(ids: Sequence[int], cache: DynamicCache, ident: dict) -> bytes:
-    """A tier file's bytes for the KV of `ids` in `cache` (a batch-1 cache of plain layers on the CPU);
-    ValueError for a cache the format cannot hold (another layer class, an attribute it cannot write)."""
+    """A tier file's bytes for the KV of `ids` in `cache` (`encode_parts`, joined)."""
+    return b"".join(encode_parts(ids, cache, ident))
+
+
+def encode_parts(ids: Sequence[int], cache: DynamicCache, ident: dict) -> list:
+    """A tier file's bytes for the KV of `ids` in `cache` (a batch-1 cache of plain layers on the CPU), as the
+    pieces to write one after another (the tensors' own memory, not copies); ValueError for a cache the format
+    cannot hold (another layer class, an attribute it cannot write)."""
     tensors: list[torch.Tensor] = []
     layers = []
     for layer in cache.layers:
@@ -125,22 +132,29 @@ def encode(ids: Sequence[int], cache: DynamicCache, ident: dict) -> bytes:
                 attrs[key] = _plain(value)
         layers.append({"class": name, "attrs": attrs, "tensors": stored})
     cache_attrs = {key: _plain(value) for key, value in vars(cache).items() if key != "layers"}
-    specs, offset = [], 0
+    specs, pieces, offset = [], [], 0
+    checksum = xxhash.xxh3_64()
     for t in tensors:
         size = t.numel() * t.element_size()
+        pad = -offset % 64  # each tensor 64-byte aligned, whatever the sizes before it
+        piece = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if size else b""
+        for part in (bytes(pad), piece):
+            checksum.update(part)
+            pieces.append(part)
+        offset += pad
         specs.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset, "bytes": size})
         offset += size
-    payload = b"".join(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"" for t in tensors)
     header = {
         **ident,
         "ids": list(ids),
         "cache": cache_attrs,
         "layers": layers,
         "tensors": specs,
-        "checksum": xxhash.xxh3_64_hexdigest(payload),
+        "checksum": checksum.hexdigest(),
     }
     head = json.dumps(header).encode()
-    return MAGIC + len(head).to_bytes(8, "little") + head + payload
+    head += b" " * (-(16 + len(head)) % ALIGN)  # (JSON's whitespace): the payload starts aligned
+    return [MAGIC + len(head).to_bytes(8, "little") + head, *pieces]
 
 
 def read_header(path: Path) -> dict:
@@ -173,13 +187,17 @@ def decode(data: bytes, ident: dict) -> tuple[list[int], DynamicCache]:
         raise TierFileError("written for another store, KV layout or format")
     payload = memoryview(data)[16 + size :]
     specs = header["tensors"]
-    if len(payload) != sum(spec["bytes"] for spec in specs):
+    if len(payload) != (specs[-1]["offset"] + specs[-1]["bytes"] if specs else 0):
         raise TierFileError("truncated")
     if xxhash.xxh3_64_hexdigest(payload) != header["checksum"]:
         raise TierFileError("its checksum does not match: damaged")
     tensors = []
+    writable = data if isinstance(data, bytearray) else bytearray(data)  # (the tensors are views into it: no copy)
     for spec in specs:
-        raw = torch.frombuffer(bytearray(payload[spec["offset"] : spec["offset"] + spec["bytes"]]), dtype=torch.uint8)
+        if not spec["bytes"]:
+            tensors.append(torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]]))
+            continue
+        raw = torch.frombuffer(writable, dtype=torch.uint8, count=spec["bytes"], offset=16 + size + spec["offset"])
         tensors.append(raw.view(_DTYPES[spec["dtype"]]).view(spec["shape"]))
     cache = DynamicCache.__new__(DynamicCache)
     cache.__dict__.update({key: _restored(value) for key, value in header["cache"].items()})
@@ -281,17 +299,19 @@ class DiskTier:
 
     def _write(self, ids: tuple[int, ...], cache: DynamicCache) -> None:
         try:
-            data = encode(ids, cache, self.ident)
+            parts = encode_parts(ids, cache, self.ident)
         except ValueError as e:
             log.debug("moestream: a prefix the KV tier cannot hold (%s)", e)
             return
-        if len(data) > self.budget_bytes:
+        size = sum(len(part) for part in parts)
+        if size > self.budget_bytes:
             return
         path = self.directory / file_name(ids)
         temporary = path.with_suffix(".tmp")
         try:
             with open(temporary, "wb") as f:
-                f.write(data)
+                for part in parts:
+                    f.write(part)
             os.replace(temporary, path)
         except OSError as e:
             self._remove(temporary)
@@ -303,9 +323,9 @@ class DiskTier:
             # A shorter prefix of the new one is dominated by it (the same ids queued twice: the same file).
             for old in [old for old in self._index if len(old) < len(ids) and old == ids[: len(old)]]:
                 self._remove(self._index.pop(old).path)
-            self._index[ids] = _Entry(path, len(data), time.time(), _cuttable(read_header(path)))
+            self._index[ids] = _Entry(path, size, time.time(), _cuttable(read_header(path)))
             self._stats.writes += 1
-            self._stats.bytes_written += len(data)
+            self._stats.bytes_written += size
             self._trim()
 
     def _trim(self) -> None:
@@ -334,7 +354,10 @@ class DiskTier:
                 return None, 0
             path = self._index[best].path
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                if f.readinto(data) != len(data):
+                    raise TierFileError("shorter than when it was opened")
             ids, cache = decode(data, self.ident)
             if tuple(ids) != best:
                 raise TierFileError("its token ids are not the index's")
