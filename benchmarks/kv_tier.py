@@ -3,6 +3,7 @@ on disk and without, and across a restart.
 
     python benchmarks/kv_tier.py STORE --text heldout.txt [--conversations 4] [--turns 4] [--prompt-chars 2400]
                                  [--kv-memory 3MiB] [--serve-args "--memory 8MiB"] [--record]
+    python benchmarks/kv_tier.py --shape 48,4,128,12288 [--rounds 3] [--work DIR] [--record]
 
 Each conversation opens with --prompt-chars characters of --text (a stretch of its own: an agent's
 instructions and first request) and each later turn appends the answer and a short message, as agents resend
@@ -14,7 +15,9 @@ it reads the usage's prompt and cached tokens and times the request. It prints, 
 tokens reused over the turns after each conversation's first (and after the restart), and the median
 seconds a request took; the answers of the two runs must be the same (they are greedy; a reused prefix gives
 the tokens a fresh prefill gives in fp32 compute, so --serve-args should hold `--compute-dtype fp32` for a
-model that computes in bf16, as `soak.py` says). --record writes this machine's record of kv-tier.
+model that computes in bf16, as `soak.py` says). With --shape it times one prefix's file instead: a cache of
+that KV shape written by the tier, dropped from the page cache, then found and read back as after a restart,
+beside the disk's own speed reading the same file. --record writes this machine's record of kv-tier.
 """
 
 from __future__ import annotations
@@ -121,9 +124,41 @@ def file_read(args) -> list[list]:
             found, n = tier.match(ids + [0])
             read = time.perf_counter() - began
             assert n == positions and torch.equal(found.layers[-1].values, cache.layers[-1].values)
-            rows.append([f"{size / 1e9:.2f} GB", f"{written:.2f}", f"{read:.2f}", f"{size / read / 1e9:.2f}"])
+            del found
+            disk = direct_read_seconds(path)
+            rows.append(
+                [f"{size / 1e9:.2f} GB", f"{written:.2f}", f"{read:.2f}", f"{size / read / 1e9:.2f}", f"{size / disk / 1e9:.2f}"]
+            )
             print("  ".join(rows[-1]), flush=True)
     return rows
+
+
+def direct_read_seconds(path: Path, piece: int = 64 << 20) -> float:
+    """Seconds to read `path` once more from the disk alone, cold, sequentially with O_DIRECT in 64 MiB pieces
+    into aligned memory: the disk's speed for this file, beside the tier's."""
+    import mmap
+
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    buffer = mmap.mmap(-1, size + piece)  # (page-aligned, as O_DIRECT needs)
+    view = memoryview(buffer)
+    began = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        offset = 0
+        while offset < size:
+            n = os.preadv(fd, [view[offset : offset + piece]], offset)
+            if n <= 0:
+                break
+            offset += n
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - began
+    view.release()
+    buffer.close()
+    return seconds
 
 
 def summary(turns: list[dict], after: int = 1, only: int | None = None) -> tuple[float, float, int]:
@@ -137,8 +172,8 @@ def summary(turns: list[dict], after: int = 1, only: int | None = None) -> tuple
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("store")
-    parser.add_argument("--text", required=True, help="the conversations' opening text (a stretch each)")
+    parser.add_argument("store", nargs="?", help="the store to serve (not with --shape)")
+    parser.add_argument("--text", help="the conversations' opening text (a stretch each)")
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4, help="turns of each conversation before the restart")
     parser.add_argument("--prompt-chars", type=int, default=2400)
@@ -162,10 +197,14 @@ def main() -> int:
                 f"One prefix's file at KV shape {args.shape} (layers, KV heads, head size, positions; bf16), written by the "
                 "tier, dropped from the page cache, then found and read back as after a restart (checksum and all):"
             )
-            table = machine.table(caption, ["file", "write s", "cold read s", "read GB/s"], rows)
+            table = machine.table(
+                caption, ["file", "write s", "cold read s", "read GB/s", "the disk alone (O_DIRECT) GB/s"], rows
+            )
             path = machine.write_result(args.record, "Conversations through the KV tier on disk", machine.invocation(), [table])
             print(f"wrote {path}")
         return 0
+    if not args.store or not args.text:
+        parser.error("give a STORE and --text (or --shape)")
 
     with tempfile.TemporaryDirectory(prefix="kv-tier-") as work:
         log = Path(work) / "serve.log"
