@@ -133,10 +133,12 @@ def file_read(args) -> list[list]:
     return rows
 
 
-def direct_read_seconds(path: Path, piece: int = 64 << 20) -> float:
-    """Seconds to read `path` once more from the disk alone, cold, sequentially with O_DIRECT in 64 MiB pieces
-    into aligned memory: the disk's speed for this file, beside the tier's."""
+def direct_read_seconds(path: Path, threads: int = 4, piece: int = 16 << 20) -> float:
+    """Seconds to read `path` once more from the disk alone, cold, with O_DIRECT, `threads` reading pieces of
+    `piece` bytes at once into aligned memory, nothing else done: the disk's speed for this file, beside the
+    tier's (which also checks the checksum and builds the cache)."""
     import mmap
+    from concurrent.futures import ThreadPoolExecutor
 
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
@@ -147,12 +149,8 @@ def direct_read_seconds(path: Path, piece: int = 64 << 20) -> float:
     began = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        offset = 0
-        while offset < size:
-            n = os.preadv(fd, [view[offset : offset + piece]], offset)
-            if n <= 0:
-                break
-            offset += n
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda offset: os.preadv(fd, [view[offset : offset + piece]], offset), range(0, size, piece)))
     finally:
         os.close(fd)
     seconds = time.perf_counter() - began
@@ -198,7 +196,7 @@ def main() -> int:
                 "tier, dropped from the page cache, then found and read back as after a restart (checksum and all):"
             )
             table = machine.table(
-                caption, ["file", "write s", "cold read s", "read GB/s", "the disk alone (O_DIRECT) GB/s"], rows
+                caption, ["file", "write s", "cold read s", "read GB/s", "the disk alone (O_DIRECT, 4 threads) GB/s"], rows
             )
             path = machine.write_result(args.record, "Conversations through the KV tier on disk", machine.invocation(), [table])
             print(f"wrote {path}")
