@@ -220,9 +220,9 @@ READERS, PIECE = 4, 16 << 20
 
 def read_file(path: Path):
     """A tier file's bytes, writable (a bytearray, or a memoryview of page-aligned memory). A large one is read
-    around the page cache (O_DIRECT) by several threads at once: a 1.2 GB file measured 2.0-2.1 GB/s so
-    against 1.0-2.0 GB/s with one thread on the same disk (benchmarks/kv_tier.py --shape); where the file
-    system refuses O_DIRECT, a plain read."""
+    around the page cache (O_DIRECT) by several threads at once, which keep the disk's queue full as the
+    expert reader's I/O threads do (benchmarks/kv_tier.py --shape compares it with the disk read alone);
+    where the file system refuses O_DIRECT, a plain read."""
     size = path.stat().st_size
     if size >= DIRECT_FROM:
         try:
