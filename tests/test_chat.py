@@ -182,3 +182,32 @@ def test_a_chat_that_starts_as_an_earlier_one_did_reads_its_kv_from_the_disk_tie
     assert again.cached_tokens > 0 and later.prefix_cache.disk.stats().hits == 1
     assert again.text == answer.text
     assert "KV on disk" in later.stats_text()
+
+
+def test_chat_resume_continues_the_last_conversation_from_its_kv_on_disk(loaded, tmp_path):
+    """`close` keeps a chat's messages beside its KV; `resume` in a later chat continues it: the next answer
+    prefills only the new message and is the one the first chat would have given."""
+    from moestream.generation.kv_disk import tier_for
+
+    model, tok = loaded
+
+    def session():
+        return ChatSession(model, tok, params=SamplingParams.greedy(10), kv_disk=tier_for(model, tmp_path, 2**30))
+
+    whole = session()
+    for text in ("Hello", "And then?"):
+        whole.ask(text, notice=lambda _: None)
+    whole.close()
+    expected = whole.ask("One more", notice=lambda _: None)  # (the same session going on: its KV from RAM)
+
+    first = ChatSession(model, tok, params=SamplingParams.greedy(10), kv_disk=tier_for(model, tmp_path / "b", 2**30))
+    assert first.resume() == 0
+    for text in ("Hello", "And then?"):
+        first.ask(text, notice=lambda _: None)
+    first.close()
+    later = ChatSession(model, tok, params=SamplingParams.greedy(10), kv_disk=tier_for(model, tmp_path / "b", 2**30))
+    assert later.resume() == 4 and later.messages == first.messages
+    answer = later.ask("One more", notice=lambda _: None)
+    before = len(encode(tok, chat_prompt(tok, first.messages[:3]), templated=True))  # the last answer's prompt
+    assert answer.cached_tokens >= before and later.prefix_cache.disk.stats().hits == 1  # (read back, not prefilled)
+    assert answer.text == expected.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import UsageError
 from ..options import (
     add_chat_template_argument,
     add_kv_disk_arguments,
@@ -37,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_kv_memory_argument(parser)
     add_kv_disk_arguments(parser)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the conversation the last chat on this store left (kept beside its KV on disk at the end of "
+        "every chat), without prefilling it again",
+    )
     add_chat_template_argument(parser)
 
 
@@ -47,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     kv_memory = parse_bytes(args.kv_memory)
     kv_disk_memory = positive(parse_bytes(args.kv_disk_memory), "--kv-disk-memory")
+    if args.resume and (args.kv_disk == "off" or kv_memory == 0):
+        raise UsageError(
+            "--resume continues a conversation kept beside its KV on disk: leave out --kv-disk off and --kv-memory 0"
+        )
     model, tokenizer = load_model(args)
     directory = kv_disk_directory(args.kv_disk, args.store) if kv_memory > 0 else None
     session = ChatSession(
@@ -58,6 +69,15 @@ def run(args: argparse.Namespace) -> int:
         kv_disk=tier_for(model, directory, kv_disk_memory) if directory else None,
     )
     print(banner(session, Path(args.store).name), flush=True)
+    if args.resume:
+        resumed = session.resume()
+        last = next((m["content"] for m in reversed(session.messages) if m["role"] == "assistant"), "")
+        print(
+            f"(resumed {resumed} messages; the last answer began: {last[:60]!r})"
+            if resumed
+            else "(no earlier chat of this store to resume)",
+            flush=True,
+        )
     try:
         return run_chat(session)
     finally:

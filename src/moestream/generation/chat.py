@@ -11,6 +11,8 @@ reminds how to leave. /stats, /reset and /exit are commands.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
 import sys
@@ -38,6 +40,7 @@ from .kv_cache import PrefixCache
 from .kv_disk import DiskTier
 from .serving import Request, Scheduler, run_until_idle
 
+HISTORY = "chat.json"  # the last chat's messages, in its store's KV tier directory (`ChatSession.resume`)
 COMMANDS = {
     "/stats": "hit rate, MB read, tokens/s, memory",
     "/reset": "start a new conversation",
@@ -168,9 +171,33 @@ class ChatSession:
         return "\n".join(lines)
 
     def close(self) -> None:
-        """At the end of a chat: the conversation's KV goes to the disk tier, where the next chat finds it."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.flush()
+        """At the end of a chat: the conversation's KV goes to the disk tier, where the next chat finds it, and
+        its messages beside it (`HISTORY`), for `resume`."""
+        if self.prefix_cache is None or self.prefix_cache.disk is None:
+            return
+        self.prefix_cache.flush()
+        path = self.prefix_cache.disk.directory / HISTORY
+        temporary = path.with_suffix(".tmp")
+        try:
+            temporary.write_text(json.dumps({"format": 1, "messages": self.messages}))
+            os.replace(temporary, path)
+        except OSError as e:
+            print(f"(could not keep the conversation for --resume: {e})", file=sys.stderr)
+
+    def resume(self) -> int:
+        """Continue the conversation the last chat on this store left (`close` kept its messages beside its KV,
+        so the next answer prefills only the new message); the number of messages, 0 where there is none."""
+        if self.prefix_cache is None or self.prefix_cache.disk is None:
+            return 0
+        try:
+            saved = json.loads((self.prefix_cache.disk.directory / HISTORY).read_text())
+            messages = saved["messages"]
+            if saved.get("format") != 1 or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages):
+                return 0
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+        self.messages = messages
+        return len(messages)
 
 
 @contextmanager
