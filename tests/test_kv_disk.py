@@ -108,6 +108,29 @@ def test_a_continuation_gets_the_same_tokens_from_ram_disk_a_restart_and_a_fresh
     moestream.close(model)
 
 
+def test_a_batch_of_rows_some_with_prefixes_from_disk_gets_each_rows_own_tokens(store, tmp_path):
+    """Three prompts decoded together: one whose prefix comes from the disk tier, one from RAM, one fresh;
+    each row's greedy tokens are the ones it gets alone without any cache."""
+    model, tokenizer = moestream.load(store, "1GiB", compute_dtype="fp32")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (20 + 3 * i,), generator=g).tolist() for i in range(3)]
+    alone = [_tokens(model, tokenizer, p)[0] for p in prompts]
+    follows = [p + a + [7, 8] for p, a in zip(prompts, alone)]
+    expected = [_tokens(model, tokenizer, f)[0] for f in follows]
+    tier = _tier(model, tmp_path / "tier")
+    cache = PrefixCache(2**30, disk=tier)
+    _tokens(model, tokenizer, prompts[0], cache)
+    cache.flush()
+    cache.clear()  # the first prompt's KV now on disk only
+    _tokens(model, tokenizer, prompts[1], cache)  # the second's in RAM
+    params = SamplingParams.greedy(8, ignore_eos=True)
+    results = generate_batch(model, tokenizer, follows, params, max_batch=3, prefix_cache=cache)
+    assert [r.token_ids for r in results] == expected
+    assert results[0].cached_tokens > 0 and results[1].cached_tokens > 0 and results[2].cached_tokens == 0
+    assert tier.stats().hits == 1
+    moestream.close(model)
+
+
 def test_a_damaged_truncated_or_foreign_file_is_never_loaded(store, tmp_path):
     model, tokenizer = moestream.load(store, "1GiB", compute_dtype="fp32")
     g = torch.Generator().manual_seed(8)
