@@ -90,19 +90,10 @@ def file_read(args) -> list[list]:
     """A prefix's file at a model's KV shape (--shape LAYERS,KV_HEADS,HEAD_DIM,POSITIONS, bf16): written by the
     tier, dropped from the page cache, then found and read back as a request would (`DiskTier.match`), timed
     --rounds times; rows of (bytes, write seconds, cold read seconds, GB/s)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
     from moestream.generation.kv_disk import DiskTier
 
-    layers, heads, head_dim, positions = (int(v) for v in args.shape.split(","))
-    cache = DynamicCache.__new__(DynamicCache)
-    cache.__dict__.update({"layer_class_to_replicate": None, "offloading": False})
-    cache.layers = []
-    for _ in range(layers):
-        layer = DynamicLayer()
-        layer.is_initialized, layer.device = True, torch.device("cpu")
-        layer.keys, layer.values = (torch.randn(1, heads, positions, head_dim).bfloat16() for _ in range(2))
-        cache.layers.append(layer)
+    cache = synthetic_cache(args.shape)
+    positions = int(args.shape.split(",")[-1])
     ids = list(range(positions))
     rows = []
     with tempfile.TemporaryDirectory(prefix="kv-tier-", dir=args.work) as work:
@@ -131,6 +122,70 @@ def file_read(args) -> list[list]:
             )
             print("  ".join(rows[-1]), flush=True)
     return rows
+
+
+def decode_while_writing(args) -> list[list]:
+    """Decode tokens/s of STORE with the tier idle and with the tier writing prefixes of --shape over and over
+    on its thread meanwhile, in alternating rounds of one process (rows: round, idle tok/s, writing tok/s,
+    GB written during the writing rounds)."""
+    import threading
+
+    import moestream
+    from moestream.generation.kv_disk import DiskTier
+    from moestream.generation.serving import timed
+
+    model, tokenizer = moestream.load(args.store, args.memory)
+    prompt = tokenizer(Path(args.text).read_text()).input_ids[:32]
+    cache = synthetic_cache(args.shape)
+
+    def rate() -> float:
+        result = timed(model, prompt, args.decode_tokens)
+        return (len(result.token_ids) - 1) / result.timing.decode_seconds
+
+    rate()  # (warm: the experts this decode reads, the kernels)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kv-tier-", dir=args.work) as work:
+        tier = DiskTier(work, 3 * 10**9, {"format": 1, "store": "bench"})  # (older files deleted as it goes)
+        for number in range(args.rounds):
+            idle = rate()
+            stop = threading.Event()
+            before = tier.stats().bytes_written
+            writer = threading.Thread(target=_keep_writing, args=(tier, cache, stop))
+            writer.start()
+            time.sleep(0.2)  # (the first write under way)
+            busy = rate()
+            stop.set()
+            writer.join()
+            written = tier.stats().bytes_written - before
+            rows.append([number + 1, f"{idle:.1f}", f"{busy:.1f}", f"{busy / idle:.3f}", f"{written / 1e9:.1f}"])
+            print("  ".join(str(c) for c in rows[-1]), flush=True)
+    moestream.close(model)
+    return rows
+
+
+def _keep_writing(tier, cache, stop) -> None:
+    """Queue prefixes (a new one each time, so each is written) and wait for each, until `stop`."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        tier.put(list(range(n, n + 16)), cache)
+        tier.flush()
+
+
+def synthetic_cache(shape: str):
+    """A DynamicCache of random bf16 keys and values at LAYERS,KV_HEADS,HEAD_DIM,POSITIONS."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    layers, heads, head_dim, positions = (int(v) for v in shape.split(","))
+    cache = DynamicCache.__new__(DynamicCache)
+    cache.__dict__.update({"layer_class_to_replicate": None, "offloading": False})
+    cache.layers = []
+    for _ in range(layers):
+        layer = DynamicLayer()
+        layer.is_initialized, layer.device = True, torch.device("cpu")
+        layer.keys, layer.values = (torch.randn(1, heads, positions, head_dim).bfloat16() for _ in range(2))
+        cache.layers.append(layer)
+    return cache
 
 
 def direct_read_seconds(path: Path, threads: int = 4, piece: int = 16 << 20) -> float:
@@ -183,10 +238,30 @@ def main() -> int:
         help="instead: time one prefix's file at this KV shape, LAYERS,KV_HEADS,HEAD_DIM,POSITIONS (bf16; the "
         "Qwen3-30B-A3B shape at 12k tokens: 48,4,128,12288), written, then read back cold",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="with --shape: files written and read")
+    parser.add_argument("--rounds", type=int, default=3, help="with --shape: files written and read, or decode rounds")
+    parser.add_argument(
+        "--decode-while-writing",
+        action="store_true",
+        help="with --shape and a STORE: decode tok/s with the tier idle and with it writing --shape prefixes meanwhile",
+    )
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--memory", default="256MiB", help="with --decode-while-writing: the expert budget")
     parser.add_argument("--work", default=None, help="with --shape: a directory on the disk to measure")
     machine.add_record_argument(parser, "kv-tier")
     args = parser.parse_args()
+    if args.shape and args.decode_while_writing:
+        print(machine.line())
+        rows = decode_while_writing(args)
+        if args.record:
+            caption = (
+                f"Decode of `{args.store}` ({args.decode_tokens} greedy tokens, `--memory {args.memory}`) with the KV tier idle "
+                f"and with it writing prefixes of KV shape {args.shape} (bf16) one after another on its thread meanwhile, "
+                "alternating in one process:"
+            )
+            table = machine.table(caption, ["round", "idle tok/s", "writing tok/s", "writing / idle", "GB written"], rows)
+            path = machine.write_result(args.record, "Conversations through the KV tier on disk", machine.invocation(), [table])
+            print(f"wrote {path}")
+        return 0
     if args.shape:
         print(machine.line())
         rows = file_read(args)
