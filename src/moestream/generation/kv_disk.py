@@ -214,6 +214,7 @@ def decode(data: bytes, ident: dict) -> tuple[list[int], DynamicCache]:
     return header["ids"], cache
 
 
+WRITER_NICENESS = 19  # the writer thread's: the lowest priority (Linux gives each thread its own)
 DIRECT_FROM = 64 << 20  # files this large are read with O_DIRECT, by READERS threads in pieces of PIECE bytes
 READERS, PIECE = 4, 16 << 20
 
@@ -325,6 +326,12 @@ class DiskTier:
         self._queue.join()
 
     def _write_loop(self) -> None:
+        # The writer yields the CPU to the model's threads: a prefix's gigabyte (hashed, copied into the page
+        # cache) taken at their priority slowed a decode step beside it.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError):
+            pass  # (a platform without per-thread priorities: the writer runs as it is)
         while True:
             ids, cache = self._queue.get()
             try:
