@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from .kv_disk import DiskTier
+from .kv_disk import DiskTier, common_prefix
 from .kv_layer import GrowingLayer, Int8Layer, grow_in_place
 
 _LAYER_TYPES = (DynamicLayer, DynamicSlidingWindowLayer, GrowingLayer, Int8Layer)  # growing: a decoding sequence's
@@ -223,7 +223,7 @@ class PrefixCache:
             self._stats.lookups += 1
             best, best_len = None, 0
             for ids in self._entries:
-                n = _common_prefix(ids, prompt, len(prompt) - 1)
+                n = common_prefix(ids, prompt, len(prompt) - 1)
                 if n > best_len and _cuttable(self._entries[ids][0], len(ids), n):
                     best, best_len = ids, n
             cache = _shallow(self._entries[best][0]) if best is not None else None
@@ -287,15 +287,6 @@ class PrefixCache:
     def _drop(self, ids: tuple[int, ...]) -> None:
         _, size = self._entries.pop(ids)
         self._stats.bytes -= size
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y or n >= limit:
-            break
-        n += 1
-    return n
 
 
 def _cuttable(cache: DynamicCache, length: int, to: int) -> bool:

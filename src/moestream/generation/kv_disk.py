@@ -393,7 +393,7 @@ class DiskTier:
         with self._lock:
             best, best_len = None, 0
             for ids, entry in self._index.items():
-                n = _common(ids, prompt, len(prompt) - 1)
+                n = common_prefix(ids, prompt, len(prompt) - 1)
                 if n > best_len and n >= at_least and (n == len(ids) or entry.cuttable):
                     best, best_len = ids, n
             if best is None:
@@ -434,7 +434,8 @@ class DiskTier:
             pass
 
 
-def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading ids `a` and `b` share, at most `limit`."""
     n = 0
     for x, y in zip(a, b):
         if x != y or n >= limit:
