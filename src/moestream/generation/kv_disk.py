@@ -2,24 +2,28 @@
 by token ids, and still there after a restart.
 
 Why: agents resend the whole conversation every turn, and the RAM prefix cache (kv_cache.PrefixCache) holds a
-few of them at most (a 12k-token prompt's KV at the Qwen3-30B-A3B shape is 1.1 GiB in bf16, more than its
+few of them at most (a 12k-token prompt's KV at the Qwen3-30B-A3B shape is 1.2 GB in bf16, more than its
 default budget); a second conversation, or a restart, evicts the first, whose next turn then pays the whole
-prefill again: minutes on a CPU. The SSD that holds the experts reads that gigabyte in about half a second.
+prefill again: minutes on a CPU. The SSD that holds the experts gives that file back in a second or two
+(docs/BENCHMARKS.md, "Conversations through the KV tier on disk").
 
 A file per prefix (`<xxh3 of its token ids>.kv`):
 
     8 bytes   magic, b"MSKVTIER"
     8 bytes   the header's length H, little-endian
-    H bytes   the header, JSON (padded with spaces so that the payload starts at a multiple of 4 KiB): the tier's format version, the identity of what wrote it (the store's manifest
-              checksum and the model's KV layout: `identity`), the token ids the KV covers, each layer's class
-              and attributes, each tensor's dtype, shape and offset in the payload, and the payload's xxh3-64
+    H bytes   the header, JSON, padded with spaces so that the payload starts at a multiple of 4 KiB: the
+              tier's format version, the identity of what wrote it (the store's manifest checksum, the
+              model's KV layout and dtype: `identity`), the token ids the KV covers, each layer's class and
+              attributes, each tensor's dtype, shape and offset in the payload (64-byte aligned), and the
+              payload's xxh3-64
     payload   the tensors' bytes, one after another
 
-A file is written to a temporary name and renamed, so a reader never sees half of one; it is read whole and
-its payload checked against the header's checksum before any of it is used. A file of another identity (an
-other store, a model with another KV layout, another version of this format) is left alone and never loaded;
-a damaged or truncated one is deleted. Writes run on a thread of their own, so the model thread that evicts a
-prefix from RAM never waits on the disk.
+A file is written to a temporary name and renamed, so a reader never sees half of one; it is read whole
+(`read_file`: a large one with O_DIRECT by several threads) and its payload checked against the header's
+checksum before any of it is used. A file of another identity (another store, KV layout or dtype, another
+version of this format) is left alone and never loaded; a damaged or truncated one is deleted. Writes run on
+a thread of their own at the lowest priority, so the model thread that evicts a prefix from RAM never waits
+on the disk, and a decode step beside a write keeps its speed.
 """
 
 from __future__ import annotations
