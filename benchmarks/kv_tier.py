@@ -124,6 +124,47 @@ def file_read(args) -> list[list]:
     return rows
 
 
+def first_token_after_restart(args) -> list[list]:
+    """Time to first token of a prompt of --restart-prompt-chars characters of --text through `moestream serve
+    STORE` with a fresh tier: first asked (a whole prefill), then, after a clean stop, the file dropped from the
+    page cache and a new server on the same directory, asked again with a line more (its prefix from the tier).
+    Rows: (turn, prompt tokens, of them cached, seconds to the first token, seconds in all)."""
+    import json as json_module
+
+    text = Path(args.text).read_text()
+    while len(text) < args.restart_prompt_chars + 100:
+        text += text
+    prompt = text[: args.restart_prompt_chars]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kv-tier-", dir=args.work) as work:
+        serve = [*shlex.split(args.serve_args), "--kv-disk", str(Path(work) / "tier"), "--log-level", "warning"]
+        env = {k: v for k, v in os.environ.items() if k != "MOESTREAM_FAULTS"}
+        for name, asked in (("first (whole prefill)", prompt), ("after a restart, a line more", prompt + " And one more line.")):
+            server = ServerProcess(args.store, serve, env, Path(work) / "serve.log")
+            body = {"model": MODEL, "prompt": asked, "max_tokens": 4, "temperature": 0, "stream": True}
+            body["stream_options"] = {"include_usage": True}
+            began, first, usage = time.perf_counter(), None, {}
+            with httpx.stream("POST", server.url + "/completions", json=body, timeout=7200) as reply:
+                for line in reply.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json_module.loads(line[6:])
+                    if first is None and event.get("choices") and event["choices"][0].get("text"):
+                        first = time.perf_counter() - began
+                    usage = event.get("usage") or usage
+            total = time.perf_counter() - began
+            server.process.send_signal(signal.SIGTERM)
+            server.process.wait(600)
+            for path in (Path(work) / "tier").glob("*.kv"):  # (cold, as after a reboot)
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            rows.append([name, usage.get("prompt_tokens"), cached, f"{first:.2f}", f"{total:.2f}"])
+            print("  ".join(str(c) for c in rows[-1]), flush=True)
+    return rows
+
+
 def decode_while_writing(args) -> list[list]:
     """Decode tokens/s of STORE with the tier idle and with the tier writing prefixes of --shape over and over
     on its thread meanwhile, in alternating rounds of one process (rows: round, idle tok/s, writing tok/s,
@@ -245,10 +286,29 @@ def main() -> int:
         help="with --shape and a STORE: decode tok/s with the tier idle and with it writing --shape prefixes meanwhile",
     )
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument(
+        "--restart-prompt-chars",
+        type=int,
+        help="instead: time to first token of a prompt this long (characters of --text), whole, then after a restart",
+    )
     parser.add_argument("--memory", default="256MiB", help="with --decode-while-writing: the expert budget")
     parser.add_argument("--work", default=None, help="with --shape: a directory on the disk to measure")
     machine.add_record_argument(parser, "kv-tier")
     args = parser.parse_args()
+    if args.restart_prompt_chars:
+        if not args.store or not args.text:
+            parser.error("--restart-prompt-chars needs a STORE and --text")
+        print(machine.line())
+        rows = first_token_after_restart(args)
+        if args.record:
+            caption = (
+                f"Time to first token of one prompt through `moestream serve` (`{args.serve_args}`, a fresh `--kv-disk`): first "
+                "asked, then after a clean stop and a restart (the tier's file dropped from the page cache) asked with a line more:"
+            )
+            table = machine.table(caption, ["ask", "prompt tokens", "cached", "first token s", "all s"], rows)
+            path = machine.write_result(args.record, "Conversations through the KV tier on disk", machine.invocation(), [table])
+            print(f"wrote {path}")
+        return 0
     if args.shape and args.decode_while_writing:
         print(machine.line())
         rows = decode_while_writing(args)
