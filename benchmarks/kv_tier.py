@@ -154,6 +154,11 @@ def first_token_after_restart(args) -> list[list]:
                     if first is None and event.get("choices"):
                         first = time.perf_counter() - began
                     usage = event.get("usage") or usage
+                    if event.get("error"):
+                        raise SystemExit(
+                            f"{name}: the server answered {event['error']} (a long prompt may need "
+                            "--request-timeout in --serve-args)"
+                        )
             total = time.perf_counter() - began
             server.process.send_signal(signal.SIGTERM)
             server.process.wait(600)
