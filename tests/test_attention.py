@@ -144,3 +144,26 @@ def test_a_padded_row_in_a_batch_gets_the_bits_it_gets_alone(ext):
         for row, start in ((0, 0), (1, padding)):
             alone = ext.decode_attention(q[row : row + 1], k[row : row + 1, :, start:], v[row : row + 1, :, start:], None, 0.125)
             assert torch.equal(batch[row : row + 1], alone), (positions, padding, row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_prompt_of_grouped_heads_gets_transformers_sdpa_bits_without_the_repeated_heads(dtype):
+    """On the CPU a prompt's grouped-query attention runs sdpa on the key and value heads as they are: the
+    output is transformers' own sdpa function's (which repeats them first) bit for bit, with a causal mask,
+    a padded row, no mask at all (sdpa's causal flag) and keys longer than the queries (a cached prefix)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for batch, heads, kv_heads, queries, keys, dim in ((1, 32, 4, 19, 300, 128), (2, 16, 2, 7, 7, 64), (2, 14, 2, 33, 90, 64)):
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+        q = torch.randn(batch, heads, queries, dim, generator=g).to(dtype)
+        k, v = (torch.randn(batch, kv_heads, keys, dim, generator=g).to(dtype) for _ in range(2))
+        causal = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)[None, None].expand(batch, 1, -1, -1)
+        padded = causal.clone()
+        padded[0, ..., :3] = False
+        for mask in (causal, padded) + ((None,) if queries == keys else ()):
+            assert attention._grouped_prompt_on_cpu(module, q, k, v, {})
+            ours, _ = attention.attend(module, q, k, v, mask, scaling=dim**-0.5)
+            theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim**-0.5)
+            assert ours.shape == theirs.shape and torch.equal(ours, theirs), (dtype, batch, heads, queries, keys)
