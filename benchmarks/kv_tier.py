@@ -126,50 +126,70 @@ def file_read(args) -> list[list]:
 
 def first_token_after_restart(args) -> list[list]:
     """Time to first token of a prompt of --restart-prompt-chars characters of --text through `moestream serve
-    STORE` with a fresh tier: first asked (a whole prefill), then, after a clean stop, the file dropped from the
-    page cache and a new server on the same directory, asked again with a line more (its prefix from the tier).
-    Rows: (turn, prompt tokens, of them cached, seconds to the first token, seconds in all)."""
-    import json as json_module
-
+    STORE` with a fresh tier: first asked (a whole prefill); then, after a clean stop, the file dropped from the
+    page cache and a new server on the same directory, asked again with a line more (its prefix from the tier);
+    then the same server asked with another line more (its prefix from RAM where --kv-memory holds it: the
+    prefill of the new tokens without the tier's read). Rows: (ask, prompt tokens, of them cached, seconds to
+    the first token, seconds in all)."""
     text = Path(args.text).read_text()
     while len(text) < args.restart_prompt_chars + 100:
         text += text
     prompt = text[: args.restart_prompt_chars]
+    asks = [
+        ("first (whole prefill)", prompt, "new server"),
+        ("after a restart, a line more", prompt + " And one more line.", "new server"),
+        ("the same server, another line more", prompt + " And one more line. Then another.", "same server"),
+    ]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kv-tier-", dir=args.work) as work:
         serve = [*shlex.split(args.serve_args), "--kv-disk", str(Path(work) / "tier"), "--log-level", "warning"]
         env = {k: v for k, v in os.environ.items() if k != "MOESTREAM_FAULTS"}
-        for name, asked in (("first (whole prefill)", prompt), ("after a restart, a line more", prompt + " And one more line.")):
-            server = ServerProcess(args.store, serve, env, Path(work) / "serve.log")
-            # One token: the request's first event with a choice is its first token, even one whose text is held
-            # back as an incomplete character (a byte-level model's random bytes).
-            body = {"model": MODEL, "prompt": asked, "max_tokens": 1, "temperature": 0, "stream": True}
-            body["stream_options"] = {"include_usage": True}
-            began, first, usage = time.perf_counter(), None, {}
-            with httpx.stream("POST", server.url + "/completions", json=body, timeout=7200) as reply:
-                for line in reply.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json_module.loads(line[6:])
-                    if first is None and event.get("choices"):
-                        first = time.perf_counter() - began
-                    usage = event.get("usage") or usage
-                    if event.get("error"):
-                        raise SystemExit(
-                            f"{name}: the server answered {event['error']} (a long prompt may need "
-                            "--request-timeout in --serve-args)"
-                        )
-            total = time.perf_counter() - began
-            server.process.send_signal(signal.SIGTERM)
-            server.process.wait(600)
-            for path in (Path(work) / "tier").glob("*.kv"):  # (cold, as after a reboot)
-                fd = os.open(path, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+        server = None
+        for name, asked, where in asks:
+            if where == "new server":
+                if server is not None:
+                    stop(server)
+                    for path in (Path(work) / "tier").glob("*.kv"):  # (cold, as after a reboot)
+                        fd = os.open(path, os.O_RDONLY)
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        os.close(fd)
+                server = ServerProcess(args.store, serve, env, Path(work) / "serve.log")
+            first, total, usage = first_token(server.url, asked, name)
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             rows.append([name, usage.get("prompt_tokens"), cached, f"{first:.2f}", f"{total:.2f}"])
             print("  ".join(str(c) for c in rows[-1]), flush=True)
+        stop(server)
     return rows
+
+
+def first_token(url: str, prompt: str, name: str) -> tuple[float, float, dict]:
+    """(seconds to the first token, seconds in all, usage) of one greedy token for `prompt`, streamed."""
+    import json as json_module
+
+    # One token: the request's first event with a choice is its first token, even one whose text is held back
+    # as an incomplete character (a byte-level model's random bytes).
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    began, first, usage = time.perf_counter(), None, {}
+    with httpx.stream("POST", url + "/completions", json=body, timeout=7200) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json_module.loads(line[6:])
+            if first is None and event.get("choices"):
+                first = time.perf_counter() - began
+            usage = event.get("usage") or usage
+            if event.get("error"):
+                raise SystemExit(
+                    f"{name}: the server answered {event['error']} (a long prompt may need --request-timeout in --serve-args)"
+                )
+    return first, time.perf_counter() - began, usage
+
+
+def stop(server) -> None:
+    """A clean stop (SIGTERM): the tier gets every prefix in RAM."""
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(600)
 
 
 def decode_while_writing(args) -> list[list]:
@@ -317,7 +337,8 @@ def main() -> int:
         if args.record:
             caption = (
                 f"Time to first token of one prompt through `moestream serve` (`{args.serve_args}`, a fresh `--kv-disk`): first "
-                "asked, then after a clean stop and a restart (the tier's file dropped from the page cache) asked with a line more:"
+                "asked, then after a clean stop and a restart (the tier's file dropped from the page cache) asked with a line more, "
+                "then asked with another line more on the same server:"
             )
             table = machine.table(caption, ["ask", "prompt tokens", "cached", "first token s", "all s"], rows)
             path = machine.write_result(args.record, "Conversations through the KV tier on disk", machine.invocation(), [table])
