@@ -57,6 +57,7 @@ ORDER = [
     "shape-memory",
     "agent-sessions",
     "kv-tier",
+    "kv-tier-30b-shape",
     "checksums",
     "converter-memory",
     "plan",
