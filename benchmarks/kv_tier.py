@@ -75,14 +75,12 @@ def run(args, kv_disk: str, restart: bool, log: Path) -> list[dict]:
             for i in range(args.conversations):
                 turn(server.url, i, number)
         if restart:
-            server.process.send_signal(signal.SIGTERM)
-            server.process.wait(120)
+            stop(server, 120)
             server = ServerProcess(args.store, serve, env, log)
             for i in range(args.conversations):
                 turn(server.url, i, args.turns)
     finally:
-        server.process.send_signal(signal.SIGTERM)
-        server.process.wait(120)
+        stop(server, 120)
     return turns
 
 
@@ -107,9 +105,7 @@ def file_read(args) -> list[list]:
             written = time.perf_counter() - began
             (path,) = Path(work).glob("*.kv")
             size = path.stat().st_size
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a cold read, as after a restart
+            drop_from_page_cache(path)  # a cold read, as after a restart
             tier = DiskTier(work, 2**40, {"format": 1, "store": "bench"})  # (a restart: the index from the headers)
             began = time.perf_counter()
             found, n = tier.match(ids + [0])
@@ -150,9 +146,7 @@ def first_token_after_restart(args) -> list[list]:
                 if server is not None:
                     stop(server)
                     for path in (Path(work) / "tier").glob("*.kv"):  # (cold, as after a reboot)
-                        fd = os.open(path, os.O_RDONLY)
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                        os.close(fd)
+                        drop_from_page_cache(path)
                 server = ServerProcess(args.store, serve, env, Path(work) / "serve.log")
             first, total, usage = first_token(server.url, asked, name)
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -186,10 +180,17 @@ def first_token(url: str, prompt: str, name: str) -> tuple[float, float, dict]:
     return first, time.perf_counter() - began, usage
 
 
-def stop(server) -> None:
+def stop(server, wait: float = 600) -> None:
     """A clean stop (SIGTERM): the tier gets every prefix in RAM."""
     server.process.send_signal(signal.SIGTERM)
-    server.process.wait(600)
+    server.process.wait(wait)
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Written out, then out of the page cache: the next read comes from the disk, as after a reboot."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def decode_while_writing(args) -> list[list]:
@@ -264,9 +265,7 @@ def direct_read_seconds(path: Path, threads: int = 4, piece: int = 16 << 20) -> 
     from concurrent.futures import ThreadPoolExecutor
 
     size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    drop_from_page_cache(path)
     buffer = mmap.mmap(-1, size + piece)  # (page-aligned, as O_DIRECT needs)
     view = memoryview(buffer)
     began = time.perf_counter()
