@@ -9,9 +9,9 @@ then calls the same kernel and so still gives the model's own bits). Prefill, an
 not cover (a sliding window, softcapping, attention sinks, dropout, another device or dtype), go to sdpa
 as before. On the CPU a prompt of a grouped-query model runs torch's sdpa on the key and value heads as they
 are (`enable_gqa`): transformers copies them once per query head there first (its `repeat_kv`, which it skips
-on CUDA only where no mask is given), and at long context that copy costs more than the attention (a 19-token
-turn over a 12k-token cached prefix at the Qwen3-30B-A3B shape: 183 against 78 ms a layer). The same
-kernel then runs on the same numbers: its bits are sdpa's (tests/test_attention.py).
+on CUDA only where no mask is given), and at long context that copy costs more than the attention (a few
+tokens over a 12k-token cached prefix at the Qwen3-30B-A3B shape: docs/BENCHMARKS.md, kv-tier-30b-shape,
+before and after). The same kernel then runs on the same numbers: its bits are sdpa's (tests/test_attention.py).
 
 The kernel sums in another order than sdpa and computes exp by a polynomial, so its output differs from
 sdpa's in the last bits (tests/test_attention.py bounds it against float64; `moestream eval --attention
