@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+from ..core.memory import map_large_blocks_alone
 from ..errors import MoestreamError, UsageError
 from ..options import (
     add_chat_template_argument,
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.context is not None:
         positive(args.context, "--context")
+    map_large_blocks_alone()  # a server runs for days: its heap must not fragment (core.memory says how)
     model_thread = ModelThread()  # loads the model and then steps it: one thread on it (ModelThread says why)
     model, tokenizer = model_thread.call(load_model, args, need_tokenizer=True)
     own_context = context_length(model)
