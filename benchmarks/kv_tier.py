@@ -88,7 +88,7 @@ def file_read(args) -> list[list]:
     """A prefix's file at a model's KV shape (--shape LAYERS,KV_HEADS,HEAD_DIM,POSITIONS, bf16): written by the
     tier, dropped from the page cache, then found and read back as a request would (`DiskTier.match`), timed
     --rounds times; rows of (bytes, write seconds, cold read seconds, GB/s)."""
-    from moestream.generation.kv_disk import DiskTier
+    from moestream.generation.kv_disk import FORMAT, DiskTier
 
     cache = synthetic_cache(args.shape)
     positions = int(args.shape.split(",")[-1])
@@ -98,7 +98,7 @@ def file_read(args) -> list[list]:
         for _ in range(args.rounds):
             for old in Path(work).glob("*"):
                 old.unlink()
-            tier = DiskTier(work, 2**40, {"format": 1, "store": "bench"})
+            tier = DiskTier(work, 2**40, {"format": FORMAT, "store": "bench"})
             began = time.perf_counter()
             tier.put(ids, cache)
             tier.flush()
@@ -106,7 +106,7 @@ def file_read(args) -> list[list]:
             (path,) = Path(work).glob("*.kv")
             size = path.stat().st_size
             drop_from_page_cache(path)  # a cold read, as after a restart
-            tier = DiskTier(work, 2**40, {"format": 1, "store": "bench"})  # (a restart: the index from the headers)
+            tier = DiskTier(work, 2**40, {"format": FORMAT, "store": "bench"})  # (a restart: the index from the headers)
             began = time.perf_counter()
             found, n = tier.match(ids + [0])
             read = time.perf_counter() - began
@@ -200,7 +200,7 @@ def decode_while_writing(args) -> list[list]:
     import threading
 
     import moestream
-    from moestream.generation.kv_disk import DiskTier
+    from moestream.generation.kv_disk import FORMAT, DiskTier
     from moestream.generation.serving import timed
 
     model, tokenizer = moestream.load(args.store, args.memory)
@@ -214,7 +214,7 @@ def decode_while_writing(args) -> list[list]:
     rate()  # (warm: the experts this decode reads, the kernels)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kv-tier-", dir=args.work) as work:
-        tier = DiskTier(work, 3 * 10**9, {"format": 1, "store": "bench"})  # (older files deleted as it goes)
+        tier = DiskTier(work, 3 * 10**9, {"format": FORMAT, "store": "bench"})  # (older files deleted as it goes)
         for number in range(args.rounds):
             idle = rate()
             stop = threading.Event()

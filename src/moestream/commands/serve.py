@@ -7,7 +7,6 @@ import os
 import re
 from pathlib import Path
 
-from ..core.memory import map_large_blocks_alone
 from ..errors import MoestreamError, UsageError
 from ..options import (
     add_chat_template_argument,
@@ -152,6 +151,7 @@ def cors_origins(value: str | None) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Check the options, load the store, and serve until interrupted."""
+    from ..core.memory import map_large_blocks_alone
     from ..generation.generate import context_length
     from ..generation.worker import ModelThread
     from ..server.run import serve

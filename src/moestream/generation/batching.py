@@ -37,6 +37,7 @@ import torch
 from ..errors import ExpertReadError
 from .generate import Decoding, Forward, prompt_logprobs
 from .kv_cache import BatchKV, PrefixCache, batchable, kv_bytes
+from .kv_disk import TierFileError
 
 
 class KVBudgetExceeded(Exception):
@@ -191,6 +192,13 @@ class BatchGenerator:
         try:
             with torch.inference_mode():
                 logits = p.forward(torch.tensor([prompt[p.fed : end]], dtype=torch.long))
+        except TierFileError:
+            # Its prefix came from the disk tier, whose file proved damaged as it arrived (the tier has
+            # dropped it): the whole prompt is computed instead.
+            p.forward, p.fed = Forward(self.model), 0
+            for d in (decoding, *p.siblings):
+                d.cached_tokens = 0
+            return self.feed(tokens)
         except BaseException:
             self.prefilling = None
             raise

@@ -81,6 +81,14 @@ def _compact(cache: DynamicCache) -> DynamicCache:
     return out
 
 
+def _views(cache: DynamicCache) -> DynamicCache:
+    """`_shallow`, with each growing layer made a plain layer over the same positions (no copy, no room of
+    its own to write)."""
+    out = _shallow(cache)
+    out.layers = [layer.plain() if isinstance(layer, GrowingLayer) else layer for layer in out.layers]
+    return out
+
+
 def _replace(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Give a batch's layer new tensors (rows joined, left or cut); a growing layer lets its buffers go."""
     if isinstance(layer, GrowingLayer):
@@ -230,9 +238,9 @@ class PrefixCache:
             if best is not None:
                 self._entries.move_to_end(best)
         if self.disk is not None:
-            found, n = self.disk.match(prompt, at_least=best_len + 1)
+            # Recently used again: back in RAM, once all of it has arrived from the disk and proved sound.
+            found, n = self.disk.match(prompt, at_least=best_len + 1, when_checked=self._put_read_back)
             if found is not None:
-                self.put(prompt[:n], found)  # recently used again: back in RAM (cut to what it covers)
                 cache, best, best_len = _shallow(found), prompt[:n], n
         if best is None:
             return None, 0
@@ -242,6 +250,9 @@ class PrefixCache:
         if best_len < len(best):
             cache.crop(best_len - len(best))
         return cache, best_len
+
+    def _put_read_back(self, ids: Sequence[int], cache: DynamicCache) -> None:
+        self.put(ids, cache, read_back=True)
 
     def flush(self) -> None:
         """Write every entry in RAM to the disk tier, and wait for the writes (a clean stop)."""
@@ -253,21 +264,23 @@ class PrefixCache:
             self.disk.put(ids, cache)
         self.disk.flush()
 
-    def put(self, ids: Sequence[int], cache: DynamicCache) -> None:
-        """Keep `cache` (the KV of exactly `ids`); evicts least recently used entries to fit."""
+    def put(self, ids: Sequence[int], cache: DynamicCache, *, read_back: bool = False) -> None:
+        """Keep `cache` (the KV of exactly `ids`); evicts least recently used entries to fit. `read_back`:
+        the cache was just read from the disk tier, into buffers whose room only its request writes: the
+        entry keeps views of its positions, not a copy, and is not written to the disk again."""
         ids = tuple(ids)
         size = kv_bytes(cache)
         if not ids or batchable(cache) is not None:
             return
         if size > self.budget_bytes:  # more than RAM may hold (a long agent prompt): the disk tier may
-            if self.disk is not None:
+            if self.disk is not None and not read_back:
                 self.disk.put(ids, _compact(cache))
             return
         with self._lock:
             # An entry that is a prefix of the new one is dominated by it.
             for old in [old for old in self._entries if old == ids[: len(old)]]:
                 self._drop(old)
-            self._entries[ids] = (_compact(cache), size)
+            self._entries[ids] = (_views(cache) if read_back else _compact(cache), size)
             self._stats.bytes += size
             while self._stats.bytes > self.budget_bytes:
                 evicted = next(iter(self._entries))

@@ -14,22 +14,27 @@ A file per prefix (`<xxh3 of its token ids>.kv`):
     H bytes   the header, JSON, padded with spaces so that the payload starts at a multiple of 4 KiB: the
               tier's format version, the identity of what wrote it (the store's manifest checksum, the
               model's KV layout and dtype: `identity`), the token ids the KV covers, each layer's class and
-              attributes, each tensor's dtype, shape and offset in the payload (64-byte aligned), and the
-              payload's xxh3-64
-    payload   the tensors' bytes, one after another
+              attributes, each tensor's dtype, shape, offset in the payload and xxh3-64, the payload's size
+    payload   the tensors one after another, each as blocks of rows (a KV tensor [batch, heads, positions,
+              head_dim]: a block per head), each block starting at a multiple of 4 KiB
 
-A file is written to a temporary name and renamed, so a reader never sees half of one; it is read whole
-(`read_file`: a large one with O_DIRECT by several threads) and its payload checked against the header's
-checksum before any of it is used. A file of another identity (another store, KV layout or dtype, another
-version of this format) is left alone and never loaded; a damaged or truncated one is deleted. Writes run on
-a thread of their own at the lowest priority, so the model thread that evicts a prefix from RAM never waits
-on the disk, and a decode step beside a write keeps its speed.
+A file is written to a temporary name and renamed, so a reader never sees half of one. Reading it back
+(`load`) puts each block straight where the cache keeps it, with room after a full-attention layer's
+positions for the tokens that follow (the aligned blocks are what lets a direct read land there), and
+checks every tensor against its checksum before any of it is used: the prefix costs its read and nothing
+more. A file of another identity (another store, KV layout or dtype, another version of this format) is
+left alone and never loaded; a damaged or truncated one is deleted. Writes run on a thread of their own at
+the lowest priority, so the model thread that evicts a prefix from RAM never waits on the disk, and a
+decode step beside a write keeps its speed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
+import mmap
 import os
 import queue
 import threading
@@ -46,12 +51,12 @@ from ..conversion.store import MANIFEST, file_checksum
 from ..core.compute.attention import quantizes_kv
 from ..core.runtime import runtime_of
 from ..errors import UsageError
-from .kv_layer import Int8Layer
+from .kv_layer import ROOM, GrowingLayer, Int8Layer
 
 log = logging.getLogger("moestream")
 
 MAGIC = b"MSKVTIER"
-FORMAT = 1
+FORMAT = 2  # 2: each block of rows aligned, read into the cache's memory in place (1: tensors packed)
 ALIGN = 4096  # the payload's start in a file (a page: each tensor's offset suits its dtype, and direct reads)
 SUFFIX = ".kv"
 _LAYER_CLASSES = {cls.__name__: cls for cls in (DynamicLayer, DynamicSlidingWindowLayer, Int8Layer)}
@@ -110,9 +115,17 @@ def _restored(value):
     return value
 
 
-def encode(ids: Sequence[int], cache: DynamicCache, ident: dict) -> bytes:
-    """A tier file's bytes for the KV of `ids` in `cache` (`encode_parts`, joined)."""
-    return b"".join(encode_parts(ids, cache, ident))
+def _blocks(shape: Sequence[int]) -> tuple[int, int, int]:
+    """(blocks, rows, row length) of a tensor as a file holds it: a block of rows per index of its leading
+    dimensions (a KV layer's [batch, heads, positions, head_dim]: a block of positions per head); a tensor
+    of fewer than two dimensions is one block of one row."""
+    if len(shape) < 2:
+        return 1, 1, math.prod(shape)
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def _aligned(size: int) -> int:
+    return size + (-size % ALIGN)
 
 
 def encode_parts(ids: Sequence[int], cache: DynamicCache, ident: dict) -> list:
@@ -137,32 +150,51 @@ def encode_parts(ids: Sequence[int], cache: DynamicCache, ident: dict) -> list:
         layers.append({"class": name, "attrs": attrs, "tensors": stored})
     cache_attrs = {key: _plain(value) for key, value in vars(cache).items() if key != "layers"}
     specs, pieces, offset = [], [], 0
-    checksum = xxhash.xxh3_64()
+    zeros = memoryview(bytes(ALIGN))
     for t in tensors:
-        size = t.numel() * t.element_size()
-        pad = -offset % 64  # each tensor 64-byte aligned, whatever the sizes before it
-        piece = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if size else b""
-        for part in (bytes(pad), piece):
-            checksum.update(part)
-            pieces.append(part)
-        offset += pad
-        specs.append({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset, "bytes": size})
-        offset += size
-    header = {
-        **ident,
-        "ids": list(ids),
-        "cache": cache_attrs,
-        "layers": layers,
-        "tensors": specs,
-        "checksum": checksum.hexdigest(),
-    }
+        blocks, rows, width = _blocks(t.shape)
+        size = rows * width * t.element_size()
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        checksum = xxhash.xxh3_64()
+        for b in range(blocks if size else 0):  # (the checksum covers the padding too: every byte of the file)
+            pieces += [raw[b * size : (b + 1) * size], zeros[: _aligned(size) - size]]
+            checksum.update(pieces[-2])
+            checksum.update(pieces[-1])
+        specs.append(
+            {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": offset,
+                "block": _aligned(size),
+                "checksum": checksum.hexdigest(),
+            }
+        )
+        offset += blocks * _aligned(size)
+    header = {**ident, "ids": list(ids), "cache": cache_attrs, "layers": layers, "tensors": specs, "bytes": offset}
     head = json.dumps(header).encode()
     head += b" " * (-(16 + len(head)) % ALIGN)  # (JSON's whitespace): the payload starts aligned
     return [MAGIC + len(head).to_bytes(8, "little") + head, *pieces]
 
 
-def read_header(path: Path) -> dict:
-    """A tier file's header, read alone (the index reads these at start); TierFileError if it has none."""
+def write_file(path: Path, ids: Sequence[int], cache: DynamicCache, ident: dict) -> int:
+    """Write the tier file of `ids` to `path` through a temporary name (a reader never sees half of one);
+    its size. ValueError for a cache the format cannot hold, OSError where the disk refuses."""
+    parts = encode_parts(ids, cache, ident)
+    temporary = path.with_suffix(".tmp")
+    try:
+        with open(temporary, "wb") as f:
+            for part in parts:
+                f.write(part)
+        os.replace(temporary, path)
+    except OSError:
+        DiskTier._remove(temporary)
+        raise
+    return sum(len(part) for part in parts)
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A tier file's header, read alone (the index reads these at start), and where its payload starts;
+    TierFileError if it has none."""
     with open(path, "rb") as f:
         start = f.read(16)
         if len(start) != 16 or start[:8] != MAGIC:
@@ -172,90 +204,229 @@ def read_header(path: Path) -> dict:
     if len(head) != size:
         raise TierFileError("truncated header")
     try:
-        return json.loads(head)
+        return json.loads(head), 16 + size
     except ValueError:
         raise TierFileError("a damaged header") from None
 
 
-def decode(data: bytes, ident: dict) -> tuple[list[int], DynamicCache]:
-    """(token ids, cache) from a tier file's bytes; TierFileError where they are damaged, truncated or of
-    another identity."""
-    if len(data) < 16 or bytes(data[:8]) != MAGIC:
-        raise TierFileError("not a tier file")
-    size = int.from_bytes(data[8:16], "little")
-    try:
-        header = json.loads(bytes(data[16 : 16 + size]))
-    except ValueError:
-        raise TierFileError("a damaged header") from None
-    if any(header.get(key) != value for key, value in ident.items()):
-        raise TierFileError("written for another store, KV layout or format")
-    payload = memoryview(data)[16 + size :]
-    specs = header["tensors"]
-    if len(payload) != (specs[-1]["offset"] + specs[-1]["bytes"] if specs else 0):
-        raise TierFileError("truncated")
-    if xxhash.xxh3_64_hexdigest(payload) != header["checksum"]:
-        raise TierFileError("its checksum does not match: damaged")
-    tensors = []
-    writable = bytearray(data) if isinstance(data, bytes) else data  # (the tensors are views into it: no copy)
-    for spec in specs:
-        if not spec["bytes"]:
-            tensors.append(torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]]))
-            continue
-        raw = torch.frombuffer(writable, dtype=torch.uint8, count=spec["bytes"], offset=16 + size + spec["offset"])
-        tensors.append(raw.view(_DTYPES[spec["dtype"]]).view(spec["shape"]))
-    cache = DynamicCache.__new__(DynamicCache)
-    cache.__dict__.update({key: _restored(value) for key, value in header["cache"].items()})
-    cache.layers = []
-    for entry in header["layers"]:
-        cls = _LAYER_CLASSES.get(entry["class"])
-        if cls is None:
-            raise TierFileError(f"a layer class {entry['class']!r} this version does not read")
-        layer = cls.__new__(cls)
-        layer.__dict__.update({key: _restored(value) for key, value in entry["attrs"].items()})
-        for key, index in entry["tensors"].items():
-            setattr(layer, key, tensors[index])
-        cache.layers.append(layer)
-    return header["ids"], cache
-
+# Layer classes read back as growing layers (kv_layer.GrowingLayer): their buffers get room for ROOM more
+# positions after the file's, so the prompt's tokens after the prefix and the decode steps after it are
+# written in place instead of copying the prefix (a gigabyte at the 30B shape) at the first of them.
+_GROWING = {"DynamicLayer": GrowingLayer, "Int8Layer": Int8Layer}
 
 WRITER_NICENESS = 19  # the writer thread's: the lowest priority (Linux gives each thread its own)
 DIRECT_FROM = 64 << 20  # files this large are read with O_DIRECT, by READERS threads in pieces of PIECE bytes
 READERS, PIECE = 4, 16 << 20
+IOV_MAX = 512  # blocks per read call, within every Linux's limit (1,024)
 
 
-def read_file(path: Path):
-    """A tier file's bytes, writable (a bytearray, or a memoryview of page-aligned memory). A large one is read
-    around the page cache (O_DIRECT) by several threads at once, which keep the disk's queue full as the
-    expert reader's I/O threads do (benchmarks/kv_tier.py --shape compares it with the disk read alone);
-    where the file system refuses O_DIRECT, a plain read."""
+def load(path: Path, ident: dict, keep: int | None = None) -> tuple[list[int], DynamicCache, Arrival]:
+    """(token ids, cache, its arrival) of a tier file, its first `keep` positions (None: all); TierFileError
+    where its header says it is truncated or of another identity.
+
+    Each block of rows is read straight into its place in the cache's memory: full-attention layers get
+    buffers with room after their positions (`_GROWING`), so nothing is copied after the read. A large file
+    is read around the page cache (O_DIRECT) by several threads at once, which keep the disk's queue full as
+    the expert reader's I/O threads do; where the file system refuses O_DIRECT, plain reads. The reads go on
+    after `load` returns, in layer order, while the model computes the first layers (`Arrival`): each
+    tensor is checked against its checksum as it lands, and a layer's first update waits for its own (and
+    raises TierFileError if the file proved damaged). A cache with layers of other kinds, which have no such
+    wait, is returned only once all of it is in and checked."""
+    header, start = read_header(path)
+    if any(header.get(key) != value for key, value in ident.items()):
+        raise TierFileError("written for another store, KV layout or format")
+    specs = header["tensors"]
     size = path.stat().st_size
-    if size >= DIRECT_FROM:
+    if size != start + header["bytes"]:
+        raise TierFileError("truncated" if size < start + header["bytes"] else "longer than its header says")
+    growing = {index for entry in header["layers"] if entry["class"] in _GROWING for index in entry["tensors"].values()}
+    places, total = [], 0  # (where each tensor starts in memory, its blocks' stride there)
+    for index, spec in enumerate(specs):
+        blocks, rows, width = _blocks(spec["shape"])
+        capacity = rows + ROOM if index in growing else rows
+        stride = _aligned(capacity * width * _DTYPES[spec["dtype"]].itemsize)
+        places.append((total, stride))
+        total += blocks * stride
+    memory = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned, as O_DIRECT needs
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)  # (fewer page faults for a gigabyte: they cost as much as the read)
+    arrival = Arrival(path, start, size, specs, places, memoryview(memory))
+    base = torch.frombuffer(memory, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
+    buffers = []  # each tensor with the room after its positions (`growing` only)
+    for index, (spec, (place, stride)) in enumerate(zip(specs, places)):
+        dtype, shape = _DTYPES[spec["dtype"]], spec["shape"]
+        blocks, rows, width = _blocks(shape)
+        if not blocks * rows * width:
+            buffers.append(torch.empty(shape, dtype=dtype))
+            continue
+        capacity = rows + ROOM if index in growing else rows
+        flat = base[place : place + blocks * stride].view(dtype)
+        lead = list(shape[:-2]) if len(shape) >= 2 else []
+        lead_strides = [stride // dtype.itemsize * math.prod(lead[i + 1 :]) for i in range(len(lead))]
+        full = flat.as_strided([*lead, capacity, width], [*lead_strides, width, 1])
+        buffers.append(full if len(shape) >= 2 else full.reshape(-1)[: math.prod(shape)].view(shape))
+    cache = DynamicCache.__new__(DynamicCache)
+    cache.__dict__.update({key: _restored(value) for key, value in header["cache"].items()})
+    cache.layers = []
+    waits = True  # every layer waits for its own tensors (else the whole file is waited for here)
+    for entry in header["layers"]:
+        cls = _GROWING.get(entry["class"]) or _LAYER_CLASSES.get(entry["class"])
+        if cls is None:
+            raise TierFileError(f"a layer class {entry['class']!r} this version does not read")
+        layer = cls.__new__(cls)
+        layer.__dict__.update({key: _restored(value) for key, value in entry["attrs"].items()})
+        stored = entry["tensors"]
+        if isinstance(layer, GrowingLayer) and set(stored) == {"keys", "values"}:
+            rows = specs[stored["keys"]]["shape"][-2]
+            layer.hold(buffers[stored["keys"]], buffers[stored["values"]], rows if keep is None else min(keep, rows))
+            layer.arriving = functools.partial(arrival.wait, (stored["keys"], stored["values"]))
+            cache.layers.append(layer)
+            continue
+        waits = False
+        for key, index in stored.items():
+            rows = _blocks(specs[index]["shape"])[1]
+            setattr(layer, key, buffers[index][..., :rows, :] if index in growing else buffers[index])
+        if keep is not None and keep < len(header["ids"]):
+            layer.crop(keep - len(header["ids"]))  # (transformers: minus the positions to remove)
+        cache.layers.append(layer)
+    arrival.start()
+    if not waits:
+        arrival.wait(range(len(specs)))
+    return header["ids"], cache, arrival
+
+
+_readers = None  # the threads that read tier files (`Arrival`), made at the first read
+_readers_lock = threading.Lock()
+
+
+class Arrival:
+    """A tier file's reads under way, into the memory `load` laid out: pieces of at most PIECE bytes in file
+    order on READERS threads; each tensor is checked against its checksum, on a reading thread, once its last
+    block is in. `wait(tensors)` blocks until those are in and checked; `then(checked, damaged)` calls
+    `checked()` once every tensor is, or `damaged(reason)` once one is not (a checksum, a short or failed
+    read), whichever comes (at once if it has come)."""
+
+    def __init__(self, path: Path, start: int, size: int, specs: list, places: list, view: memoryview):
+        self.path, self.size, self.specs = path, size, specs
+        self._view, self._places = view, places
+        self._lock = threading.Lock()
+        self._done = [threading.Event() for _ in specs]
+        self._left = [0] * len(specs)  # reads each tensor waits for
+        self._unchecked = len(specs)
+        self._failed: str | None = None
+        self._callbacks: list = []
+        self._reads = []  # (file offset, [memory views of consecutive blocks], the tensors they touch)
+        for index, (spec, (place, stride)) in enumerate(zip(specs, places)):
+            for b in range(_blocks(spec["shape"])[0] if spec["block"] else 0):
+                offset, block = start + spec["offset"] + b * spec["block"], view[place + b * stride :][: spec["block"]]
+                last = self._reads[-1] if self._reads else None
+                if (
+                    last
+                    and last[0] + sum(map(len, last[1])) == offset
+                    and len(last[1]) < IOV_MAX
+                    and sum(map(len, last[1])) < PIECE
+                ):
+                    last[1].append(block)
+                    if last[2][-1] != index:
+                        last[2].append(index)
+                        self._left[index] += 1
+                else:
+                    self._reads.append((offset, [block], [index]))
+                    self._left[index] += 1
+
+    def start(self) -> None:
+        global _readers
+        fd = None
+        if self.size >= DIRECT_FROM:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                pass  # (a file system without O_DIRECT: tmpfs, some network mounts)
+        self._fd = os.open(self.path, os.O_RDONLY) if fd is None else fd
+        self._open_reads = len(self._reads)
+        for index in range(len(self.specs)):
+            if not self._left[index]:
+                self._check(index)  # (an empty tensor)
+        if not self._reads:
+            os.close(self._fd)
+            return
+        with _readers_lock:
+            if _readers is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _readers = ThreadPoolExecutor(READERS, thread_name_prefix="moestream-kv-read")
+        for job in self._reads:
+            _readers.submit(self._read, job)
+
+    def _read(self, job) -> None:
+        offset, views, tensors = job
         try:
-            return _read_direct(path, size)
-        except OSError:
-            pass  # (a file system without O_DIRECT: tmpfs, some network mounts)
-    with open(path, "rb") as f:
-        data = bytearray(size)
-        if f.readinto(data) != size:
-            raise TierFileError("shorter than when it was opened")
-    return data
+            if self._failed is None and os.preadv(self._fd, views, offset) != sum(map(len, views)):
+                self._fail("shorter than when it was opened")
+        except OSError as e:
+            self._fail(f"a read failed: {e}")
+        for index in tensors:
+            with self._lock:
+                self._left[index] -= 1
+                ready = self._left[index] == 0
+            if ready:
+                self._check(index)
+        with self._lock:
+            self._open_reads -= 1
+            last = self._open_reads == 0
+        if last:
+            os.close(self._fd)
 
+    def _check(self, index: int) -> None:
+        spec, (place, stride) = self.specs[index], self._places[index]
+        if self._failed is None:
+            checksum = xxhash.xxh3_64()
+            for b in range(_blocks(spec["shape"])[0] if spec["block"] else 0):
+                checksum.update(self._view[place + b * stride :][: spec["block"]])
+            if checksum.hexdigest() != spec["checksum"]:
+                self._fail("its checksum does not match: damaged")
+        with self._lock:
+            self._unchecked -= 1
+            everything = self._unchecked == 0 and self._failed is None
+        self._done[index].set()
+        if everything:
+            self._settle()
 
-def _read_direct(path: Path, size: int):
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self._failed is not None:
+                return
+            self._failed = reason
+        for event in self._done:
+            event.set()  # (whoever waits learns of it now)
+        self._settle()
 
-    buffer = mmap.mmap(-1, size + PIECE)  # anonymous memory is page-aligned, as O_DIRECT needs
-    view = memoryview(buffer)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        with ThreadPoolExecutor(READERS) as pool:
-            got = sum(pool.map(lambda offset: os.preadv(fd, [view[offset : offset + PIECE]], offset), range(0, size, PIECE)))
-    finally:
-        os.close(fd)
-    if got != size:
-        raise TierFileError("shorter than when it was opened")
-    return view[:size]
+    def _settle(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for checked, damaged in callbacks:
+            self._call(checked, damaged)
+
+    def _call(self, checked, damaged) -> None:
+        if self._failed is not None:
+            damaged(self._failed)
+        else:
+            checked()
+
+    def then(self, checked, damaged) -> None:
+        with self._lock:
+            if self._failed is None and self._unchecked:
+                self._callbacks.append((checked, damaged))
+                return
+        self._call(checked, damaged)
+
+    def wait(self, tensors) -> None:
+        """Block until `tensors` (indexes into the file's) are in and checked; TierFileError if the file proved
+        damaged meanwhile."""
+        for index in tensors:
+            self._done[index].wait()
+            if self._failed is not None:
+                raise TierFileError(self._failed)
 
 
 @dataclass
@@ -297,7 +468,7 @@ class DiskTier:
         foreign = 0
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:
-                header = read_header(path)
+                header, _ = read_header(path)
             except (OSError, TierFileError):
                 self._remove(path)
                 self._stats.dropped += 1
@@ -348,32 +519,25 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, ids: tuple[int, ...], cache: DynamicCache) -> None:
+        path = self.directory / file_name(ids)
         try:
-            parts = encode_parts(ids, cache, self.ident)
+            size = write_file(path, ids, cache, self.ident)
         except ValueError as e:
             log.debug("moestream: a prefix the KV tier cannot hold (%s)", e)
             return
-        size = sum(len(part) for part in parts)
-        if size > self.budget_bytes:
-            return
-        path = self.directory / file_name(ids)
-        temporary = path.with_suffix(".tmp")
-        try:
-            with open(temporary, "wb") as f:
-                for part in parts:
-                    f.write(part)
-            os.replace(temporary, path)
         except OSError as e:
-            self._remove(temporary)
             with self._lock:
                 self._stats.errors += 1
             log.warning("moestream: the KV tier could not write a prefix (%s); it stays in RAM only", e)
+            return
+        if size > self.budget_bytes:
+            self._remove(path)
             return
         with self._lock:
             # A shorter prefix of the new one is dominated by it (the same ids queued twice: the same file).
             for old in [old for old in self._index if len(old) < len(ids) and old == ids[: len(old)]]:
                 self._remove(self._index.pop(old).path)
-            self._index[ids] = _Entry(path, size, time.time(), _cuttable(read_header(path)))
+            self._index[ids] = _Entry(path, size, time.time(), _cuttable(read_header(path)[0]))
             self._stats.writes += 1
             self._stats.bytes_written += size
             self._trim()
@@ -390,9 +554,10 @@ class DiskTier:
 
     # -- reading ---------------------------------------------------------------------------------------------
 
-    def match(self, prompt_ids: Sequence[int], at_least: int = 1) -> tuple[DynamicCache | None, int]:
+    def match(self, prompt_ids: Sequence[int], at_least: int = 1, when_checked=None) -> tuple[DynamicCache | None, int]:
         """(a cache of the longest prefix of the prompt the tier holds, its length), or (None, 0) where none
-        is at least `at_least` tokens long or the file cannot be used (it is then dropped)."""
+        is at least `at_least` tokens long or the file cannot be used (it is then dropped). The cache's bytes
+        may still be arriving (`load`); once all are in and checked, `when_checked(prefix ids, cache)`."""
         prompt = tuple(prompt_ids)
         with self._lock:
             best, best_len = None, 0
@@ -402,29 +567,34 @@ class DiskTier:
                     best, best_len = ids, n
             if best is None:
                 return None, 0
-            path = self._index[best].path
+            path, size = self._index[best].path, self._index[best].size
         try:
-            data = read_file(path)
-            ids, cache = decode(data, self.ident)
+            ids, cache, arrival = load(path, self.ident, keep=best_len)
             if tuple(ids) != best:
                 raise TierFileError("its token ids are not the index's")
         except (OSError, TierFileError) as e:
-            with self._lock:
-                if self._index.pop(best, None) is not None:
-                    self._stats.dropped += 1
-            self._remove(path)
-            log.warning("moestream: a KV tier file could not be used (%s): the prefix is computed again", e)
+            self._drop(best, path, str(e))
             return None, 0
         with self._lock:
             if best in self._index:
                 self._index[best].used = time.time()
             self._stats.reads += 1
-            self._stats.bytes_read += len(data)
+            self._stats.bytes_read += size
             self._stats.hits += 1
             self._stats.tokens_reused += best_len
-        if best_len < len(best):
-            cache.crop(best_len - len(best))
+        arrival.then(
+            lambda: when_checked(prompt[:best_len], cache) if when_checked is not None else None,
+            lambda reason: self._drop(best, path, reason),
+        )
         return cache, best_len
+
+    def _drop(self, ids: tuple[int, ...], path: Path, reason: str) -> None:
+        """A file found damaged (as it was read, or after): out of the index and deleted."""
+        with self._lock:
+            if self._index.pop(ids, None) is not None:
+                self._stats.dropped += 1
+        self._remove(path)
+        log.warning("moestream: a KV tier file could not be used (%s): the prefix is computed again", reason)
 
     def stats(self) -> DiskStats:
         with self._lock:

@@ -42,6 +42,10 @@ class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose `update` writes into room kept ahead (see the module's doc)."""
 
     _buffers: _Buffers | None = None
+    # Set on a layer read back from the disk tier whose bytes may still be arriving (kv_disk.load): called
+    # once, before the first update, it waits for them (and raises kv_disk.TierFileError if they proved
+    # damaged).
+    arriving = None
 
     @classmethod
     def adopt(cls, layer: DynamicLayer) -> GrowingLayer:
@@ -51,11 +55,19 @@ class GrowingLayer(DynamicLayer):
         grown._buffers = None
         return grown
 
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Hold the first `length` positions of these buffers [batch, heads, capacity, head_dim] (any strides
+        but the last), the rest being room this layer may write: a prefix read back from disk into them
+        (kv_disk.load). No other layer may hold views of them past `length`."""
+        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+        self._buffers = _Buffers(keys, values, length)
+
     def plain(self) -> DynamicLayer:
         """A plain DynamicLayer over this layer's tensors (views into the buffers, not copied)."""
         plain = DynamicLayer.__new__(DynamicLayer)
         plain.__dict__.update(self.__dict__)
         plain.__dict__.pop("_buffers", None)  # (set once a layer has grown)
+        plain.__dict__.pop("arriving", None)
         return plain
 
     def compact(self) -> DynamicLayer:
@@ -77,6 +89,9 @@ class GrowingLayer(DynamicLayer):
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The update: these positions written after the held ones, into room; the whole keys and values."""
+        if self.arriving is not None:
+            self.arriving()
+            del self.arriving
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         held = self.keys.shape[-2] if self.keys.numel() else 0
@@ -137,6 +152,7 @@ class Int8Layer(GrowingLayer):
     def plain(self) -> Int8Layer:
         plain = Int8Layer.__new__(Int8Layer)
         plain.__dict__.update(self.__dict__)
+        plain.__dict__.pop("arriving", None)
         plain._buffers = None
         return plain
 
