@@ -109,6 +109,9 @@ def file_read(args) -> list[list]:
             tier = DiskTier(work, 2**40, {"format": FORMAT, "store": "bench"})  # (a restart: the index from the headers)
             began = time.perf_counter()
             found, n = tier.match(ids + [0])
+            for layer in found.layers:  # (the reads go on after match returns: wait for every layer's, checked)
+                if layer.arriving is not None:
+                    layer.arriving()
             read = time.perf_counter() - began
             assert n == positions and torch.equal(found.layers[-1].values, cache.layers[-1].values)
             del found

@@ -151,7 +151,6 @@ def cors_origins(value: str | None) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     """Check the options, load the store, and serve until interrupted."""
-    from ..core.memory import map_large_blocks_alone
     from ..generation.generate import context_length
     from ..generation.worker import ModelThread
     from ..server.run import serve
@@ -182,7 +181,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.context is not None:
         positive(args.context, "--context")
-    map_large_blocks_alone()  # a server runs for days: its heap must not fragment (core.memory says how)
     model_thread = ModelThread()  # loads the model and then steps it: one thread on it (ModelThread says why)
     model, tokenizer = model_thread.call(load_model, args, need_tokenizer=True)
     own_context = context_length(model)

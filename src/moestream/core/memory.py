@@ -42,22 +42,6 @@ def release_freed_heap() -> None:
         _malloc_trim(0)
 
 
-# glibc's mallopt parameter: allocations of at least this many bytes get their own mapping.
-_M_MMAP_THRESHOLD = -3
-# Large enough for a decode step's small tensors to come from the heap, small enough that a prompt's
-# activations and KV buffers do not (docs/DECISIONS.md, "The server hands its freed heap back to the OS").
-LARGE_BLOCK_BYTES = 128 * 1024
-
-
-def map_large_blocks_alone() -> None:
-    """Have glibc give every allocation of LARGE_BLOCK_BYTES or more a mapping of its own, returned to the
-    OS when freed. glibc's default threshold rises to the largest block freed (up to 32 MiB), after which
-    a server's tensors of every size share its heap and leave holes between the blocks that outlive them
-    that no trim can return. Nothing where the C library has no mallopt."""
-    if _mallopt is not None:
-        _mallopt(_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES)
-
-
 def reset_peak_rss() -> bool:
     """Restart peak-RSS accounting (Linux's clear_refs "5"), so one run's peak can be measured in a process
     that did other work before. Returns False where the kernel does not allow it."""
@@ -77,7 +61,6 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc's (musl and macOS have none)
-_mallopt = getattr(_libc, "mallopt", None)
 
 
 def page_cache_bytes(path: str | os.PathLike) -> int:

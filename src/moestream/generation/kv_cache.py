@@ -277,6 +277,8 @@ class PrefixCache:
                 self.disk.put(ids, _compact(cache))
             return
         with self._lock:
+            if read_back and any(len(old) > len(ids) and old[: len(ids)] == ids for old in self._entries):
+                return  # (its request ended first, and kept more)
             # An entry that is a prefix of the new one is dominated by it.
             for old in [old for old in self._entries if old == ids[: len(old)]]:
                 self._drop(old)
