@@ -127,9 +127,11 @@ def first_token_after_restart(args) -> list[list]:
     """Time to first token of a prompt of --restart-prompt-chars characters of --text through `moestream serve
     STORE` with a fresh tier: first asked (a whole prefill); then, after a clean stop, the file dropped from the
     page cache and a new server on the same directory, asked again with a line more (its prefix from the tier);
-    then the same server asked with another line more (its prefix from RAM where --kv-memory holds it: the
-    prefill of the new tokens without the tier's read). Rows: (ask, prompt tokens, of them cached, seconds to
-    the first token, seconds in all)."""
+    then once more after another restart, this time with a short unrelated request first (the experts and
+    shapes the new tokens need then come warm, as on a running server: what is left is the tier's read); then
+    that server asked with another line more (its prefix from RAM where --kv-memory holds it: the prefill of
+    the new tokens without the tier's read). Rows: (ask, prompt tokens, of them cached, seconds to the first
+    token, seconds in all)."""
     text = Path(args.text).read_text()
     while len(text) < args.restart_prompt_chars + 100:
         text += text
@@ -137,20 +139,24 @@ def first_token_after_restart(args) -> list[list]:
     asks = [
         ("first (whole prefill)", prompt, "new server"),
         ("after a restart, a line more", prompt + " And one more line.", "new server"),
-        ("the same server, another line more", prompt + " And one more line. Then another.", "same server"),
+        ("after a restart and a short request, another line more", prompt + " And one more line. Then another.", "warmed server"),
+        ("the same server, another line more", prompt + " And one more line. Then another. And a last one.", "same server"),
     ]
+    unrelated = text[len(text) // 2 :][:200]  # (no prefix in common with the prompt: the tier is not read)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kv-tier-", dir=args.work) as work:
         serve = [*shlex.split(args.serve_args), "--kv-disk", str(Path(work) / "tier"), "--log-level", "warning"]
         env = {k: v for k, v in os.environ.items() if k != "MOESTREAM_FAULTS"}
         server = None
         for name, asked, where in asks:
-            if where == "new server":
+            if where != "same server":
                 if server is not None:
                     stop(server)
                     for path in (Path(work) / "tier").glob("*.kv"):  # (cold, as after a reboot)
                         drop_from_page_cache(path)
                 server = ServerProcess(args.store, serve, env, Path(work) / "serve.log")
+                if where == "warmed server":
+                    first_token(server.url, unrelated, "a short unrelated request")
             first, total, usage = first_token(server.url, asked, name)
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             rows.append([name, usage.get("prompt_tokens"), cached, f"{first:.2f}", f"{total:.2f}"])
@@ -340,7 +346,8 @@ def main() -> int:
             caption = (
                 f"Time to first token of one prompt through `moestream serve` (`{args.serve_args}`, a fresh `--kv-disk`): first "
                 "asked, then after a clean stop and a restart (the tier's file dropped from the page cache) asked with a line more, "
-                "then asked with another line more on the same server:"
+                "then after another restart asked with another line more once a short unrelated request has warmed the server, "
+                "then with a last line more on that server:"
             )
             table = machine.table(caption, ["ask", "prompt tokens", "cached", "first token s", "all s"], rows)
             path = machine.write_result(args.record, "Conversations through the KV tier on disk", machine.invocation(), [table])
