@@ -240,11 +240,11 @@ def load(path: Path, ident: dict, keep: int | None = None) -> tuple[list[int], D
     if size != start + header["bytes"]:
         raise TierFileError("truncated" if size < start + header["bytes"] else "longer than its header says")
     growing = {index for entry in header["layers"] if entry["class"] in _GROWING for index in entry["tensors"].values()}
-    places, total = [], 0  # (where each tensor starts in memory, its blocks' stride there)
+    places, capacities, total = [], [], 0  # (where each tensor starts in memory, its blocks' stride there)
     for index, spec in enumerate(specs):
         blocks, rows, width = _blocks(spec["shape"])
-        capacity = rows + ROOM if index in growing else rows
-        stride = _aligned(capacity * width * _DTYPES[spec["dtype"]].itemsize)
+        capacities.append(rows + ROOM if index in growing else rows)
+        stride = _aligned(capacities[-1] * width * _DTYPES[spec["dtype"]].itemsize)
         places.append((total, stride))
         total += blocks * stride
     memory = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned, as O_DIRECT needs
@@ -253,13 +253,12 @@ def load(path: Path, ident: dict, keep: int | None = None) -> tuple[list[int], D
     arrival = Arrival(path, start, size, specs, places, memoryview(memory))
     base = torch.frombuffer(memory, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
     buffers = []  # each tensor with the room after its positions (`growing` only)
-    for index, (spec, (place, stride)) in enumerate(zip(specs, places)):
+    for spec, (place, stride), capacity in zip(specs, places, capacities):
         dtype, shape = _DTYPES[spec["dtype"]], spec["shape"]
         blocks, rows, width = _blocks(shape)
         if not blocks * rows * width:
             buffers.append(torch.empty(shape, dtype=dtype))
             continue
-        capacity = rows + ROOM if index in growing else rows
         flat = base[place : place + blocks * stride].view(dtype)
         lead = list(shape[:-2]) if len(shape) >= 2 else []
         lead_strides = [stride // dtype.itemsize * math.prod(lead[i + 1 :]) for i in range(len(lead))]
@@ -316,16 +315,12 @@ class Arrival:
         self._failed: str | None = None
         self._callbacks: list = []
         self._reads = []  # (file offset, [memory views of consecutive blocks], the tensors they touch)
+        end = None  # where the last read ends in the file
         for index, (spec, (place, stride)) in enumerate(zip(specs, places)):
             for b in range(_blocks(spec["shape"])[0] if spec["block"] else 0):
                 offset, block = start + spec["offset"] + b * spec["block"], view[place + b * stride :][: spec["block"]]
                 last = self._reads[-1] if self._reads else None
-                if (
-                    last
-                    and last[0] + sum(map(len, last[1])) == offset
-                    and len(last[1]) < IOV_MAX
-                    and sum(map(len, last[1])) < PIECE
-                ):
+                if last and end == offset and len(last[1]) < IOV_MAX and end - last[0] < PIECE:
                     last[1].append(block)
                     if last[2][-1] != index:
                         last[2].append(index)
@@ -333,6 +328,7 @@ class Arrival:
                 else:
                     self._reads.append((offset, [block], [index]))
                     self._left[index] += 1
+                end = offset + len(block)
 
     def start(self) -> None:
         global _readers
