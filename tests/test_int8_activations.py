@@ -64,7 +64,7 @@ FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int3", 64), ("int2", 32)
 
 @pytest.mark.parametrize("name,group", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,n,k", [(1, 8, 64), (3, 24, 128), (4, 16, 256), (9, 136, 384)])
+@pytest.mark.parametrize("m,n,k", [(1, 8, 64), (3, 24, 128), (4, 16, 256), (9, 136, 384), (21, 40, 256)])  # 21: the blocked loops
 def test_kernels_compute_exactly_the_defined_arithmetic(loop, name, group, dtype, m, n, k):
     fmt = QuantFormat.make(name, group or 32)
     if group and k % group:
@@ -97,6 +97,32 @@ def test_each_row_gets_the_same_bits_alone_or_with_others(ext):
         together = kernels.quantized_matmul(x, qweight, params, fmt, True)
         for row in range(7):
             assert torch.equal(together[row : row + 1], kernels.quantized_matmul(x[row : row + 1], qweight, params, fmt, True))
+
+
+@pytest.mark.parametrize("name,group", FORMATS)
+def test_the_blocked_loops_give_every_row_the_bits_it_gets_alone(loop, ext, name, group):
+    """A prefill's many rows run the blocked loops (lowbit_gemm.h) where the variant has them: each row still
+    gets exactly the bits it gets alone (a token decoded after its prompt meets the same numbers), and the
+    bits the decode-shaped loops give the same rows."""
+    fmt = QuantFormat.make(name, group or 32)
+    g = torch.Generator().manual_seed(len(name) * 100 + (group or 0))
+    default_rows = ext.lowbit_gemm_rows(0)
+    try:
+        for n, k, m in ((48, 256, 37), (24, 768, 16), (40, 384, 133)):  # 133: a block of 128 rows and 5 more
+            if group and k % group:
+                continue
+            _, qweight, params = _matrix(fmt, n, k, g)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = _activations(m, k, dtype, g)
+                blocked = kernels.quantized_matmul(x, qweight, params, fmt, True)
+                ext.lowbit_gemm_rows(1 << 40)  # no matmul has that many rows: the decode-shaped loops throughout
+                loops = kernels.quantized_matmul(x, qweight, params, fmt, True)
+                ext.lowbit_gemm_rows(default_rows)
+                alone = torch.cat([kernels.quantized_matmul(x[r : r + 1], qweight, params, fmt, True) for r in range(m)])
+                assert torch.equal(blocked, loops), (n, k, m, dtype)
+                assert torch.equal(blocked, alone), (n, k, m, dtype)
+    finally:
+        ext.lowbit_gemm_rows(default_rows)
 
 
 def test_the_variant_a_matrix_runs_is_the_cpus_best_where_its_loop_takes_the_shape(loop, ext):

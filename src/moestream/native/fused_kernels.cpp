@@ -25,6 +25,7 @@
 #include "cpu_features.h"
 #include "decode_attention.h"
 #include "lowbit_dot.h"
+#include "lowbit_gemm.h"
 
 namespace torch {  // as <torch/extension.h> has it (torch/types.h)
 using namespace at;  // torch::Tensor, torch::empty
@@ -52,6 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("table_matmul", &table_matmul, no_gil);
   m.def("lowbit_isa", &lowbit_isa);
   m.def("lowbit_variant", &lowbit_variant);
+  m.def("lowbit_gemm_rows", &lowbit_gemm_rows);
   m.def("decode_attention", &decode_attention, no_gil);
   m.def("decode_attention_simd", &decode_attention_simd);
   m.def("repack_int4", &repack_int4, no_gil);

@@ -196,19 +196,25 @@ inline void int8_rows_portable(const Activations& a, const int8_t* w, const void
 namespace lowbit {
 #define LOWBIT_AVX2 __attribute__((target("avx2,fma")))
 
-// The order every SIMD loop takes: weight rows n0..n1 in blocks of kWeightRows (they stay in cache for every
-// activation row), each against the activation rows in tiles of kRowTile, then the 1-3 rows left.
+// The order every SIMD loop takes: the activation rows in blocks of kRowBlock (a prefill's rows stay in L2
+// while the weights stream past), in each weight rows n0..n1 in blocks of kWeightRows (they stay in cache for
+// every activation row of the block), each against the block's rows in tiles of kRowTile, then the 1-3 left.
 // tile(std::integral_constant<int64_t, K>{}, r0, b, e): K activation rows from r0 against weight rows b..e.
+// (Every pair of rows is computed the same way whatever the order: the order changes no bits.)
+constexpr int64_t kRowBlock = 128;
 template <typename Tile>
 inline void over_tiles(int64_t rows, int64_t n0, int64_t n1, Tile tile) {
-  for (int64_t b = n0; b < n1; b += kWeightRows) {
-    const int64_t e = std::min(b + kWeightRows, n1);
-    int64_t r0 = 0;
-    for (; r0 + kRowTile <= rows; r0 += kRowTile) tile(std::integral_constant<int64_t, kRowTile>{}, r0, b, e);
-    switch (rows - r0) {
-      case 3: tile(std::integral_constant<int64_t, 3>{}, r0, b, e); break;
-      case 2: tile(std::integral_constant<int64_t, 2>{}, r0, b, e); break;
-      case 1: tile(std::integral_constant<int64_t, 1>{}, r0, b, e); break;
+  for (int64_t block = 0; block < rows; block += kRowBlock) {
+    const int64_t end = std::min(block + kRowBlock, rows);
+    for (int64_t b = n0; b < n1; b += kWeightRows) {
+      const int64_t e = std::min(b + kWeightRows, n1);
+      int64_t r0 = block;
+      for (; r0 + kRowTile <= end; r0 += kRowTile) tile(std::integral_constant<int64_t, kRowTile>{}, r0, b, e);
+      switch (end - r0) {
+        case 3: tile(std::integral_constant<int64_t, 3>{}, r0, b, e); break;
+        case 2: tile(std::integral_constant<int64_t, 2>{}, r0, b, e); break;
+        case 1: tile(std::integral_constant<int64_t, 1>{}, r0, b, e); break;
+      }
     }
   }
 }

@@ -62,8 +62,16 @@ static torch::Tensor int4_rows(const lowbit::Activations& a, const torch::Tensor
               "int4 x int8: scales and zeros must be contiguous bf16 [K/G, N, 2]");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr());
-  return over_rows(a, n, 8, w.size(1), dtype,
-                   [&](int64_t b, int64_t e, float* y) { lowbit::int4_rows(a, wp, sp, static_cast<int>(bits), n, b, e, y, table); });
+  thread_local lowbit::GemmInputs mine;  // many activation rows (a prefill): the blocked loops (lowbit_gemm.h)
+  lowbit::GemmInputs& in = mine;         // (by name, the threads below would each see their own)
+  const bool gemm = lowbit::int4_gemm_applies(a, table);
+  if (gemm) lowbit::prepare_int4(a, in);
+  return over_rows(a, n, 8, w.size(1), dtype, [&](int64_t b, int64_t e, float* y) {
+    if (gemm)
+      lowbit::int4_gemm(a, in, wp, sp, static_cast<int>(bits), n, b, e, y);
+    else
+      lowbit::int4_rows(a, wp, sp, static_cast<int>(bits), n, b, e, y, table);
+  });
 }
 
 // int8 codes w [N, K] with per-channel scales [N] (float32 or bf16).
@@ -75,7 +83,16 @@ static torch::Tensor int8_rows(const lowbit::Activations& a, const torch::Tensor
   const int8_t* wp = w.data_ptr<int8_t>();
   const void* sp = scales.data_ptr();
   const bool bf16 = scales.scalar_type() == at::kBFloat16;
-  return over_rows(a, n, 1, a.k, dtype, [&](int64_t b, int64_t e, float* y) { lowbit::int8_rows(a, wp, sp, bf16, n, b, e, y); });
+  thread_local lowbit::GemmInputs mine;
+  lowbit::GemmInputs& in = mine;
+  const bool gemm = lowbit::int8_gemm_applies(a);
+  if (gemm) lowbit::prepare_int8(a, in);
+  return over_rows(a, n, 1, a.k, dtype, [&](int64_t b, int64_t e, float* y) {
+    if (gemm)
+      lowbit::int8_gemm(a, in, wp, sp, bf16, n, b, e, y);
+    else
+      lowbit::int8_rows(a, wp, sp, bf16, n, b, e, y);
+  });
 }
 
 // x quantized for a matrix of `bits` (8, or the int4 family's 4/3/2 with `group`), and that matrix against it.
@@ -132,6 +149,15 @@ std::string lowbit_isa(const std::string& cap) {
     TORCH_CHECK(i < 3, "lowbit_isa: one of portable, avx2, avx512-vnni, not ", cap);
     lowbit::isa_cap() = static_cast<lowbit::Isa>(i);
   }
+  return previous;
+}
+
+// The number of activation rows from which the int8-activation matmuls run the blocked loops of
+// lowbit_gemm.h (where the matrix's variant has them); with `rows` > 0, that number from now on (the tests
+// and benchmarks compare the two loops). Returns the number before the call.
+int64_t lowbit_gemm_rows(int64_t rows) {
+  const int64_t previous = lowbit::gemm_rows();
+  if (rows > 0) lowbit::gemm_rows() = rows;
   return previous;
 }
 
