@@ -133,6 +133,106 @@ LOWBIT_VNNI inline void int4_gemm_vnni(const Activations& a, const int8_t* pairs
   }
 }
 
+// ---- the AVX2 loops' arithmetic (int4_tile_avx2): 8 lanes a 64-input chunk, the int4 family's groups of 32 too --
+// A lane of int4_chunk sums the four products of one 4-byte group (maddubs, add, madd: no saturation for codes
+// up to 15, or 63 for int6); VNNI's 256-bit vpdpbusd sums the same four. So the same tile runs with either:
+// with VNNI (its 32 vector registers: 4 weight rows a tile) where a matrix's variant is AVX2 on a VNNI CPU
+// (groups of 32, or K an odd number of 64-input chunks), else with AVX2's own instructions (16 registers: 2
+// weight rows a tile). Either way each pair gets int4_tile_avx2's bits.
+template <int64_t kRows, int64_t kTile, bool kSix>
+__attribute__((target("avx2,fma"), always_inline)) inline void int4_tile_256_body(const Activations& a, int64_t r0, const uint8_t* row,
+                                                                                 int64_t stride, const float* scales, float (*rest)[8], int64_t i0,
+                                                                                 float* y, int64_t n, int64_t o, bool vnni_dots) {
+  const int64_t k = a.k, group = a.group, supers = k / kSuper;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* q0 = a.q.data() + r0 * k;
+  const float* d0 = a.scale.data() + r0 * supers * 8;
+  __m256 acc[kRows][kTile];
+  for (int64_t u = 0; u < kRows; ++u)
+    for (int64_t t = 0; t < kTile; ++t) acc[u][t] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < supers; ++j) {
+    __m256i lo[kRows], hi[kRows];
+    __m256 sv[kRows];
+    for (int64_t u = 0; u < kRows; ++u) {
+      const uint8_t* w = row + u * stride;
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 32));
+      lo[u] = _mm256_and_si256(bytes, low);
+      hi[u] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      if constexpr (kSix) {
+        const __m128i tops = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k / 2 + j * 16));
+        const __m256i top = _mm256_set_m128i(_mm_srli_epi16(tops, 4), tops);
+        lo[u] = _mm256_or_si256(lo[u], _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(0x03)), 4));
+        hi[u] = _mm256_or_si256(hi[u], _mm256_slli_epi16(_mm256_and_si256(top, _mm256_set1_epi8(0x0C)), 2));
+      }
+      const float* s = scales + i0 + u;  // s[8 g]: this row's scale of group g
+      sv[u] = group == kBlock ? _mm256_set_m128(_mm_set1_ps(s[8 * (2 * j + 1)]), _mm_set1_ps(s[8 * 2 * j]))
+                              : _mm256_set1_ps(s[8 * (j * kSuper / group)]);
+    }
+    for (int64_t t = 0; t < kTile; ++t) {
+      const int8_t* q = q0 + t * k + j * kSuper;
+      const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kBlock));
+      const __m256 d = _mm256_loadu_ps(d0 + (t * supers + j) * 8);
+      for (int64_t u = 0; u < kRows; ++u) {
+        __m256i dots;
+        if (vnni_dots)
+          dots = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[u], even), hi[u], odd);
+        else
+          dots = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[u], even), _mm256_maddubs_epi16(hi[u], odd)), ones);
+        acc[u][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, sv[u]), acc[u][t]);
+      }
+    }
+  }
+  for (int64_t u = 0; u < kRows; ++u)
+    for (int64_t t = 0; t < kTile; ++t) y[(r0 + t) * n + o + u] = horizontal_sum(acc[u][t]) + rest[t][i0 + u];
+}
+
+template <int64_t kRows, int64_t kTile, bool kSix>
+LOWBIT_VNNI inline void int4_tile_256_vnni(const Activations& a, int64_t r0, const uint8_t* row, int64_t stride, const float* scales,
+                                           float (*rest)[8], int64_t i0, float* y, int64_t n, int64_t o) {
+  int4_tile_256_body<kRows, kTile, kSix>(a, r0, row, stride, scales, rest, i0, y, n, o, true);
+}
+
+template <int64_t kRows, int64_t kTile, bool kSix>
+LOWBIT_AVX2 inline void int4_tile_256_avx2(const Activations& a, int64_t r0, const uint8_t* row, int64_t stride, const float* scales,
+                                           float (*rest)[8], int64_t i0, float* y, int64_t n, int64_t o) {
+  int4_tile_256_body<kRows, kTile, kSix>(a, r0, row, stride, scales, rest, i0, y, n, o, false);
+}
+
+// kTile activation rows from r0 against weight rows o8..o8+8 in the AVX2 loops' arithmetic.
+template <int64_t kTile, bool kSix, bool kVnni>
+LOWBIT_AVX2 inline void int4_rows_gemm_256(const Activations& a, int64_t r0, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t o8,
+                                           float* scales, float* y) {
+  const int64_t stride = row_bytes(kSix ? 6 : 4, a.k);
+  alignas(32) float rest[kTile][8];
+  group_terms<kTile>(a, r0, sz, bits, n, o8, false, scales, rest);
+  constexpr int64_t kRows = kVnni ? 4 : 2;
+  for (int64_t i0 = 0; i0 < 8; i0 += kRows) {
+    if constexpr (kVnni)
+      int4_tile_256_vnni<kRows, kTile, kSix>(a, r0, w + (o8 + i0) * stride, stride, scales, rest, i0, y, n, o8 + i0);
+    else
+      int4_tile_256_avx2<kRows, kTile, kSix>(a, r0, w + (o8 + i0) * stride, stride, scales, rest, i0, y, n, o8 + i0);
+  }
+}
+
+template <bool kSix, bool kVnni>
+LOWBIT_AVX2 inline void int4_gemm_256(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
+                                      float* y) {
+  std::vector<float> scales(a.k / a.group * 8);
+  for (int64_t block = 0; block < a.rows; block += kRowBlock) {
+    const int64_t end = std::min(block + kRowBlock, a.rows);
+    for (int64_t o8 = n0; o8 < n1; o8 += 8) {
+      int64_t r0 = block;
+      for (; r0 + kRowTile <= end; r0 += kRowTile) int4_rows_gemm_256<kRowTile, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y);
+      switch (end - r0) {
+        case 3: int4_rows_gemm_256<3, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y); break;
+        case 2: int4_rows_gemm_256<2, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y); break;
+        case 1: int4_rows_gemm_256<1, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y); break;
+      }
+    }
+  }
+}
+
 // -128 times each lane's four activation codes, per row: where the int8 tile starts its sums.
 LOWBIT_VNNI inline void lane_corrections(const Activations& a, std::vector<int32_t>& out) {
   out.resize(a.rows * a.k / 4);
@@ -201,20 +301,25 @@ struct GemmInputs {
 };
 
 inline bool int4_gemm_applies(const Activations& a, const int8_t* table) {
-  return a.rows >= gemm_rows() && table == nullptr && int4_variant(a.group, a.k) == Isa::avx512_vnni;
+  return a.rows >= gemm_rows() && table == nullptr && int4_variant(a.group, a.k) >= Isa::avx2;
 }
 
 inline bool int8_gemm_applies(const Activations& a) { return a.rows >= gemm_rows() && int8_variant(a.k) == Isa::avx512_vnni; }
 
-inline void prepare_int4(const Activations& a, GemmInputs& in) { pair_chunks(a, in.pairs); }
+inline void prepare_int4(const Activations& a, GemmInputs& in) {
+  if (int4_variant(a.group, a.k) == Isa::avx512_vnni) pair_chunks(a, in.pairs);
+}
 inline void prepare_int8(const Activations& a, GemmInputs& in) { lane_corrections(a, in.corrections); }
 
 inline void int4_gemm(const Activations& a, const GemmInputs& in, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
                       float* y) {
-  if (bits == 6)
-    int4_gemm_vnni<true>(a, in.pairs.data(), w, sz, bits, n, n0, n1, y);
+  const bool six = bits == 6;
+  if (int4_variant(a.group, a.k) == Isa::avx512_vnni)
+    six ? int4_gemm_vnni<true>(a, in.pairs.data(), w, sz, bits, n, n0, n1, y) : int4_gemm_vnni<false>(a, in.pairs.data(), w, sz, bits, n, n0, n1, y);
+  else if (isa() == Isa::avx512_vnni)  // the AVX2 loops' arithmetic with VNNI's dot products and registers
+    six ? int4_gemm_256<true, true>(a, w, sz, bits, n, n0, n1, y) : int4_gemm_256<false, true>(a, w, sz, bits, n, n0, n1, y);
   else
-    int4_gemm_vnni<false>(a, in.pairs.data(), w, sz, bits, n, n0, n1, y);
+    six ? int4_gemm_256<true, false>(a, w, sz, bits, n, n0, n1, y) : int4_gemm_256<false, false>(a, w, sz, bits, n, n0, n1, y);
 }
 
 inline void int8_gemm(const Activations& a, const GemmInputs& in, const int8_t* w, const void* scales, bool bf16_scales, int64_t n, int64_t n0,
