@@ -7,7 +7,8 @@ L2-sized blocks of rows.
 
 Per shape (Qwen3-30B-A3B's expert gate+up [1536, 2048] and down [2048, 768], attention q [4096, 2048]) and
 format, one matmul at each row count (a 4,096-token piece routes about 256 tokens to each of its 128 experts
-at top-8): the fastest of several runs of each loop, the two alternating, in each SIMD variant this CPU has,
+at top-8, and "auto" times 32 rows besides one): the fastest of several runs of each loop, the two alternating,
+in each SIMD variant this CPU has (and, beside the best variant, float activations through torch's kernel),
 with the int8 ops per second and their share of the CPU's int8 peak (core/kernel_timing.py, measured beside
 it on as many threads). Both loops compute the same bits; each result is checked equal here too.
 
@@ -66,28 +67,49 @@ def main() -> None:
                     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
                     record = pack(quantize(w, fmt), fmt, "w")
                     qweight, params = record["w.qweight"], record[f"w.{fmt.params}"]
+                    fast = kernels.cpu_record(record, fmt)["w.qweight"] if fmt.torch_kernel else None
                     for m in args.rows:
                         x = torch.randn(m, k, dtype=torch.bfloat16)
                         run = functools.partial(kernels.quantized_matmul, x, qweight, params, fmt, True)
-                        best = {"loops": float("inf"), "blocked": float("inf")}
+                        # float activations: torch's kernel on its own layout (what "auto" weighs them against)
+                        floating = (
+                            functools.partial(kernels.quantized_matmul, x, fast, params, fmt, False) if fast is not None else None
+                        )
+                        best = {"loops": float("inf"), "blocked": float("inf"), "float": float("inf")}
                         out = {}
-                        for _ in range(3):  # alternating, so that a busy moment slows both
+                        for _ in range(3):  # alternating, so that a busy moment slows each
                             for loop, rows in (("loops", NEVER), ("blocked", default_rows)):
                                 ext.lowbit_gemm_rows(rows)
                                 out[loop] = run()
                                 best[loop] = min(best[loop], kernels.fastest_ms(run, 2))
+                            if floating is not None and variant == names[-1]:
+                                best["float"] = min(best["float"], kernels.fastest_ms(floating, 2))
                         if not torch.equal(out["loops"], out["blocked"]):
                             raise SystemExit(f"the two loops disagree: {variant} {shape} {name} {m} rows")
                         ops = 2 * m * n * k / (best["blocked"] / 1e3)
                         share = f" ({ops / peak:.0%})" if peak else ""
                         ratio = best["loops"] / best["blocked"]
+                        versus = (
+                            f"  float {best['float']:.3f} ms ({best['float'] / best['blocked']:.2f}x)"
+                            if best["float"] < float("inf")
+                            else ""
+                        )
                         print(
                             f"{variant:<12} {shape:<16} {label(name, group):<9} {m:>5} {best['loops']:>9.3f} {best['blocked']:>10.3f}  "
-                            f"{ratio:.2f}x  {ops / 1e9:.0f}{share}",
+                            f"{ratio:.2f}x  {ops / 1e9:.0f}{share}{versus}",
                             flush=True,
                         )
                         results["matmuls"].append(
-                            dict(variant=variant, shape=shape, n=n, k=k, format=label(name, group), rows=m, ms=best, ops=ops)
+                            dict(
+                                variant=variant,
+                                shape=shape,
+                                n=n,
+                                k=k,
+                                format=label(name, group),
+                                rows=m,
+                                ms={key: v if v < float("inf") else None for key, v in best.items()},
+                                ops=ops,
+                            )
                         )
     finally:
         ext.lowbit_isa(previous_isa)
@@ -109,7 +131,17 @@ def record_result(args, results: dict) -> None:
         "loop, the two alternating (ms); GOPS of the blocked loops and their share of the int8 peak"
         + (f" ({peak / 1e9:.0f} GOPS, torch's int8 GEMM on as many threads):" if peak else ":")
     )
-    columns = ["variant", "shape", "format", "rows", "decode loops ms", "blocked ms", "ratio", "GOPS (share of peak)"]
+    columns = [
+        "variant",
+        "shape",
+        "format",
+        "rows",
+        "decode loops ms",
+        "blocked ms",
+        "ratio",
+        "GOPS (share of peak)",
+        "float activations ms (ratio)",
+    ]
     rows = [
         [
             r["variant"],
@@ -120,13 +152,16 @@ def record_result(args, results: dict) -> None:
             f"{r['ms']['blocked']:.3f}",
             f"**{r['ms']['loops'] / r['ms']['blocked']:.2f}x**",
             f"{r['ops'] / 1e9:.0f}" + (f" ({r['ops'] / peak:.0%})" if peak else ""),
+            f"{r['ms']['float']:.3f} ({r['ms']['float'] / r['ms']['blocked']:.2f}x)" if r["ms"]["float"] is not None else "",
         ]
         for r in results["matmuls"]
     ]
     notes = (
         "Both loops give the same bits (checked in the run), and both take the activation rows in blocks of 128. The "
         "register tiles are AVX-512 VNNI only: on the AVX2 variant, and for int4 g32 (which runs the AVX2 loops under "
-        "either variant, lowbit_dot.h's int4_variant), both columns run the same loops, and their ratio shows the noise."
+        "either variant, lowbit_dot.h's int4_variant), both columns run the same loops, and their ratio shows the noise. "
+        "Float activations: torch's kernel on its own layout (int4 and int8; none for int6), timed beside the best variant "
+        "only; its ratio is its time over the blocked loops'."
     )
     path = machine.write_result(
         args.record,
