@@ -11,6 +11,7 @@ from tiny import tiny_checkpoint
 
 import moestream
 from moestream.cli import main
+from moestream.generation import kv_disk
 from moestream.generation.generate import SamplingParams
 from moestream.generation.kv_cache import PrefixCache
 from moestream.generation.kv_disk import FORMAT, SUFFIX, DiskTier, TierFileError, identity, load, write_file
@@ -258,3 +259,19 @@ def test_a_conversation_survives_a_server_restart_through_the_tier(store, tmp_pa
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert reply["choices"][0]["text"] == fresh["choices"][0]["text"]
     moestream.close(model)
+
+
+def test_the_index_finds_the_same_shared_prefix_in_packed_ids_as_in_the_ids_themselves():
+    """The tier's index keeps each prefix's ids packed (4 bytes a token, not a tuple of Python ints) and
+    compares them by a binary search over bytes: the same length as a plain walk over the ids."""
+    g = torch.Generator().manual_seed(11)
+
+    def ids(n: int) -> list[int]:  # few distinct ids (long shared runs), some beyond 2^16
+        return [x * 70_001 for x in torch.randint(0, 4, (n,), generator=g).tolist()]
+
+    for _ in range(300):
+        a = ids(int(torch.randint(0, 40, (1,), generator=g)))
+        b = a[: int(torch.randint(0, len(a) + 1, (1,), generator=g))] + ids(int(torch.randint(0, 10, (1,), generator=g)))
+        limit = int(torch.randint(0, 45, (1,), generator=g))
+        expected = kv_disk.common_prefix(a, b, limit)
+        assert kv_disk.common_packed_prefix(kv_disk.packed(a), kv_disk.packed(b), limit) == expected
