@@ -23,6 +23,9 @@ A full-depth model (48 layers, `gguf_more_layers.py`, every expert in RAM):
     python benchmarks/long_context.py STORE GGUF --text TEXT --contexts 32 4096 --steps 32 --memory 17GiB \
         --engines moestream,llama.cpp-nofa-copy,llama.cpp-nofa
 
+The engine `moestream-loops` runs moestream with the blocked prefill loops off (native/lowbit_gemm.h: the
+decode-shaped loops at every row count, and "auto" activations chosen by them), beside `moestream`.
+
 Needs llama-cpp-python (a benchmark tool, not a dependency). Prints a table per context and the ratios;
 `--json FILE` writes them with the machine's record; `--record` writes the two tables as this machine's
 record of long-context (`--record full-depth` for a 48-layer run; benchmarks/machine.py).
@@ -107,7 +110,7 @@ def run_moestream(
             sys.exit(f"long_context: the stretch from {start} to {end} did not start from the cached {start} tokens")
         out.append({"context": end, "prefill_tokens": end - start, "prefill_seconds": prefill, "decode_seconds": decode})
     stats = moestream.stats(model)
-    note = next((p["note"] for p in stats["fast_paths"] if p["name"] == "attention function"), "")
+    note = "; ".join(p["note"] for p in stats["fast_paths"] if p["name"] in ("attention function", "low-bit matmuls"))
     moestream.close(model)
     return {"points": out, "note": note, "misses": stats["misses"]}
 
@@ -182,6 +185,11 @@ def main() -> None:
         contexts, steps, threads, flags = args.contexts, args.steps, args.threads, args.worker.split("-")
         if flags[0] == "moestream":
             kv = "int8" if "int8" in flags else "auto"
+            if "loops" in flags:  # the blocked prefill loops off: the decode-shaped loops at every row count
+                from moestream.native import fused_build
+
+                if (ext := fused_build.extension()) is not None:
+                    ext.lowbit_gemm_rows(1 << 40)
             result = run_moestream(args.store, args.memory, contexts, steps, threads, kv, args.text, args.warmup)
         else:
             kv = "q8_0" if "q8_0" in flags else "f16"
