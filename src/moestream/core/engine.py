@@ -156,8 +156,14 @@ class _LayerCall:
         self.x = hidden if hidden.dtype == dtype else hidden.to(dtype)
         if single and not self.x.is_contiguous():  # the general path's gather copies; the kernels need rows
             self.x = self.x.contiguous()
-        # The fused one-token kernel computes in the hidden states' dtype (quantized records), as `result` sums.
-        self.fused = engine.one_token_kernel(module, layer, self.x) if single and self.x.dtype == hidden.dtype else None
+        # The fused kernels compute in the hidden states' dtype (quantized records), as `result` sums: one token
+        # (`experts_decode`), or many (`experts_prefill`, each expert on its rows, with the general path's ops).
+        if self.x.dtype != hidden.dtype:
+            self.fused = None
+        elif single:
+            self.fused = engine.one_token_kernel(module, layer, self.x)
+        else:
+            self.fused = engine.plans[layer].prefill_kernel(module, self.x)
         self.total = None  # the result itself, when the fused kernel computed every choice at once
         if self.single:
             self.weights = top_k_weights.reshape(k, 1)
@@ -196,6 +202,12 @@ class _LayerCall:
             for (expert, w), h in zip(experts, hs):
                 # weighted and summed in k order once every expert is done (`result`)
                 self.ys[self.rows[expert]] = _second_matmul(self, h, w)
+            return
+        if self.fused is not None:  # the loop below in C++, the experts spread over the threads
+            kernel, (q1, p1, q2, p2), bits, group, first_kernel, second_kernel, table = self.fused
+            kernel(self.x, [self.rows[e] for e, _ in experts], [w[q1] for _, w in experts], [w[p1] for _, w in experts],
+                   [w[q2] for _, w in experts], [w[p2] for _, w in experts], bits, group, first_kernel, second_kernel,
+                   self.weights, self.out, self.k, table)  # fmt: skip
             return
         for expert, w in experts:
             pos = self.rows[expert]

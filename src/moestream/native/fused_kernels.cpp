@@ -7,6 +7,9 @@
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/index_copy.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -17,8 +20,10 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -45,6 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, no_gil);
   m.def("silu_gate", &silu_gate, no_gil);
   m.def("experts_decode", &experts_decode, no_gil);
+  m.def("experts_prefill", &experts_prefill, no_gil);
   m.def("softmax_topk_router", &softmax_topk_router, no_gil);
   m.def("attention_decode_qkv", &attention_decode_qkv, no_gil);
   m.def("attention_decode_out", &attention_decode_out, no_gil);

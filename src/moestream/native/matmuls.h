@@ -249,6 +249,47 @@ torch::Tensor experts_decode(torch::Tensor x, std::vector<torch::Tensor> first, 
   return out;
 }
 
+// A prompt's tokens through n quantized experts, each expert on the rows routed to it, as the engine's
+// general path computes them one op at a time (engine.py, `_LayerCall.compute`): x [T, H] (the layer's
+// hidden states), rows[j] the positions t * k + c routed to expert j (int64), weights [T * k] the router's
+// weights; out [T * k, H] gets row p = (expert(x[p / k]) * weights[p]) in out's dtype. The matrices and
+// kernels as experts_decode takes them (one kernel for both, or int8 activations for both).
+// The experts run whole on one thread each, taken from a shared counter (their row counts differ): the ops
+// inside run serially (nested in torch's parallel region), with no fork and join per matmul and none of the
+// Python between the ops; every op is the one the general path calls, so the numbers are its own.
+void experts_prefill(torch::Tensor x, std::vector<torch::Tensor> rows, std::vector<torch::Tensor> first, std::vector<torch::Tensor> first_params,
+                     std::vector<torch::Tensor> second, std::vector<torch::Tensor> second_params, int64_t bits, int64_t group, int64_t first_kernel,
+                     int64_t second_kernel, torch::Tensor weights, torch::Tensor out, int64_t k, c10::optional<torch::Tensor> table) {
+  const int64_t n = static_cast<int64_t>(first.size());
+  TORCH_CHECK(rows.size() == first.size() && first_params.size() == first.size() && second.size() == first.size() &&
+                  second_params.size() == first.size(),
+              "experts_prefill: rows, a first and a second matrix per expert");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) * k && out.size(1) == x.size(1) && out.is_contiguous() &&
+                  weights.numel() == out.size(0),
+              "experts_prefill: x [T, H], out [T * k, H] contiguous, weights [T * k]");
+  TORCH_CHECK((first_kernel == kInt8Activations) == (second_kernel == kInt8Activations), "experts_prefill: int8 activations for both or neither");
+  const int8_t* values = table_values(table);
+  const auto flat_weights = weights.reshape({-1});
+  std::vector<int64_t> order(n);  // the most rows first, so that the last expert taken is a small one
+  for (int64_t j = 0; j < n; ++j) order[j] = j;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows[a].numel() > rows[b].numel(); });
+  std::atomic<int64_t> next{0};
+  auto expert = [&](int64_t j) {
+    const auto& positions = rows[j];
+    auto xs = x.index_select(0, at::floor_divide(positions, k));
+    auto h = project(xs, first[j], first_params[j], first_kernel, bits, group, values);
+    auto a = torch::empty({h.size(0), h.size(1) / 2}, h.options());
+    silu_gate_into(h, a);
+    auto y = project(a, second[j], second_params[j], second_kernel, bits, group, values);
+    out.index_copy_(0, positions, at::mul(y, flat_weights.index_select(0, positions).unsqueeze(1)).to(out.scalar_type()));
+  };
+  const at::ThreadLocalState caller;  // inference mode and the like: the ops on other threads run as on this one
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    at::ThreadLocalStateGuard same(caller);
+    for (int64_t i = next++; i < n; i = next++) expert(order[i]);
+  });
+}
+
 // ---- int4 codes from the store's portable layout to torch's CPU kernel layout ----------------------------
 // The store keeps int4 codes as plain nibbles in row order (src [N, K/2]: byte j of row n holds inputs 2j and
 // 2j+1). torch's CPU kernel reads another layout, different per CPU build: each of its bytes pairs input k

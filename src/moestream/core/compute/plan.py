@@ -166,6 +166,12 @@ class ExpertsPlan:
             self.one_token[x.dtype] = fused.experts_call(module, self.layer, x.dtype, self.int8_activations)
         return self.one_token[x.dtype]
 
+    def prefill_kernel(self, module: nn.Module, x: torch.Tensor) -> tuple | None:
+        """The fused kernel for many tokens through this layer's experts (`experts_prefill`, then the same
+        arguments as `one_token_kernel`'s), or None where the one-token kernel cannot run either."""
+        arguments = self.one_token_kernel(module, x)
+        return None if arguments is None else (fused_build.extension().experts_prefill, *arguments[1:])
+
     def one_token_reason(self, module: nn.Module, x: torch.Tensor) -> str | None:
         """Why `one_token_kernel` gives None for x (None: it gives the kernel)."""
         if self.one_token_kernel(module, x) is not None:
