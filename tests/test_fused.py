@@ -333,6 +333,40 @@ def test_one_token_calls_take_the_experts_kernel_and_budgets_do_not_change_its_n
     assert torch.equal(full, own)
 
 
+@pytest.mark.parametrize("compute_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_a_prompt_takes_the_prefill_experts_kernel_with_the_engines_own_bits(
+    ext, int4_store, monkeypatch, compute_dtype, activations
+):
+    """Many tokens through a layer's experts: `experts_prefill` (each expert on its rows in C++, the experts
+    spread over the threads) gives the logits of the engine's own loop, bit for bit, whatever the budget
+    hands over together."""
+    from moestream.core.compute import plan
+
+    manifest = Store(int4_store).manifest
+    slot, top_k = manifest.max_record_stride, manifest.model_config["num_experts_per_tok"]
+    everything = sum(layer.num_experts for layer in manifest.layers) * slot
+    used = []
+    original = plan.ExpertsPlan.prefill_kernel
+    monkeypatch.setattr(plan.ExpertsPlan, "prefill_kernel", lambda self, *a: used.append(original(self, *a)) or used[-1])
+
+    def prompt_logits(budget):
+        model, _ = moestream.load(int4_store, budget, prefetch="off", compute_dtype=compute_dtype, activations=activations)
+        prompt = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(46))  # a batch of two prompts
+        with torch.inference_mode():
+            return model(prompt).logits
+
+    full = prompt_logits(everything)
+    assert used and all(found is not None and found[0] is ext.experts_prefill for found in used)
+    small = prompt_logits(top_k * slot)  # misses computed as their reads land, a few experts at a time
+    assert torch.equal(small, full)
+    monkeypatch.setattr(fused, "experts_kernel", lambda *args: None)  # the engine's own loop, op by op
+    used.clear()
+    own = prompt_logits(everything)
+    assert used and all(found is None for found in used)
+    assert torch.equal(own, full)
+
+
 # -- routers ----------------------------------------------------------------------------------------------
 
 
