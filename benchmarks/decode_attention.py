@@ -22,8 +22,6 @@ import machine
 import torch
 import torch.nn.functional as F
 
-from moestream.native import fused_build
-
 
 def fastest_ms(function, runs: int = 15) -> float:
     best = float("inf")
@@ -42,9 +40,7 @@ def main() -> None:
     parser.add_argument("--simd", choices=["avx512", "avx2", "loops"], default="avx512", help="the most capable loops allowed")
     machine.add_record_argument(parser, "flash-decoding")
     args = parser.parse_args()
-    ext = fused_build.extension()
-    if ext is None:
-        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
+    ext = machine.compiled_kernels()
     torch.set_num_threads(args.threads)
     ext.decode_attention_simd(args.simd)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

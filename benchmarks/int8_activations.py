@@ -39,8 +39,7 @@ def read_bandwidth() -> float:
 def start_benchmark(threads: int) -> float:
     """A kernel benchmark's start: the compiled kernels (or exit), `threads` torch threads, the machine and
     the loops' variant printed; returns the machine's read bandwidth in GB/s (printed too)."""
-    if fused_build.extension() is None:
-        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
+    machine.compiled_kernels()
     torch.set_num_threads(threads)
     print(f"machine: {machine.line()}; {threads} threads; {fused_build.extension().lowbit_isa('')} loops")
     bandwidth = read_bandwidth()

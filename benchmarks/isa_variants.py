@@ -26,7 +26,6 @@ import torch
 
 from moestream.conversion.quant import QuantFormat, pack, quantize
 from moestream.core.compute import kernels
-from moestream.native import fused_build
 
 SHAPES = {"expert gate+up": (1536, 2048), "expert down": (2048, 768), "attention q": (4096, 2048)}
 FORMATS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", None)]
@@ -67,9 +66,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here too")
     machine.add_record_argument(parser, "kernel-variants")
     args = parser.parse_args()
-    ext = fused_build.extension()
-    if ext is None:
-        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
+    ext = machine.compiled_kernels()
     torch.set_num_threads(args.threads)
     names = variants(ext)
     print(f"machine: {machine.line()}; {args.threads} threads; variants: {', '.join(names)}")

@@ -87,6 +87,16 @@ def line(info: dict | None = None) -> str:
     return f"{m['cpu']} ({m['cores']} cores, {m['cpu_capability']}{gpu}), torch {m['torch']}, moestream {m['commit']}"
 
 
+def compiled_kernels():
+    """The compiled kernels' module for a kernel benchmark, or exit naming why they are off."""
+    from moestream.native import fused_build
+
+    ext = fused_build.extension()
+    if ext is None:
+        raise SystemExit(f"the compiled kernels are off: {fused_build.unavailable_reason()}")
+    return ext
+
+
 def write_json(path: str | os.PathLike, results: dict) -> None:
     Path(path).write_text(json.dumps({"machine": describe(), **results}, indent=1) + "\n")
 
