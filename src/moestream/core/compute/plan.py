@@ -72,18 +72,22 @@ def compiled_format(fmt: QuantFormat | None, int8_activations: bool) -> str | No
 
 
 @functools.lru_cache(maxsize=16)
-def measure_activations(fmt: QuantFormat, n: int, k: int, rows: int = 1, repeats: int = 20) -> tuple[float, float]:
-    """(int8-activation ms, float-activation ms) of `rows` tokens through a random [N, K] matrix of `fmt` on
-    this machine, with the threads the model will use: what "auto" decides by (a few ms, once per shape)."""
+def measure_activations(fmt: QuantFormat, n: int, k: int) -> dict[int, tuple[float, float]]:
+    """{rows: (int8-activation ms, float-activation ms)} of one token and of a prompt's PREFILL_ROWS through a
+    random [N, K] matrix of `fmt` on this machine, with the threads the model will use: what "auto" decides
+    by (a fraction of a second, once per shape; the matrix is made once for both)."""
     g = torch.Generator().manual_seed(0)
     record = pack(quantize(torch.randn(n, k, generator=g), fmt), fmt, "w")
     qweight, params = record["w.qweight"], record[f"w.{fmt.params}"]
     fast = kernels.cpu_record(record, fmt)["w.qweight"]  # torch's layout for the float-activation kernel
-    x = torch.randn(rows, k, generator=g)
-    return (
-        kernels.fastest_ms(lambda: kernels.quantized_matmul(x, qweight, params, fmt, True), repeats),
-        kernels.fastest_ms(lambda: kernels.quantized_matmul(x, fast, params, fmt, False), repeats),
-    )
+    times = {}
+    for rows, repeats in ((1, 20), (PREFILL_ROWS, 3)):
+        x = torch.randn(rows, k, generator=g)
+        times[rows] = (
+            kernels.fastest_ms(functools.partial(kernels.quantized_matmul, x, qweight, params, fmt, True), repeats),
+            kernels.fastest_ms(functools.partial(kernels.quantized_matmul, x, fast, params, fmt, False), repeats),
+        )
+    return times
 
 
 def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, int]], on_gpu: bool) -> tuple[bool, str]:
@@ -121,13 +125,14 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
     # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
     # of every group size.
     n, k = min(n, 4096), min(k, 8192)
-    integer, floating = measure_activations(fmt, n, k)
+    times = measure_activations(fmt, n, k)
+    integer, floating = times[1]
     ratio = floating / integer
     if ratio >= INT8_ACTIVATIONS_MARGIN:
         return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here"
     # Not enough at one token: a prompt's rows may still gain (the blocked loops), which is where a long
     # prompt's minutes go, as long as decode loses nothing.
-    integer, floating = measure_activations(fmt, n, k, PREFILL_ROWS, 3)
+    integer, floating = times[PREFILL_ROWS]
     prefill = floating / integer
     measured = f"{prefill:.1f}x float's speed at {PREFILL_ROWS} rows (a prompt), {ratio:.2f}x at one token on a {n}x{k} {fmt.name} matrix here"
     if prefill >= INT8_ACTIVATIONS_MARGIN and ratio >= 1.0:
