@@ -20,14 +20,17 @@
 // -128 times the activations' sum per lane, computed once per call: the same exact integer.
 #pragma once
 
-#if defined(__x86_64__) && defined(__GNUC__)
 namespace lowbit {
-
 // Activation rows from which a matmul takes these loops (the tests and benchmarks move it to compare both).
 inline int64_t& gemm_rows() {
   static int64_t rows = 16;
   return rows;
 }
+}  // namespace lowbit
+
+#if defined(__x86_64__) && defined(__GNUC__)
+namespace lowbit {
+
 constexpr int64_t kGemmWeightRows = 4;   // weight rows per register tile (4 x kRowTile accumulators)
 
 // The activations of an int4-family matrix for the VNNI tile: per row, each pair of 64-input chunks (j, j+1)
@@ -87,15 +90,15 @@ LOWBIT_VNNI inline void int4_tile_gemm_vnni(const Activations& a, const int8_t* 
 }
 
 // kTile activation rows from r0 against weight rows o8..o8+8: the group terms as int4_tile_vnni has them, then
-// two register tiles. `sv` is filled from the 8 rows' scales at a block's first tile (`scaled`).
+// two register tiles. With `fill`, `sv` is made from the 8 rows' scales first (a block's first tile).
 template <int64_t kTile, bool kSix>
 LOWBIT_VNNI inline void int4_rows_gemm_vnni(const Activations& a, const int8_t* pairs, int64_t r0, const uint8_t* w, const uint16_t* sz, int bits,
-                                            int64_t n, int64_t o8, float* scales, float* sv, bool& scaled, float* y) {
+                                            int64_t n, int64_t o8, float* scales, float* sv, bool fill, float* y) {
   const int64_t k = a.k, group = a.group, supers = k / kSuper, per_row = supers / 2;
   const int64_t stride = row_bytes(kSix ? 6 : 4, k);
   alignas(64) float rest[kTile][8];
   group_terms<kTile>(a, r0, sz, bits, n, o8, false, scales, rest);
-  if (!scaled) {  // each lane's weight scale, as int4_tile_vnni picks it (groups of 64, or one group a chunk pair)
+  if (fill) {  // each lane's weight scale, as int4_tile_vnni picks it (groups of 64, or one group a chunk pair)
     const __m512i every_eighth = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
     for (int64_t i = 0; i < 8; ++i)
       for (int64_t j = 0; j < supers; j += 2) {
@@ -103,7 +106,6 @@ LOWBIT_VNNI inline void int4_rows_gemm_vnni(const Activations& a, const int8_t* 
         _mm512_storeu_ps(sv + (i * per_row + j / 2) * 16, group == kSuper ? _mm512_permutexvar_ps(every_eighth, _mm512_loadu_ps(s + 8 * j))
                                                                           : _mm512_set1_ps(s[8 * (j * kSuper / group)]));
       }
-    scaled = true;
   }
   for (int64_t i0 = 0; i0 < 8; i0 += kGemmWeightRows)
     int4_tile_gemm_vnni<kGemmWeightRows, kTile, kSix>(a, pairs, r0, w + (o8 + i0) * stride, stride, sv + i0 * per_row * 16, per_row, rest, i0, y, n,
@@ -111,26 +113,18 @@ LOWBIT_VNNI inline void int4_rows_gemm_vnni(const Activations& a, const int8_t* 
 }
 
 // Weight rows n0..n1 (multiples of 8) of an int4-family matrix (not a table format; groups of 64 and more)
-// against every activation row, as int4_rows_vnni computes them.
+// against every activation row, as int4_rows_vnni computes them, in over_tiles' order.
 template <bool kSix>
 LOWBIT_VNNI inline void int4_gemm_vnni(const Activations& a, const int8_t* pairs, const uint8_t* w, const uint16_t* sz, int bits, int64_t n,
                                        int64_t n0, int64_t n1, float* y) {
+  const int64_t per_row = a.k / kSuper / 2;
   std::vector<float> scales(a.k / a.group * 8);
-  std::vector<float> sv(8 * (a.k / kSuper / 2) * 16);  // per row of the 8, per chunk pair: its 16 lanes' weight scales
-  for (int64_t block = 0; block < a.rows; block += kRowBlock) {
-    const int64_t end = std::min(block + kRowBlock, a.rows);
-    for (int64_t o8 = n0; o8 < n1; o8 += 8) {
-      bool scaled = false;
-      int64_t r0 = block;
-      for (; r0 + kRowTile <= end; r0 += kRowTile)
-        int4_rows_gemm_vnni<kRowTile, kSix>(a, pairs, r0, w, sz, bits, n, o8, scales.data(), sv.data(), scaled, y);
-      switch (end - r0) {
-        case 3: int4_rows_gemm_vnni<3, kSix>(a, pairs, r0, w, sz, bits, n, o8, scales.data(), sv.data(), scaled, y); break;
-        case 2: int4_rows_gemm_vnni<2, kSix>(a, pairs, r0, w, sz, bits, n, o8, scales.data(), sv.data(), scaled, y); break;
-        case 1: int4_rows_gemm_vnni<1, kSix>(a, pairs, r0, w, sz, bits, n, o8, scales.data(), sv.data(), scaled, y); break;
-      }
-    }
-  }
+  std::vector<float> sv(kWeightRows * per_row * 16);  // per row of a weight block, per chunk pair: its 16 lanes' weight scales
+  over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
+    const bool fill = r0 % kRowBlock == 0;  // a block's first tile against these weight rows
+    for (int64_t o8 = b; o8 < e; o8 += 8)
+      int4_rows_gemm_vnni<decltype(tile)::value, kSix>(a, pairs, r0, w, sz, bits, n, o8, scales.data(), sv.data() + (o8 - b) * per_row * 16, fill, y);
+  });
 }
 
 // ---- the AVX2 loops' arithmetic (int4_tile_avx2): 8 lanes a 64-input chunk, the int4 family's groups of 32 too --
@@ -219,18 +213,9 @@ template <bool kSix, bool kVnni>
 LOWBIT_AVX2 inline void int4_gemm_256(const Activations& a, const uint8_t* w, const uint16_t* sz, int bits, int64_t n, int64_t n0, int64_t n1,
                                       float* y) {
   std::vector<float> scales(a.k / a.group * 8);
-  for (int64_t block = 0; block < a.rows; block += kRowBlock) {
-    const int64_t end = std::min(block + kRowBlock, a.rows);
-    for (int64_t o8 = n0; o8 < n1; o8 += 8) {
-      int64_t r0 = block;
-      for (; r0 + kRowTile <= end; r0 += kRowTile) int4_rows_gemm_256<kRowTile, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y);
-      switch (end - r0) {
-        case 3: int4_rows_gemm_256<3, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y); break;
-        case 2: int4_rows_gemm_256<2, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y); break;
-        case 1: int4_rows_gemm_256<1, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y); break;
-      }
-    }
-  }
+  over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
+    for (int64_t o8 = b; o8 < e; o8 += 8) int4_rows_gemm_256<decltype(tile)::value, kSix, kVnni>(a, r0, w, sz, bits, n, o8, scales.data(), y);
+  });
 }
 
 // -128 times each lane's four activation codes, per row: where the int8 tile starts its sums.
@@ -268,32 +253,21 @@ LOWBIT_VNNI inline void int8_tile_gemm_vnni(const Activations& a, const int32_t*
   }
 }
 
-// kRows int8 weight rows from `o` against activation rows r0..end, in tiles of kRowTile.
-template <int64_t kRows>
-LOWBIT_VNNI inline void int8_rows_gemm_vnni(const Activations& a, const int32_t* corrections, int64_t r0, int64_t end, const int8_t* w,
-                                            const void* scales, bool bf16_scales, float* y, int64_t n, int64_t o) {
-  for (; r0 + kRowTile <= end; r0 += kRowTile) int8_tile_gemm_vnni<kRows, kRowTile>(a, corrections, r0, w, scales, bf16_scales, y, n, o);
-  switch (end - r0) {
-    case 3: int8_tile_gemm_vnni<kRows, 3>(a, corrections, r0, w, scales, bf16_scales, y, n, o); break;
-    case 2: int8_tile_gemm_vnni<kRows, 2>(a, corrections, r0, w, scales, bf16_scales, y, n, o); break;
-    case 1: int8_tile_gemm_vnni<kRows, 1>(a, corrections, r0, w, scales, bf16_scales, y, n, o); break;
-  }
-}
-
-// Weight rows n0..n1 of an int8 matrix against every activation row, as int8_rows_vnni computes them.
+// Weight rows n0..n1 of an int8 matrix against every activation row, as int8_rows_vnni computes them, in
+// over_tiles' order (each weight block in register tiles of kGemmWeightRows, then one row at a time).
 LOWBIT_VNNI inline void int8_gemm_vnni(const Activations& a, const int32_t* corrections, const int8_t* w, const void* scales, bool bf16_scales,
                                        int64_t n, int64_t n0, int64_t n1, float* y) {
-  for (int64_t block = 0; block < a.rows; block += kRowBlock) {
-    const int64_t end = std::min(block + kRowBlock, a.rows);
-    int64_t o = n0;
-    for (; o + kGemmWeightRows <= n1; o += kGemmWeightRows)
-      int8_rows_gemm_vnni<kGemmWeightRows>(a, corrections, block, end, w, scales, bf16_scales, y, n, o);
-    for (; o < n1; ++o) int8_rows_gemm_vnni<1>(a, corrections, block, end, w, scales, bf16_scales, y, n, o);
-  }
+  over_tiles(a.rows, n0, n1, [&](auto tile, int64_t r0, int64_t b, int64_t e) {
+    constexpr int64_t kTile = decltype(tile)::value;
+    int64_t o = b;
+    for (; o + kGemmWeightRows <= e; o += kGemmWeightRows)
+      int8_tile_gemm_vnni<kGemmWeightRows, kTile>(a, corrections, r0, w, scales, bf16_scales, y, n, o);
+    for (; o < e; ++o) int8_tile_gemm_vnni<1, kTile>(a, corrections, r0, w, scales, bf16_scales, y, n, o);
+  });
 }
 
-// Whether a matmul takes the blocked loops: the VNNI variant of its matrix, gemm_rows() activation rows or more,
-// not a table format. Then `prepare` makes, once per call and before the rows are split across threads, the
+// Whether a matmul takes the blocked loops: gemm_rows() activation rows or more, not a table format, and a
+// SIMD variant for its matrix (the int4 family: VNNI or the AVX2 loops' arithmetic; int8: VNNI). Then `prepare` makes, once per call and before the rows are split across threads, the
 // activations' layout the loops read (`GemmInputs`), and `int4_gemm` / `int8_gemm` compute rows n0..n1.
 struct GemmInputs {
   std::vector<int8_t> pairs;         // int4 family: pair_chunks
@@ -330,10 +304,6 @@ inline void int8_gemm(const Activations& a, const GemmInputs& in, const int8_t* 
 }  // namespace lowbit
 #else
 namespace lowbit {
-inline int64_t& gemm_rows() {
-  static int64_t rows = 16;
-  return rows;
-}
 struct GemmInputs {};
 inline bool int4_gemm_applies(const Activations&, const int8_t*) { return false; }
 inline bool int8_gemm_applies(const Activations&) { return false; }
