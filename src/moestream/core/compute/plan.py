@@ -71,23 +71,26 @@ def compiled_format(fmt: QuantFormat | None, int8_activations: bool) -> str | No
 # -- the activations -------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=16)
-def measure_activations(fmt: QuantFormat, n: int, k: int) -> dict[int, tuple[float, float]]:
-    """{rows: (int8-activation ms, float-activation ms)} of one token and of a prompt's PREFILL_ROWS through a
-    random [N, K] matrix of `fmt` on this machine, with the threads the model will use: what "auto" decides
-    by (a fraction of a second, once per shape; the matrix is made once for both)."""
+@functools.lru_cache(maxsize=1)
+def _timing_matrix(fmt: QuantFormat, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random [N, K] matrix of `fmt` for `measure_activations`: its codes and params as stored, and its codes in
+    torch's layout for the float-activation kernel. Made once for both timings of a choice (seconds for the
+    largest), and let go once the choice is made (`choose_activations`)."""
     g = torch.Generator().manual_seed(0)
     record = pack(quantize(torch.randn(n, k, generator=g), fmt), fmt, "w")
-    qweight, params = record["w.qweight"], record[f"w.{fmt.params}"]
-    fast = kernels.cpu_record(record, fmt)["w.qweight"]  # torch's layout for the float-activation kernel
-    times = {}
-    for rows, repeats in ((1, 20), (PREFILL_ROWS, 3)):
-        x = torch.randn(rows, k, generator=g)
-        times[rows] = (
-            kernels.fastest_ms(functools.partial(kernels.quantized_matmul, x, qweight, params, fmt, True), repeats),
-            kernels.fastest_ms(functools.partial(kernels.quantized_matmul, x, fast, params, fmt, False), repeats),
-        )
-    return times
+    return record["w.qweight"], record[f"w.{fmt.params}"], kernels.cpu_record(record, fmt)["w.qweight"]
+
+
+@functools.lru_cache(maxsize=16)
+def measure_activations(fmt: QuantFormat, n: int, k: int, rows: int = 1, repeats: int = 20) -> tuple[float, float]:
+    """(int8-activation ms, float-activation ms) of `rows` tokens through a random [N, K] matrix of `fmt` on
+    this machine, with the threads the model will use: what "auto" decides by (a few ms, once per shape)."""
+    qweight, params, fast = _timing_matrix(fmt, n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    return (
+        kernels.fastest_ms(lambda: kernels.quantized_matmul(x, qweight, params, fmt, True), repeats),
+        kernels.fastest_ms(lambda: kernels.quantized_matmul(x, fast, params, fmt, False), repeats),
+    )
 
 
 def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, int]], on_gpu: bool) -> tuple[bool, str]:
@@ -125,14 +128,21 @@ def choose_activations(choice: str | None, shapes: list[tuple[QuantFormat, int, 
     # seconds to make, and the speed per row does not depend on the row count. 8192 keeps K a multiple
     # of every group size.
     n, k = min(n, 4096), min(k, 8192)
-    times = measure_activations(fmt, n, k)
-    integer, floating = times[1]
+    try:
+        return _choose_by_speed(fmt, n, k)
+    finally:
+        _timing_matrix.cache_clear()  # (up to 32 MiB of codes, not kept once the choice is made)
+
+
+def _choose_by_speed(fmt: QuantFormat, n: int, k: int) -> tuple[bool, str]:
+    """The "auto" choice by the two kinds' speeds: at one token, then, where that is a near tie, a prompt's rows."""
+    integer, floating = measure_activations(fmt, n, k)
     ratio = floating / integer
     if ratio >= INT8_ACTIVATIONS_MARGIN:
         return True, f"int8 activations: {ratio:.1f}x float's speed on a {n}x{k} {fmt.name} matrix here"
     # Not enough at one token: a prompt's rows may still gain (the blocked loops), which is where a long
     # prompt's minutes go, as long as decode loses nothing.
-    integer, floating = times[PREFILL_ROWS]
+    integer, floating = measure_activations(fmt, n, k, PREFILL_ROWS, 3)
     prefill = floating / integer
     measured = f"{prefill:.1f}x float's speed at {PREFILL_ROWS} rows (a prompt), {ratio:.2f}x at one token on a {n}x{k} {fmt.name} matrix here"
     if prefill >= INT8_ACTIVATIONS_MARGIN and ratio >= 1.0:
