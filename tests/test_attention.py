@@ -1,8 +1,11 @@
-"""A decode step's attention (native/decode_attention.h through core/compute/attention.py): the compiled flash-decoding
-kernel against float64 attention at 1, 17, 4,096 and 33,000 positions with grouped-query ratios 1, 4 and 8,
-with padding masks and a growing cache's strided views; a model running it as its attention function gives
-transformers' greedy tokens over 64 steps after a long prompt; `--attention sdpa` and models whose code
-decides by the attention's name keep sdpa."""
+"""The model's attention function (core/compute/attention.py). A decode step's (native/decode_attention.h): the
+compiled flash-decoding kernel against float64 attention at 1, 17, 4,096 and 33,000 positions with grouped-query
+ratios 1, 4 and 8, with padding masks and a growing cache's strided views; a model running it as its attention
+function gives transformers' greedy tokens over 64 steps after a long prompt; `--attention sdpa` and models
+whose code decides by the attention's name keep sdpa. A bf16 prompt's (native/prefill_attention.h, CPUs with
+AVX-512 BF16): against float64 attention as close as torch's sdpa in bf16, causal, masked, padded, a cached
+prefix, every grouped-query ratio and head size it takes; a bf16 model prefilling through it stays as close
+to float32 transformers as sdpa does."""
 
 import pytest
 import torch
@@ -146,8 +149,18 @@ def test_a_padded_row_in_a_batch_gets_the_bits_it_gets_alone(ext):
             assert torch.equal(batch[row : row + 1], alone), (positions, padding, row)
 
 
+@pytest.fixture
+def no_prefill_kernel():
+    """The prefill kernel switched off for a test (what a CPU without AVX-512 BF16 runs), on again after."""
+    extension = fused_build.extension()
+    was = extension.prefill_attention_switch(False) if extension is not None else None
+    yield
+    if extension is not None:
+        extension.prefill_attention_switch(was)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_prompt_of_grouped_heads_gets_transformers_sdpa_bits_without_the_repeated_heads(dtype):
+def test_a_prompt_of_grouped_heads_gets_transformers_sdpa_bits_without_the_repeated_heads(dtype, no_prefill_kernel):
     """On the CPU a prompt's grouped-query attention runs sdpa on the key and value heads as they are: the
     output is transformers' own sdpa function's (which repeats them first) bit for bit, with a causal mask,
     a padded row, no mask at all (sdpa's causal flag) and keys longer than the queries (a cached prefix)."""
@@ -167,3 +180,114 @@ def test_a_prompt_of_grouped_heads_gets_transformers_sdpa_bits_without_the_repea
             ours, _ = attention.attend(module, q, k, v, mask, scaling=dim**-0.5)
             theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim**-0.5)
             assert ours.shape == theirs.shape and torch.equal(ours, theirs), (dtype, batch, heads, queries, keys)
+
+
+@pytest.fixture
+def prefill_ext():
+    extension = fused_build.extension()
+    if extension is None:
+        pytest.skip(f"no compiled kernels: {fused.unavailable_reason()}")
+    if not extension.prefill_attention_ready():
+        pytest.skip("this CPU has no AVX-512 BF16: prompts run sdpa")
+    return extension
+
+
+def prompt_reference(q, k, v, mask, causal, scale):
+    """A prompt's attention in float64 -> [B, Q, H, D]: query i's keys are 0 .. T - Q + i when causal (no
+    mask), the mask's when given."""
+    queries, positions = q.shape[2], k.shape[2]
+    if mask is None and causal:
+        mask = torch.arange(positions)[None, :] <= (positions - queries + torch.arange(queries))[:, None]
+    return reference(q, k, v, mask, scale).transpose(1, 2)
+
+
+# (batch, heads, kv heads, queries, keys, head size, mask): every grouped-query ratio the models use and one that
+# is not a power of two, head sizes from 64 to 256, query and key counts that fill no block exactly
+PROMPTS = [
+    (1, 32, 4, 200, 200, 128, "causal"),
+    (1, 16, 16, 131, 131, 64, "causal"),
+    (2, 14, 2, 77, 130, 64, "padded"),  # a batch with a cached prefix, the first row left-padded
+    (1, 16, 2, 97, 97, 256, "causal"),
+    (2, 12, 4, 65, 65, 96, "padded"),
+    (1, 8, 1, 40, 40, 128, "none"),  # every key for every query (an encoder's attention)
+    (1, 8, 2, 3, 300, 128, "padded"),  # a few tokens after a long cached prefix
+]
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,queries,positions,dim,masking", PROMPTS)
+def test_the_prefill_kernel_against_float64_as_close_as_sdpa(prefill_ext, batch, heads, kv_heads, queries, positions, dim, masking):
+    """bf16 queries, keys and values (keys of a few units, as trained models' scores are): the kernel's output
+    is within bf16's rounding of float64 attention, and on average as close to it as torch's sdpa in bf16
+    (which rounds the same weights to bf16 before the values)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    q = torch.randn(batch, heads, queries, dim, generator=g).bfloat16()
+    k = (torch.randn(batch, kv_heads, positions, dim, generator=g) * 2).bfloat16()
+    v = torch.randn(batch, kv_heads, positions, dim, generator=g).bfloat16()
+    mask = None
+    if masking == "padded":
+        mask = torch.ones(queries, positions, dtype=torch.bool).tril(positions - queries)[None, None].repeat(batch, 1, 1, 1)
+        mask[0, ..., : positions // 5] = False
+    scale = dim**-0.5
+    exact = prompt_reference(q, k, v, mask, masking == "causal", scale)
+    got = prefill_ext.prefill_attention(q, k, v, mask, scale, masking == "causal")
+    assert got.dtype == torch.bfloat16 and got.shape == (batch, queries, heads, dim)
+    attends = exact.isfinite()  # (a padded query with no key to attend: float64 gives NaN, the kernel zeros)
+    assert torch.equal(got[~attends], torch.zeros_like(got[~attends]))
+    error = (got.double() - exact)[attends].abs()
+    # bf16 keeps 8 significant bits: the output's own rounding is up to 2^-9 of it, the weights' another 2^-9
+    assert (error <= 2**-7 * exact[attends].abs() + 2**-8).all(), error.max().item()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, is_causal=masking == "causal", enable_gqa=True
+    ).transpose(1, 2)
+    assert error.mean().item() <= 1.25 * (sdpa.double() - exact)[attends].abs().mean().item()
+
+
+def test_the_prefill_kernel_through_the_attention_function(prefill_ext):
+    """`attend` hands a bf16 prompt to the kernel (no mask: causal; a bool mask: the mask's keys), and a call
+    the kernel does not take (float32, an additive mask, a sliding window) to sdpa; a cached prefix with no
+    mask is cut to the queries' keys as transformers' sdpa function cuts it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 16, 70, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 4, 70, 64, generator=g).bfloat16() for _ in range(2))
+    expected = prefill_ext.prefill_attention(q, k, v, None, 0.125, True)
+    assert torch.equal(attention.attend(module, q, k, v, None, scaling=0.125)[0], expected)
+    mask = torch.ones(70, 70, dtype=torch.bool).tril()[None, None]
+    assert torch.equal(attention.attend(module, q, k, v, mask, scaling=0.125)[0], expected)
+    room = torch.randn(1, 4, 90, 64, generator=g).bfloat16()  # keys beyond the queries', no mask: cut
+    assert torch.equal(attention.attend(module, q, room, room, None, scaling=0.125)[0],
+                       prefill_ext.prefill_attention(q, room[:, :, :70], room[:, :, :70], None, 0.125, True))  # fmt: skip
+    additive = torch.zeros(1, 1, 70, 70).masked_fill(~mask, float("-inf"))
+    for args, kwargs in (((q.float(), k.float(), v.float(), None), {}), ((q, k, v, additive), {}), ((q, k, v, mask), {"sliding_window": 16})):
+        ours, _ = attention.attend(module, *args, scaling=0.125, **kwargs)
+        theirs, _ = sdpa_attention_forward(module, *args, scaling=0.125, **kwargs)
+        assert torch.equal(ours, theirs)
+
+
+def test_a_bf16_model_prefilling_through_the_kernel_stays_as_close_to_float32_as_sdpa(prefill_ext, tmp_path, no_prefill_kernel):
+    """A bf16 model's 600-token prompt through the kernel (its fast-paths line says so) and through sdpa
+    (the kernel switched off): each one's last-position logits against transformers' float32 forward on the
+    same weights; the kernel's distance is sdpa's within a quarter, and the two differ (the kernel ran)."""
+    config = {**TINY["qwen3_moe"], "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    model = make_model("qwen3_moe", seed=4, **{**config, "max_position_embeddings": 1024})
+    checkpoint = save_checkpoint(model, tmp_path / "hf")
+    assert main(["convert", str(checkpoint), str(tmp_path / "store"), "--experts-dtype", "bf16"]) == 0
+    prompt = torch.randint(3, model.config.vocab_size, (1, 600), generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))))
+    reference_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        exact = reference_model(prompt).logits[0, -1].double()
+    prefill_ext.prefill_attention_switch(True)
+    streamed, _ = moestream.load(tmp_path / "store", "1GiB", compute_dtype="bf16")
+    line = next(p["note"] for p in stats(streamed)["fast_paths"] if p["name"] == "attention function")
+    assert "flash kernel for bf16 prompts" in line
+    distances, logits = [], []
+    for on in (True, False):
+        prefill_ext.prefill_attention_switch(on)
+        with torch.no_grad():
+            logits.append(streamed(prompt).logits[0, -1].double())
+        distances.append((logits[-1] - exact).abs().mean().item())
+    assert not torch.equal(*logits)
+    assert distances[0] <= 1.25 * distances[1], distances

@@ -233,3 +233,56 @@ std::string decode_attention_simd(const std::string& cap) {
   return "loops";
 #endif
 }
+
+// A prompt's attention (prefill_attention.h) on a CPU with AVX-512 BF16: q [B, H, Q, D], k and v
+// [B, KVH, T, D] in bf16 (their last dimension contiguous, any other strides), D a multiple of 32 up to 256,
+// and either a bool mask [B or 1, 1, Q, T] (true attends) or none: then query i's keys are 0 .. T - Q + i
+// (`causal`) or all of them -> [B, Q, H, D] bf16, the layout transformers' attention functions return.
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale,
+                                bool causal) {
+  TORCH_CHECK(flash_prefill::available(), "prefill_attention: this CPU has no AVX-512 BF16 (or the kernel is switched off)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) &&
+                  q.size(1) % k.size(1) == 0,
+              "prefill_attention: q [B, H, Q, D], k and v [B, KVH, T, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "prefill_attention: q, k and v in bf16");
+  TORCH_CHECK(q.size(3) % 32 == 0 && q.size(3) <= 256, "prefill_attention: a head dimension that is a multiple of 32, up to 256");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "prefill_attention: the head dimension must be contiguous");
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
+  auto out = torch::empty({B, Q, H, D}, q.options());
+  flash_prefill::Problem p{B, H, k.size(1), Q, T, D,
+                           reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(k.data_ptr()),
+                           reinterpret_cast<const uint16_t*>(v.data_ptr()),
+                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                           nullptr, 0, 0, causal && !mask.has_value(), static_cast<float>(scale),
+                           reinterpret_cast<uint16_t*>(out.data_ptr())};
+  TORCH_CHECK(!p.causal || T >= Q, "prefill_attention: a causal call needs at least as many keys as queries");
+  torch::Tensor bytes;
+  if (mask.has_value()) {
+    const auto& m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 && m.size(2) == Q && m.size(3) == T &&
+                    (m.size(0) == 1 || m.size(0) == B),
+                "prefill_attention: a bool mask [B or 1, 1, Q, T]");
+    bytes = m.contiguous();
+    p.mask = reinterpret_cast<const uint8_t*>(bytes.data_ptr());
+    p.mask_batch = m.size(0) == 1 ? 0 : Q * T, p.mask_query = T;
+  }
+  const int64_t threads = at::get_num_threads();
+  flash_prefill::attention(p, [&](auto&& work) {
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t worker = begin; worker < end; ++worker) work(worker);
+    });
+  });
+  return out;
+}
+
+// Whether prefill_attention runs here: a CPU with AVX-512 BF16, the kernel not switched off.
+bool prefill_attention_ready() { return flash_prefill::available(); }
+
+// Switch the prefill attention kernel on or off (the tests compare it with sdpa, and run what a CPU without
+// it runs); returns whether it was on.
+bool prefill_attention_switch(bool on) {
+  const bool was = flash_prefill::enabled();
+  flash_prefill::enabled() = on;
+  return was;
+}

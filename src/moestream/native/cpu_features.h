@@ -8,6 +8,7 @@ struct Features {
   bool avx2_fma;     // AVX2 with FMA (Intel Haswell, AMD Zen and later)
   bool avx512;       // AVX-512 F, BW, DQ and VL (Intel Skylake-SP, AMD Zen 4 and later)
   bool avx512_vnni;  // and VNNI's int8 dot products (Intel Ice Lake / Cascade Lake, AMD Zen 4 and later)
+  bool avx512_bf16;  // and BF16's dot products (Intel Cooper Lake, Sapphire Rapids and later, AMD Zen 4 and later)
 };
 
 inline const Features& features() {
@@ -16,10 +17,10 @@ inline const Features& features() {
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    return Features{avx2, avx512, avx512 && __builtin_cpu_supports("avx512vnni")};
+    return Features{avx2, avx512, avx512 && __builtin_cpu_supports("avx512vnni"), avx512 && __builtin_cpu_supports("avx512bf16")};
   }();
 #else
-  static const Features found{false, false, false};
+  static const Features found{false, false, false, false};
 #endif
   return found;
 }

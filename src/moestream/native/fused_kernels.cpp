@@ -31,6 +31,7 @@
 #include "decode_attention.h"
 #include "lowbit_dot.h"
 #include "lowbit_gemm.h"
+#include "prefill_attention.h"
 
 namespace torch {  // as <torch/extension.h> has it (torch/types.h)
 using namespace at;  // torch::Tensor, torch::empty
@@ -62,6 +63,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lowbit_gemm_rows", &lowbit_gemm_rows);
   m.def("decode_attention", &decode_attention, no_gil);
   m.def("decode_attention_simd", &decode_attention_simd);
+  m.def("prefill_attention", &prefill_attention, no_gil);
+  m.def("prefill_attention_ready", &prefill_attention_ready);
+  m.def("prefill_attention_switch", &prefill_attention_switch);
   m.def("repack_int4", &repack_int4, no_gil);
   m.def("repair_nibbles", &repair_nibbles, no_gil);
   m.def("q6_k_int8", &q6_k_int8, no_gil);

@@ -1,21 +1,25 @@
-"""A decode step's attention as the model's own attention function: the compiled flash-decoding kernel
-(decode_attention.h) for one query position over the KV cache, transformers' sdpa for everything else.
+"""Attention as the model's own attention function: the compiled flash-decoding kernel (decode_attention.h)
+for one query position over the KV cache, on a CPU with AVX-512 BF16 the compiled flash kernel for a bf16
+prompt (prefill_attention.h), transformers' sdpa for everything else.
 
 transformers looks a model's attention function up by `config._attn_implementation` in its
 AttentionInterface on every call. `install` registers `attend` there as "moestream" (with sdpa's mask
 function) and points the model's config at it, so the model's own code runs the kernel: a lone row,
 the batched decode step (its padding mask included) and the fused one-token attention (fused.py, which
-then calls the same kernel and so still gives the model's own bits). Prefill, and any call the kernel does
-not cover (a sliding window, softcapping, attention sinks, dropout, another device or dtype), go to sdpa
-as before. On the CPU a prompt of a grouped-query model runs torch's sdpa on the key and value heads as they
+then calls the same kernel and so still gives the model's own bits). A prompt in bf16 (the compute dtype of
+a bf16 model on such a CPU) runs the prefill kernel: at 4k tokens torch's sdpa took half of a prefill there,
+at a quarter of what BF16's dot products do (docs/BENCHMARKS.md, "Prefill attention"). Any call the kernels
+do not cover (a sliding window, softcapping, attention sinks, dropout, another device or dtype, an additive
+mask) goes to sdpa as before. On the CPU a prompt of a grouped-query model runs torch's sdpa on the key and value heads as they
 are (`enable_gqa`): transformers copies them once per query head there first (its `repeat_kv`, which it skips
 on CUDA only where no mask is given), and at long context that copy costs more than the attention (a few
 tokens over a 12k-token cached prefix at the Qwen3-30B-A3B shape: docs/BENCHMARKS.md, kv-tier-30b-shape,
 before and after). The same kernel then runs on the same numbers: its bits are sdpa's (tests/test_attention.py).
 
-The kernel sums in another order than sdpa and computes exp by a polynomial, so its output differs from
-sdpa's in the last bits (tests/test_attention.py bounds it against float64; `moestream eval --attention
-sdpa` prices it). `--attention sdpa` keeps transformers' own.
+The kernels sum in another order than sdpa and compute exp by a polynomial (the prefill kernel also rounds
+the softmax's weights to bf16, as torch's bf16 flash kernel does), so their output differs from sdpa's in the
+last bits (tests/test_attention.py bounds both against float64; `moestream eval --attention sdpa` prices
+them). `--attention sdpa` keeps transformers' own.
 
 An 8-bit KV cache (`--kv-cache-dtype int8`, llama.cpp's `-ctk/-ctv q8_0` in spirit) holds each position's
 row of a head as int8 codes followed by the bytes of its float32 scale (`pack_int8`): one tensor, so that
@@ -72,6 +76,15 @@ def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scal
         return ext.decode_attention(query, key, value, mask, scale).transpose(1, 2), None
     if key.dtype == torch.int8:
         key, value = unpack_int8(key, query.dtype), unpack_int8(value, query.dtype)
+    if ext is not None and _prompt_covered(ext, query, key, value, attention_mask, dropout, kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if attention_mask is not None:
+            return ext.prefill_attention(query, key, value, attention_mask[..., : key.shape[2]], scale, False), None
+        causal = kwargs.get("is_causal")
+        causal = causal if causal is not None else getattr(module, "is_causal", True)
+        if causal and key.shape[2] > query.shape[2]:  # (as transformers' sdpa function cuts them)
+            key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+        return ext.prefill_attention(query, key, value, None, scale, causal), None
     if _grouped_prompt_on_cpu(module, query, key, value, kwargs):
         return _grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("is_causal")), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -152,6 +165,34 @@ def _covered(query, key, value, mask, dropout: float, kwargs: dict) -> bool:
     return True
 
 
+def _prompt_covered(ext, query, key, value, mask, dropout: float, kwargs: dict) -> bool:
+    """Whether the prefill kernel computes this call: a prompt (more than one query) on a CPU that runs it
+    (AVX-512 BF16), query, keys and values in bf16 with their head dimension contiguous and a multiple of 32 up
+    to 256, no dropout, no extras (sliding window, softcap, sinks, a position bias, the weights asked for),
+    a mask (if any) of bools [B or 1, 1, Q, T]."""
+    if query.shape[2] < 2 or query.device.type != "cpu" or dropout or not ext.prefill_attention_ready():
+        return False
+    if any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (query, key, value)) or key.shape != value.shape:
+        return False
+    dim = query.shape[-1]
+    if key.shape[-1] != dim or dim % 32 or dim > 256 or query.shape[1] % key.shape[1]:
+        return False
+    if any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")):
+        return False
+    if kwargs.get("output_attentions", False):
+        return False
+    if mask is None:
+        return True
+    return (
+        mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[1] == 1
+        and mask.shape[2] == query.shape[2]
+        and mask.shape[3] >= key.shape[2]
+        and mask.shape[0] in (1, query.shape[0])
+    )
+
+
 def install(model, choice: str | None, on_gpu: bool, kv_cache_dtype: str = "auto") -> str:
     """Make the kernel the model's attention function where it can be ("auto"), or keep sdpa ("sdpa");
     returns what was decided, for the fast-paths line. kv_cache_dtype "int8" asks for an 8-bit KV cache
@@ -163,7 +204,7 @@ def install(model, choice: str | None, on_gpu: bool, kv_cache_dtype: str = "auto
         raise UsageError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype!r}")
     note = _install(model, choice, on_gpu)
     if kv_cache_dtype == "int8":
-        if note != KERNEL:
+        if not note.startswith(KERNEL):
             raise UsageError(
                 f"an 8-bit KV cache is read by moestream's attention kernel only, and this model keeps {note}; "
                 "drop --kv-cache-dtype int8 (or --attention sdpa) to run it"
@@ -185,7 +226,7 @@ def quantizes_kv(model) -> bool:
     return getattr(model, "_moestream_kv_cache_dtype", None) == "int8"
 
 
-KERNEL = "flash-decoding kernel for one query, sdpa for prompts"  # what `install` says when the kernel is in
+KERNEL = "flash-decoding kernel for one query"  # what `install`'s note starts with when the kernels are in
 
 
 def _install(model, choice: str, on_gpu: bool) -> str:
@@ -206,7 +247,9 @@ def _install(model, choice: str, on_gpu: bool) -> str:
     AttentionMaskInterface.register(NAME, sdpa_mask)
     for config in configs:
         config._attn_implementation = NAME
-    return KERNEL
+    if fused_build.extension().prefill_attention_ready():
+        return f"{KERNEL}, flash kernel for bf16 prompts (AVX-512 BF16), sdpa for others"
+    return f"{KERNEL}, sdpa for prompts (no AVX-512 BF16)"
 
 
 # `config._attn_implementation == "sdpa"`, `... in ("eager", "sdpa")`, `!= "eager"`: code that decides by the name.
