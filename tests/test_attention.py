@@ -215,7 +215,9 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,queries,positions,dim,masking", PROMPTS)
-def test_the_prefill_kernel_against_float64_as_close_as_sdpa(prefill_ext, batch, heads, kv_heads, queries, positions, dim, masking):
+def test_the_prefill_kernel_against_float64_as_close_as_sdpa(
+    prefill_ext, batch, heads, kv_heads, queries, positions, dim, masking
+):
     """bf16 queries, keys and values (keys of a few units, as trained models' scores are): the kernel's output
     is within bf16's rounding of float64 attention, and on average as close to it as torch's sdpa in bf16
     (which rounds the same weights to bf16 before the values)."""
@@ -261,7 +263,11 @@ def test_the_prefill_kernel_through_the_attention_function(prefill_ext):
     assert torch.equal(attention.attend(module, q, room, room, None, scaling=0.125)[0],
                        prefill_ext.prefill_attention(q, room[:, :, :70], room[:, :, :70], None, 0.125, True))  # fmt: skip
     additive = torch.zeros(1, 1, 70, 70).masked_fill(~mask, float("-inf"))
-    for args, kwargs in (((q.float(), k.float(), v.float(), None), {}), ((q, k, v, additive), {}), ((q, k, v, mask), {"sliding_window": 16})):
+    for args, kwargs in (
+        ((q.float(), k.float(), v.float(), None), {}),
+        ((q, k, v, additive), {}),
+        ((q, k, v, mask), {"sliding_window": 16}),
+    ):
         ours, _ = attention.attend(module, *args, scaling=0.125, **kwargs)
         theirs, _ = sdpa_attention_forward(module, *args, scaling=0.125, **kwargs)
         assert torch.equal(ours, theirs)
@@ -275,7 +281,9 @@ def test_a_bf16_model_prefilling_through_the_kernel_stays_as_close_to_float32_as
     model = make_model("qwen3_moe", seed=4, **{**config, "max_position_embeddings": 1024})
     checkpoint = save_checkpoint(model, tmp_path / "hf")
     assert main(["convert", str(checkpoint), str(tmp_path / "store"), "--experts-dtype", "bf16"]) == 0
-    prompt = torch.randint(3, model.config.vocab_size, (1, 600), generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))))
+    prompt = torch.randint(
+        3, model.config.vocab_size, (1, 600), generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    )
     reference_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         exact = reference_model(prompt).logits[0, -1].double()
