@@ -36,8 +36,9 @@ COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 #: `--activations`: what the CPU's low-bit matmuls take. "auto": int8 where the compiled kernels exist and
 #: are measured faster on the model's shapes (core/compute/plan.py, `choose_activations`).
 ACTIVATIONS = ("auto", "int8", "float")
-#: `--attention`: a decode step's attention function. "auto": the compiled flash-decoding kernel for one query
-#: where it is compiled and the model's attention is sdpa, sdpa for prompts (core/compute/attention.py).
+#: `--attention`: the model's attention function. "auto": the compiled flash-decoding kernel for one query
+#: where it is compiled and the model's attention is sdpa, the compiled prefill kernel for a bf16 prompt on a
+#: CPU with AVX-512 BF16, sdpa for other prompts (core/compute/attention.py).
 ATTENTION = ("auto", "sdpa")
 #: `--kv-cache-dtype`: what a decode step's KV cache holds. "auto": keys and values in the model's dtype;
 #: "int8": each position's row of a head as int8 codes and one float32 scale, about half the bytes a step
