@@ -24,7 +24,9 @@ A full-depth model (48 layers, `gguf_more_layers.py`, every expert in RAM):
         --engines moestream,llama.cpp-nofa-copy,llama.cpp-nofa
 
 The engine `moestream-loops` runs moestream with the blocked prefill loops off (native/lowbit_gemm.h: the
-decode-shaped loops at every row count, and "auto" activations chosen by them), beside `moestream`.
+decode-shaped loops at every row count, and "auto" activations chosen by them), beside `moestream`;
+`moestream-sdpa` with the prefill attention kernel off (native/prefill_attention.h: prompts through torch's
+sdpa, as a CPU without AVX-512 BF16 runs them).
 
 Needs llama-cpp-python (a benchmark tool, not a dependency). Prints a table per context and the ratios;
 `--json FILE` writes them with the machine's record; `--record` writes the two tables as this machine's
@@ -190,6 +192,11 @@ def main() -> None:
 
                 if (ext := fused_build.extension()) is not None:
                     ext.lowbit_gemm_rows(1 << 40)
+            if "sdpa" in flags:  # the prefill attention kernel off: prompts through torch's sdpa
+                from moestream.native import fused_build
+
+                if (ext := fused_build.extension()) is not None:
+                    ext.prefill_attention_switch(False)
             result = run_moestream(args.store, args.memory, contexts, steps, threads, kv, args.text, args.warmup)
         else:
             kv = "q8_0" if "q8_0" in flags else "f16"
