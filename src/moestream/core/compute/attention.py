@@ -249,7 +249,7 @@ def _install(model, choice: str, on_gpu: bool) -> str:
         config._attn_implementation = NAME
     if fused_build.extension().prefill_attention_ready():
         return f"{KERNEL}, flash kernel for bf16 prompts (AVX-512 BF16), sdpa for others"
-    return f"{KERNEL}, sdpa for prompts (no AVX-512 BF16)"
+    return f"{KERNEL}, sdpa for prompts (their kernel needs AVX-512 BF16)"
 
 
 # `config._attn_implementation == "sdpa"`, `... in ("eager", "sdpa")`, `!= "eager"`: code that decides by the name.
