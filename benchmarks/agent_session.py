@@ -22,8 +22,9 @@ work dir with two files under `git init`, then runs the agent there with stdin f
   compacts the conversation every turn); `claude -p PROMPT --model NAME --allowedTools Bash`.
 
 Prints one row per request: its status, input, cached and output tokens, the output item types, the
-function calls, and whether the next request carried each call's function_call_output (its first line and
-exit line); then Codex's exit code and final message. Exits with Codex's exit code. Every request body
+function calls, whether the next request carried each call's function_call_output (its first line and
+exit line), and the seconds to its first streamed delta (time to first token: the first turn's is the
+agent's whole prompt prefilled) and to its end; then Codex's exit code and final message. Exits with Codex's exit code. Every request body
 (as Codex sent it and as forwarded), every SSE answer, the server's and Codex's output are kept in --out.
 
 --force-tool is a test harness for tiny stores: a tiny model never calls a tool by itself, so the proxy
@@ -133,8 +134,11 @@ def start_proxy(upstream: str, out: Path, rewrite: bool) -> ThreadingHTTPServer:
             self.end_headers()
             self.close_connection = True
             (out / "http" / f"{n:03d}_meta.json").write_text(json.dumps({"path": self.path, "status": answer.status}))
+            first = None  # seconds from the request to the first streamed delta (text, tool arguments, reasoning)
             with stem.with_name(f"{n:03d}_response.txt").open("wb") as log:
                 while chunk := answer.read1(65536):
+                    if first is None and (b"_delta" in chunk or b".delta" in chunk):
+                        first = time.monotonic() - start
                     size += len(chunk)
                     log.write(chunk)
                     try:
@@ -144,6 +148,8 @@ def start_proxy(upstream: str, out: Path, rewrite: bool) -> ThreadingHTTPServer:
                         note += " (client went away)"
                         break
             conn.close()
+            meta = {"path": self.path, "status": answer.status, "first_delta_s": first, "seconds": time.monotonic() - start}
+            (out / "http" / f"{n:03d}_meta.json").write_text(json.dumps(meta))
             print(
                 f"[proxy] #{n} {self.command} {self.path} -> {answer.status}, {size} B in {time.monotonic() - start:.2f} s {note}"
             )
@@ -226,7 +232,7 @@ def summary(http_dir: Path) -> list[list[str]]:
             later_file = http_dir / f"{requests[i + 1].name[:3]}_request.json" if i + 1 < len(requests) else None
             text = later_file.read_text() if later_file else ""
             later = json.loads(text) if text.startswith("{") else {}
-            rows.append([n, meta["path"], str(meta["status"]), *messages_row(events, later)])
+            rows.append([n, meta["path"], str(meta["status"]), *messages_row(events, later), *timing(meta)])
             continue
         usage = next((e["response"].get("usage") or {} for e in events if e.get("type") == "response.completed"), {})
         items = [e["item"] for e in events if e.get("type") == "response.output_item.done"]
@@ -251,8 +257,25 @@ def summary(http_dir: Path) -> list[list[str]]:
             usage.get("output_tokens", ""),
         ]
         calls_text = "; ".join(f"{c['name']}({c['arguments']})" for c in calls)
-        rows.append([n, meta["path"], *map(str, numbers), ",".join(i["type"] for i in items), calls_text, "; ".join(carried)])
+        rows.append(
+            [
+                n,
+                meta["path"],
+                *map(str, numbers),
+                ",".join(i["type"] for i in items),
+                calls_text,
+                "; ".join(carried),
+                *timing(meta),
+            ]
+        )
     return rows
+
+
+def timing(meta: dict) -> list[str]:
+    """A request's seconds to its first streamed delta (its time to first token, the prompt's prefill
+    included) and to its end, as the proxy saw them."""
+    first = meta.get("first_delta_s")
+    return ["" if first is None else f"{first:.1f}", f"{meta.get('seconds', 0):.1f}"]
 
 
 def agent_command(args, agent_bin: str, home: Path, work: Path, out: Path, base: str, window: int) -> tuple[list[str], dict]:
@@ -349,7 +372,7 @@ def main() -> int:
 
     output = "content blocks" if args.agent == "claude" else "output items"
     carried = "next request's tool_result" if args.agent == "claude" else "next request's function_call_output"
-    head = ["#", "path", "status", "in", "cached", "out", output, "tool calls", carried]
+    head = ["#", "path", "status", "in", "cached", "out", output, "tool calls", carried, "first token s", "total s"]
     rows = summary(out / "http")
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     print()
