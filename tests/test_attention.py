@@ -5,7 +5,8 @@ function gives transformers' greedy tokens over 64 steps after a long prompt; `-
 whose code decides by the attention's name keep sdpa. A bf16 prompt's (native/prefill_attention.h, CPUs with
 AVX-512 BF16): against float64 attention as close as torch's sdpa in bf16, causal, masked, padded, a cached
 prefix, every grouped-query ratio and head size it takes; a bf16 model prefilling through it stays as close
-to float32 transformers as sdpa does."""
+to float32 transformers as sdpa does. A float32 prompt's (AVX-512): likewise, and a float32 model prefilling
+through it gives transformers' greedy tokens."""
 
 import pytest
 import torch
@@ -187,9 +188,18 @@ def prefill_ext():
     extension = fused_build.extension()
     if extension is None:
         pytest.skip(f"no compiled kernels: {fused.unavailable_reason()}")
-    if not extension.prefill_attention_ready():
-        pytest.skip("this CPU has no AVX-512 BF16: prompts run sdpa")
+    if not extension.prefill_attention_ready(False):
+        pytest.skip("this CPU has no AVX-512: prompts run sdpa")
     return extension
+
+
+def needs(ext, dtype) -> None:
+    """Skip where this CPU cannot run the kernel in `dtype` (whether or not a test has switched it off)."""
+    was = ext.prefill_attention_switch(True)
+    ready = ext.prefill_attention_ready(dtype == torch.bfloat16)
+    ext.prefill_attention_switch(was)
+    if not ready:
+        pytest.skip("this CPU has no AVX-512 BF16: bf16 prompts run sdpa")
 
 
 def prompt_reference(q, k, v, mask, causal, scale):
@@ -214,17 +224,19 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch,heads,kv_heads,queries,positions,dim,masking", PROMPTS)
 def test_the_prefill_kernel_against_float64_as_close_as_sdpa(
-    prefill_ext, batch, heads, kv_heads, queries, positions, dim, masking
+    prefill_ext, dtype, batch, heads, kv_heads, queries, positions, dim, masking
 ):
-    """bf16 queries, keys and values (keys of a few units, as trained models' scores are): the kernel's output
-    is within bf16's rounding of float64 attention, and on average as close to it as torch's sdpa in bf16
-    (which rounds the same weights to bf16 before the values)."""
+    """Queries, keys and values in bf16 or float32 (keys of a few units, as trained models' scores are): the
+    kernel's output is within its dtype's rounding of float64 attention, and on average as close to it as
+    torch's sdpa in that dtype (which in bf16 also rounds the weights to bf16 before the values)."""
+    needs(prefill_ext, dtype)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    q = torch.randn(batch, heads, queries, dim, generator=g).bfloat16()
-    k = (torch.randn(batch, kv_heads, positions, dim, generator=g) * 2).bfloat16()
-    v = torch.randn(batch, kv_heads, positions, dim, generator=g).bfloat16()
+    q = torch.randn(batch, heads, queries, dim, generator=g).to(dtype)
+    k = (torch.randn(batch, kv_heads, positions, dim, generator=g) * 2).to(dtype)
+    v = torch.randn(batch, kv_heads, positions, dim, generator=g).to(dtype)
     mask = None
     if masking == "padded":
         mask = torch.ones(queries, positions, dtype=torch.bool).tril(positions - queries)[None, None].repeat(batch, 1, 1, 1)
@@ -232,39 +244,47 @@ def test_the_prefill_kernel_against_float64_as_close_as_sdpa(
     scale = dim**-0.5
     exact = prompt_reference(q, k, v, mask, masking == "causal", scale)
     got = prefill_ext.prefill_attention(q, k, v, mask, scale, masking == "causal")
-    assert got.dtype == torch.bfloat16 and got.shape == (batch, queries, heads, dim)
+    assert got.dtype == dtype and got.shape == (batch, queries, heads, dim)
     attends = exact.isfinite()  # (a padded query with no key to attend: float64 gives NaN, the kernel zeros)
     assert torch.equal(got[~attends], torch.zeros_like(got[~attends]))
     error = (got.double() - exact)[attends].abs()
-    # bf16 keeps 8 significant bits: the output's own rounding is up to 2^-9 of it, the weights' another 2^-9
-    assert (error <= 2**-7 * exact[attends].abs() + 2**-8).all(), error.max().item()
+    if dtype == torch.bfloat16:
+        # bf16 keeps 8 significant bits: the output's own rounding is up to 2^-9 of it, the weights' another 2^-9
+        assert (error <= 2**-7 * exact[attends].abs() + 2**-8).all(), error.max().item()
+    else:  # float32 sums of a few hundred terms and a polynomial exp, as the decode kernel's bound
+        assert error.max().item() <= 2e-6 * max(1.0, exact[attends].abs().max().item())
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, is_causal=masking == "causal", enable_gqa=True
     ).transpose(1, 2)
-    assert error.mean().item() <= 1.25 * (sdpa.double() - exact)[attends].abs().mean().item()
+    sdpa_error = (sdpa.double() - exact)[attends].abs().mean().item()
+    assert error.mean().item() <= 1.25 * sdpa_error + (0 if dtype == torch.bfloat16 else 1e-7)
 
 
 def test_the_prefill_kernel_through_the_attention_function(prefill_ext):
-    """`attend` hands a bf16 prompt to the kernel (no mask: causal; a bool mask: the mask's keys), and a call
-    the kernel does not take (float32, an additive mask, a sliding window) to sdpa; a cached prefix with no
-    mask is cut to the queries' keys as transformers' sdpa function cuts it."""
+    """`attend` hands a float32 or bf16 prompt to the kernel (no mask: causal; a bool mask: the mask's keys),
+    and a call the kernel does not take (float16, an additive mask, a sliding window) to sdpa; a cached prefix
+    with no mask is cut to the queries' keys as transformers' sdpa function cuts it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 16, 70, 64, generator=g).bfloat16()
-    k, v = (torch.randn(1, 4, 70, 64, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(1, 16, 70, 64, generator=g)
+    k, v = (torch.randn(1, 4, 70, 64, generator=g) for _ in range(2))
+    kernel = prefill_ext.prefill_attention(q, k, v, None, 0.125, True)
+    assert torch.equal(attention.attend(module, q, k, v, None, scaling=0.125)[0], kernel)
+    if prefill_ext.prefill_attention_ready(True):
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     expected = prefill_ext.prefill_attention(q, k, v, None, 0.125, True)
     assert torch.equal(attention.attend(module, q, k, v, None, scaling=0.125)[0], expected)
     mask = torch.ones(70, 70, dtype=torch.bool).tril()[None, None]
     assert torch.equal(attention.attend(module, q, k, v, mask, scaling=0.125)[0], expected)
-    room = torch.randn(1, 4, 90, 64, generator=g).bfloat16()  # keys beyond the queries', no mask: cut
+    room = torch.randn(1, 4, 90, 64, generator=g).to(q.dtype)  # keys beyond the queries', no mask: cut
     assert torch.equal(attention.attend(module, q, room, room, None, scaling=0.125)[0],
                        prefill_ext.prefill_attention(q, room[:, :, :70], room[:, :, :70], None, 0.125, True))  # fmt: skip
-    additive = torch.zeros(1, 1, 70, 70).masked_fill(~mask, float("-inf"))
+    additive = torch.zeros(1, 1, 70, 70).masked_fill(~mask, float("-inf")).to(q.dtype)
     for args, kwargs in (
-        ((q.float(), k.float(), v.float(), None), {}),
+        ((q.half(), k.half(), v.half(), None), {}),
         ((q, k, v, additive), {}),
         ((q, k, v, mask), {"sliding_window": 16}),
     ):
@@ -273,12 +293,17 @@ def test_the_prefill_kernel_through_the_attention_function(prefill_ext):
         assert torch.equal(ours, theirs)
 
 
+def qwen3_with_heads_of_64(seed: int):
+    config = {**TINY["qwen3_moe"], "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    return make_model("qwen3_moe", seed=seed, **{**config, "max_position_embeddings": 1024})
+
+
 def test_a_bf16_model_prefilling_through_the_kernel_stays_as_close_to_float32_as_sdpa(prefill_ext, tmp_path, no_prefill_kernel):
     """A bf16 model's 600-token prompt through the kernel (its fast-paths line says so) and through sdpa
     (the kernel switched off): each one's last-position logits against transformers' float32 forward on the
     same weights; the kernel's distance is sdpa's within a quarter, and the two differ (the kernel ran)."""
-    config = {**TINY["qwen3_moe"], "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
-    model = make_model("qwen3_moe", seed=4, **{**config, "max_position_embeddings": 1024})
+    needs(prefill_ext, torch.bfloat16)
+    model = qwen3_with_heads_of_64(seed=4)
     checkpoint = save_checkpoint(model, tmp_path / "hf")
     assert main(["convert", str(checkpoint), str(tmp_path / "store"), "--experts-dtype", "bf16"]) == 0
     prompt = torch.randint(
@@ -290,7 +315,7 @@ def test_a_bf16_model_prefilling_through_the_kernel_stays_as_close_to_float32_as
     prefill_ext.prefill_attention_switch(True)
     streamed, _ = moestream.load(tmp_path / "store", "1GiB", compute_dtype="bf16")
     line = next(p["note"] for p in stats(streamed)["fast_paths"] if p["name"] == "attention function")
-    assert "flash kernel for bf16 prompts" in line
+    assert "flash kernel for bf16 and float32 prompts" in line
     distances, logits = [], []
     for on in (True, False):
         prefill_ext.prefill_attention_switch(on)
@@ -299,3 +324,22 @@ def test_a_bf16_model_prefilling_through_the_kernel_stays_as_close_to_float32_as
         distances.append((logits[-1] - exact).abs().mean().item())
     assert not torch.equal(*logits)
     assert distances[0] <= 1.25 * distances[1], distances
+
+
+def test_a_float32_model_prefilling_through_the_kernel_gives_transformers_greedy_tokens(prefill_ext, tmp_path):
+    """A float32 model (heads of 64) prefills a 700-token prompt through the kernel and then decodes: its
+    greedy tokens are transformers' float32 ones (sdpa), and its prompt's logits are theirs within float32
+    rounding, not the same bits (the kernel ran)."""
+    model = qwen3_with_heads_of_64(seed=6)
+    checkpoint = save_checkpoint(model, tmp_path / "hf")
+    assert main(["convert", str(checkpoint), str(tmp_path / "store"), "--experts-dtype", "fp32"]) == 0
+    prompt = torch.randint(3, model.config.vocab_size, (1, 700), generator=torch.Generator().manual_seed(11))
+    reference_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    expected = reference_model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    streamed, _ = moestream.load(tmp_path / "store", "1GiB", compute_dtype="fp32")
+    line = next(p["note"] for p in stats(streamed)["fast_paths"] if p["name"] == "attention function")
+    assert "float32 prompts" in line
+    assert torch.equal(streamed.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False), expected)
+    with torch.no_grad():
+        ours, theirs = streamed(prompt).logits, reference_model(prompt).logits
+    assert 0 < (ours - theirs).abs().max().item() < 1e-4

@@ -234,50 +234,64 @@ std::string decode_attention_simd(const std::string& cap) {
 #endif
 }
 
-// A prompt's attention (prefill_attention.h) on a CPU with AVX-512 BF16: q [B, H, Q, D], k and v
-// [B, KVH, T, D] in bf16 (their last dimension contiguous, any other strides), D a multiple of 32 up to 256,
-// and either a bool mask [B or 1, 1, Q, T] (true attends) or none: then query i's keys are 0 .. T - Q + i
-// (`causal`) or all of them -> [B, Q, H, D] bf16, the layout transformers' attention functions return.
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale,
-                                bool causal) {
-  TORCH_CHECK(flash_prefill::available(), "prefill_attention: this CPU has no AVX-512 BF16 (or the kernel is switched off)");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) &&
-                  q.size(1) % k.size(1) == 0,
-              "prefill_attention: q [B, H, Q, D], k and v [B, KVH, T, D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
-              "prefill_attention: q, k and v in bf16");
-  TORCH_CHECK(q.size(3) % 32 == 0 && q.size(3) <= 256, "prefill_attention: a head dimension that is a multiple of 32, up to 256");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "prefill_attention: the head dimension must be contiguous");
-  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
-  auto out = torch::empty({B, Q, H, D}, q.options());
-  flash_prefill::Problem p{B, H, k.size(1), Q, T, D,
-                           reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(k.data_ptr()),
-                           reinterpret_cast<const uint16_t*>(v.data_ptr()),
-                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                           nullptr, 0, 0, causal && !mask.has_value(), static_cast<float>(scale),
-                           reinterpret_cast<uint16_t*>(out.data_ptr())};
-  TORCH_CHECK(!p.causal || T >= Q, "prefill_attention: a causal call needs at least as many keys as queries");
-  torch::Tensor bytes;
-  if (mask.has_value()) {
-    const auto& m = *mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 && m.size(2) == Q && m.size(3) == T &&
-                    (m.size(0) == 1 || m.size(0) == B),
-                "prefill_attention: a bool mask [B or 1, 1, Q, T]");
-    bytes = m.contiguous();
-    p.mask = reinterpret_cast<const uint8_t*>(bytes.data_ptr());
-    p.mask_batch = m.size(0) == 1 ? 0 : Q * T, p.mask_query = T;
-  }
+// A prompt's attention (prefill_attention.h) on a CPU with AVX-512 (BF16's dot products for bf16): q [B, H, Q, D],
+// k and v [B, KVH, T, D], all bf16 or all float32 (their last dimension contiguous, any other strides), D a
+// multiple of 32 up to 256, and either a bool mask [B or 1, 1, Q, T] (true attends) or none: then query i's keys
+// are 0 .. T - Q + i (`causal`) or all of them -> [B, Q, H, D] in q's dtype, the layout transformers' attention
+// functions return.
+template <typename T>
+static void prefill_attention_as(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const uint8_t* mask,
+                                 int64_t mask_batch, bool causal, double scale, torch::Tensor& out) {
+  flash_prefill::Problem<T> p{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3),
+                              reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
+                              reinterpret_cast<const T*>(v.data_ptr()),
+                              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                              mask, mask_batch, k.size(2), causal, static_cast<float>(scale), reinterpret_cast<T*>(out.data_ptr())};
   const int64_t threads = at::get_num_threads();
   flash_prefill::attention(p, [&](auto&& work) {
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t worker = begin; worker < end; ++worker) work(worker);
     });
   });
+}
+
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask, double scale,
+                                bool causal) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) &&
+                  q.size(1) % k.size(1) == 0,
+              "prefill_attention: q [B, H, Q, D], k and v [B, KVH, T, D]");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && k.scalar_type() == dtype && v.scalar_type() == dtype,
+              "prefill_attention: q, k and v all in bf16 or all in float32");
+  TORCH_CHECK(flash_prefill::available(dtype == at::kBFloat16),
+              "prefill_attention: this CPU has no AVX-512", dtype == at::kBFloat16 ? " BF16" : "", " (or the kernel is switched off)");
+  TORCH_CHECK(q.size(3) % 32 == 0 && q.size(3) <= 256, "prefill_attention: a head dimension that is a multiple of 32, up to 256");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "prefill_attention: the head dimension must be contiguous");
+  const int64_t B = q.size(0), H = q.size(1), Q = q.size(2), D = q.size(3), T = k.size(2);
+  const bool no_mask_causal = causal && !mask.has_value();
+  TORCH_CHECK(!no_mask_causal || T >= Q, "prefill_attention: a causal call needs at least as many keys as queries");
+  auto out = torch::empty({B, Q, H, D}, q.options());
+  torch::Tensor bytes;
+  int64_t mask_batch = 0;
+  if (mask.has_value()) {
+    const auto& m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 && m.size(2) == Q && m.size(3) == T &&
+                    (m.size(0) == 1 || m.size(0) == B),
+                "prefill_attention: a bool mask [B or 1, 1, Q, T]");
+    bytes = m.contiguous();
+    mask_batch = m.size(0) == 1 ? 0 : Q * T;
+  }
+  const auto* mask_bytes = bytes.defined() ? reinterpret_cast<const uint8_t*>(bytes.data_ptr()) : nullptr;
+  if (dtype == at::kBFloat16)
+    prefill_attention_as<uint16_t>(q, k, v, mask_bytes, mask_batch, no_mask_causal, scale, out);
+  else
+    prefill_attention_as<float>(q, k, v, mask_bytes, mask_batch, no_mask_causal, scale, out);
   return out;
 }
 
-// Whether prefill_attention runs here: a CPU with AVX-512 BF16, the kernel not switched off.
-bool prefill_attention_ready() { return flash_prefill::available(); }
+// Whether prefill_attention runs here for bf16 (a CPU with AVX-512 BF16) or float32 (AVX-512), the kernel not
+// switched off.
+bool prefill_attention_ready(bool bf16) { return flash_prefill::available(bf16); }
 
 // Switch the prefill attention kernel on or off (the tests compare it with sdpa, and run what a CPU without
 // it runs); returns whether it was on.

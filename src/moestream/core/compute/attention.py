@@ -1,14 +1,14 @@
 """Attention as the model's own attention function: the compiled flash-decoding kernel (decode_attention.h)
-for one query position over the KV cache, on a CPU with AVX-512 BF16 the compiled flash kernel for a bf16
-prompt (prefill_attention.h), transformers' sdpa for everything else.
+for one query position over the KV cache, on a CPU with AVX-512 the compiled flash kernel for a prompt in
+float32 or (with AVX-512 BF16) bf16 (prefill_attention.h), transformers' sdpa for everything else.
 
 transformers looks a model's attention function up by `config._attn_implementation` in its
 AttentionInterface on every call. `install` registers `attend` there as "moestream" (with sdpa's mask
 function) and points the model's config at it, so the model's own code runs the kernel: a lone row,
 the batched decode step (its padding mask included) and the fused one-token attention (fused.py, which
-then calls the same kernel and so still gives the model's own bits). A prompt in bf16 (the compute dtype of
-a bf16 model on such a CPU) runs the prefill kernel: at 4k tokens torch's sdpa took half of a prefill there,
-at a quarter of what BF16's dot products do (docs/BENCHMARKS.md, "Prefill attention"). Any call the kernels
+then calls the same kernel and so still gives the model's own bits). A prompt runs the prefill kernel: at
+4k tokens torch's sdpa took half of a bf16 prefill, at a fraction of what BF16's dot products or the FMA
+units do (docs/BENCHMARKS.md, "Prefill attention"). Any call the kernels
 do not cover (a sliding window, softcapping, attention sinks, dropout, another device or dtype, an additive
 mask) goes to sdpa as before. On the CPU a prompt of a grouped-query model runs torch's sdpa on the key and value heads as they
 are (`enable_gqa`): transformers copies them once per query head there first (its `repeat_kv`, which it skips
@@ -16,8 +16,8 @@ on CUDA only where no mask is given), and at long context that copy costs more t
 tokens over a 12k-token cached prefix at the Qwen3-30B-A3B shape: docs/BENCHMARKS.md, kv-tier-30b-shape,
 before and after). The same kernel then runs on the same numbers: its bits are sdpa's (tests/test_attention.py).
 
-The kernels sum in another order than sdpa and compute exp by a polynomial (the prefill kernel also rounds
-the softmax's weights to bf16, as torch's bf16 flash kernel does), so their output differs from sdpa's in the
+The kernels sum in another order than sdpa and compute exp by a polynomial (the prefill kernel in bf16 also
+rounds the softmax's weights to bf16, as torch's bf16 flash kernel does), so their output differs from sdpa's in the
 last bits (tests/test_attention.py bounds both against float64; `moestream eval --attention sdpa` prices
 them). `--attention sdpa` keeps transformers' own.
 
@@ -167,12 +167,14 @@ def _covered(query, key, value, mask, dropout: float, kwargs: dict) -> bool:
 
 def _prompt_covered(ext, query, key, value, mask, dropout: float, kwargs: dict) -> bool:
     """Whether the prefill kernel computes this call: a prompt (more than one query) on a CPU that runs it
-    (AVX-512 BF16), query, keys and values in bf16 with their head dimension contiguous and a multiple of 32 up
-    to 256, no dropout, no extras (sliding window, softcap, sinks, a position bias, the weights asked for),
+    (AVX-512; for bf16 with BF16), query, keys and values all in bf16 or all in float32 with their head dimension
+    contiguous and a multiple of 32 up to 256, no dropout, no extras (sliding window, softcap, sinks, a position bias, the weights asked for),
     a mask (if any) of bools [B or 1, 1, Q, T]."""
-    if query.shape[2] < 2 or query.device.type != "cpu" or dropout or not ext.prefill_attention_ready():
+    if query.shape[2] < 2 or query.device.type != "cpu" or dropout or query.dtype not in (torch.bfloat16, torch.float32):
         return False
-    if any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (query, key, value)) or key.shape != value.shape:
+    if any(t.dtype != query.dtype or t.stride(-1) != 1 for t in (key, value)) or key.shape != value.shape:
+        return False
+    if not ext.prefill_attention_ready(query.dtype == torch.bfloat16):
         return False
     dim = query.shape[-1]
     if key.shape[-1] != dim or dim % 32 or dim > 256 or query.shape[1] % key.shape[1]:
@@ -247,9 +249,12 @@ def _install(model, choice: str, on_gpu: bool) -> str:
     AttentionMaskInterface.register(NAME, sdpa_mask)
     for config in configs:
         config._attn_implementation = NAME
-    if fused_build.extension().prefill_attention_ready():
-        return f"{KERNEL}, flash kernel for bf16 prompts (AVX-512 BF16), sdpa for others"
-    return f"{KERNEL}, sdpa for prompts (their kernel needs AVX-512 BF16)"
+    ext = fused_build.extension()
+    if ext.prefill_attention_ready(True):
+        return f"{KERNEL}, flash kernel for bf16 and float32 prompts, sdpa for others"
+    if ext.prefill_attention_ready(False):
+        return f"{KERNEL}, flash kernel for float32 prompts (bf16 ones need AVX-512 BF16), sdpa for others"
+    return f"{KERNEL}, sdpa for prompts (their kernel needs AVX-512)"
 
 
 # `config._attn_implementation == "sdpa"`, `... in ("eager", "sdpa")`, `!= "eager"`: code that decides by the name.
