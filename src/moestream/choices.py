@@ -37,8 +37,8 @@ COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 #: are measured faster on the model's shapes (core/compute/plan.py, `choose_activations`).
 ACTIVATIONS = ("auto", "int8", "float")
 #: `--attention`: the model's attention function. "auto": the compiled flash-decoding kernel for one query
-#: where it is compiled and the model's attention is sdpa, the compiled prefill kernel for a bf16 prompt on a
-#: CPU with AVX-512 BF16, sdpa for other prompts (core/compute/attention.py).
+#: where it is compiled and the model's attention is sdpa, the compiled prefill kernel for a float32 or bf16 prompt
+#: on a CPU with AVX-512 (bf16: with BF16), sdpa for other prompts (core/compute/attention.py).
 ATTENTION = ("auto", "sdpa")
 #: `--kv-cache-dtype`: what a decode step's KV cache holds. "auto": keys and values in the model's dtype;
 #: "int8": each position's row of a head as int8 codes and one float32 scale, about half the bytes a step

@@ -232,8 +232,8 @@ def add_attention_argument(parser: argparse.ArgumentParser) -> None:
         choices=ATTENTION,
         default=ATTENTION[0],
         help="the model's attention: auto (default: a compiled flash-decoding kernel that reads each cached key "
-        "and value once for its group of query heads, as the model's attention function; a bf16 prompt on a CPU "
-        "with AVX-512 BF16 gets a compiled flash kernel, other prompts keep sdpa) or sdpa (transformers' own). "
+        "and value once for its group of query heads, as the model's attention function; a float32 or bf16 prompt "
+        "on a CPU with AVX-512 (bf16: with BF16) gets a compiled flash kernel, other prompts keep sdpa) or sdpa (transformers' own). "
         "The kernels sum in another order: `moestream eval STORE --reference STORE --activations float` prices "
         "them on prompts, with --decode on decode steps",
     )

@@ -98,8 +98,8 @@ def load(
         chosen expert that is not cached gives way to a cached one whose router probability is at least
         (1 - margin) times its own. It changes the model's output; 0 (the default) is off.
     attention: the model's attention: "auto" (the default: the compiled flash-decoding kernel as the
-        model's attention function for one query, the compiled prefill kernel for a bf16 prompt on a CPU with
-        AVX-512 BF16, sdpa for other prompts; core/compute/attention.py) or "sdpa" (transformers' own). The
+        model's attention function for one query, the compiled prefill kernel for a float32 or bf16 prompt on a
+        CPU with AVX-512 (bf16: with BF16), sdpa for other prompts; core/compute/attention.py) or "sdpa" (transformers' own). The
         kernels sum in another order: `moestream eval --attention sdpa` prices them.
     kv_cache_dtype: "auto" (the default: keys and values in the compute dtype) or "int8" (an 8-bit KV
         cache the attention kernel reads: about half the bytes of bf16 per position; `moestream eval
