@@ -230,8 +230,9 @@ def test_the_prefill_kernel_against_float64_as_close_as_sdpa(
     prefill_ext, dtype, batch, heads, kv_heads, queries, positions, dim, masking
 ):
     """Queries, keys and values in bf16 or float32 (keys of a few units, as trained models' scores are): the
-    kernel's output is within its dtype's rounding of float64 attention, and on average as close to it as
-    torch's sdpa in that dtype (which in bf16 also rounds the weights to bf16 before the values)."""
+    kernel's output is within its dtype's rounding of float64 attention; on average, in bf16 within 1.3x of
+    float64 attention rounded once to bf16 (the best a bf16 output can be; rounding the weights to bf16 before
+    the values, as torch's sdpa also does, adds the rest), in float32 as close as torch's sdpa."""
     needs(prefill_ext, dtype)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     q = torch.randn(batch, heads, queries, dim, generator=g).to(dtype)
@@ -253,11 +254,14 @@ def test_the_prefill_kernel_against_float64_as_close_as_sdpa(
         assert (error <= 2**-7 * exact[attends].abs() + 2**-8).all(), error.max().item()
     else:  # float32 sums of a few hundred terms and a polynomial exp, as the decode kernel's bound
         assert error.max().item() <= 2e-6 * max(1.0, exact[attends].abs().max().item())
-    sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, is_causal=masking == "causal", enable_gqa=True
-    ).transpose(1, 2)
-    sdpa_error = (sdpa.double() - exact)[attends].abs().mean().item()
-    assert error.mean().item() <= 1.25 * sdpa_error + (0 if dtype == torch.bfloat16 else 1e-7)
+    if dtype == torch.bfloat16:  # on average within 1.3x of float64 attention rounded once to bf16, the best there is
+        best = (exact.to(dtype).double() - exact)[attends].abs().mean().item()
+        assert error.mean().item() <= 1.3 * best
+    else:  # on average as close as torch's sdpa in float32
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=masking == "causal", enable_gqa=True
+        ).transpose(1, 2)
+        assert error.mean().item() <= 1.25 * (sdpa.double() - exact)[attends].abs().mean().item() + 1e-7
 
 
 def test_the_prefill_kernel_through_the_attention_function(prefill_ext):
