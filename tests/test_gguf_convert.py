@@ -29,6 +29,7 @@ from moestream.conversion.skeleton import config_from_dict
 from moestream.conversion.store import DTYPES, Store
 from moestream.conversion.synthetic import make_model, save_checkpoint
 from moestream.errors import SourceError, UsageError
+from moestream.generation.kv_disk import tier_for
 from moestream.native import fused_build
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
@@ -1219,6 +1220,10 @@ def test_a_quantized_token_embedding_stays_quantized(tmp_path, qtype, stored, ca
         assert torch.equal(streamed.get_input_embeddings()(ids), embedding[ids])
         expected, got = looked_up(ids).logits, streamed(ids).logits
     assert torch.equal(got, expected)
+    # a server's KV tier is for the compute dtype's KV (`serve` once stopped here: the embedding has no weight)
+    tier = tier_for(streamed, tmp_path / "kv", 2**20)
+    assert tier.ident["kv"] == "float32"
+    tier.flush()
     capsys.readouterr()
     assert main(["inspect", str(store)]) == 0
     assert f"the token embedding {fmt.name}" in capsys.readouterr().out

@@ -84,7 +84,11 @@ def tier_for(model, directory: str | os.PathLike, budget_bytes: int) -> DiskTier
     """The prefix cache's tier on disk for a loaded `model`: its files are this store's (the manifest's
     checksum), for this KV layout and dtype (an 8-bit cache, else the compute dtype's)."""
     manifest = file_checksum(runtime_of(model).store.directory / MANIFEST)
-    kv = "int8" if quantizes_kv(model) else str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")
+    embedding = model.get_input_embeddings()
+    # (a GGUF's quantized token embedding has no float weight: it gives its rows in the compute dtype)
+    weight = getattr(embedding, "weight", None)
+    computes = weight.dtype if weight is not None else embedding.dtype
+    kv = "int8" if quantizes_kv(model) else str(computes).removeprefix("torch.")
     try:
         return DiskTier(directory, budget_bytes, identity(manifest, model.config, kv))
     except OSError as e:
