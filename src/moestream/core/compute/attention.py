@@ -78,13 +78,9 @@ def attend(module, query, key, value, attention_mask, dropout: float = 0.0, scal
         key, value = unpack_int8(key, query.dtype), unpack_int8(value, query.dtype)
     if ext is not None and _prompt_covered(ext, query, key, value, attention_mask, dropout, kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if attention_mask is not None:
-            return ext.prefill_attention(query, key, value, attention_mask[..., : key.shape[2]], scale, False), None
-        causal = kwargs.get("is_causal")
-        causal = causal if causal is not None else getattr(module, "is_causal", True)
-        if causal and key.shape[2] > query.shape[2]:  # (as transformers' sdpa function cuts them)
-            key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
-        return ext.prefill_attention(query, key, value, None, scale, causal), None
+        key, value, causal = _causal_keys(module, query, key, value, attention_mask, kwargs.get("is_causal"))
+        mask = attention_mask[..., : key.shape[2]] if attention_mask is not None else None
+        return ext.prefill_attention(query, key, value, mask, scale, causal), None
     if _grouped_prompt_on_cpu(module, query, key, value, kwargs):
         return _grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("is_causal")), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -109,13 +105,21 @@ def _grouped_sdpa(module, query, key, value, mask, dropout: float, scaling: floa
     """transformers' sdpa_attention_forward for `_grouped_prompt_on_cpu` calls, with grouped-query heads given
     to torch as they are instead of repeated: causal by sdpa's flag only where no mask is given (then the keys
     are cut to the queries', as transformers does), [B, Q, H, D] out."""
-    is_causal = mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    if is_causal and key.shape[2] > query.shape[2]:
-        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    key, value, is_causal = _causal_keys(module, query, key, value, mask, is_causal)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous()
+
+
+def _causal_keys(module, query, key, value, mask, is_causal: bool | None):
+    """transformers' sdpa rule for a prompt: causal by the flag (the call's, else the module's) only where no
+    mask is given, and then the keys cut to the queries' (a static cache's room beyond them), as its sdpa
+    function cuts them -> (key, value, causal)."""
+    causal = mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if causal and key.shape[2] > query.shape[2]:
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    return key, value, causal
 
 
 def mark_read(module, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -172,7 +176,7 @@ def _prompt_covered(ext, query, key, value, mask, dropout: float, kwargs: dict) 
     a mask (if any) of bools [B or 1, 1, Q, T]."""
     if query.shape[2] < 2 or query.device.type != "cpu" or dropout or query.dtype not in (torch.bfloat16, torch.float32):
         return False
-    if any(t.dtype != query.dtype or t.stride(-1) != 1 for t in (key, value)) or key.shape != value.shape:
+    if any(t.dtype != query.dtype or t.stride(-1) != 1 for t in (query, key, value)) or key.shape != value.shape:
         return False
     if not ext.prefill_attention_ready(query.dtype == torch.bfloat16):
         return False
