@@ -80,11 +80,15 @@ class ServerProcess:
         metrics = httpx.get(self.url + "/metrics", timeout=30).text
         prefix = re.search(r"^moestream_prefix_cache_bytes (\S+)", metrics, re.M)
         prefix_bytes = float(prefix.group(1)) if prefix else 0.0
+        heap = re.search(r"^moestream_heap_in_use_bytes (\S+)", metrics, re.M)  # (glibc only)
         return {
             "pid": self.process.pid,
             "rss": rss,
             "prefix cache": prefix_bytes,
             "rss beyond the prefix cache": rss - prefix_bytes,
+            # What the C heap has handed out, less the prefix cache: a leak grows it; freed memory the
+            # allocator keeps grows RSS only.
+            "heap in use beyond the prefix cache": float(heap.group(1)) - prefix_bytes if heap else None,
             "threads": threads,
             "files": files,
         }
@@ -398,6 +402,8 @@ def main() -> int:
     settle = min(600.0, total / 10)  # the first ten minutes of a run (a tenth of a short one): caches filling
     rss_slope = slope_per_hour(samples, "rss", skip=settle)
     beyond_slope = slope_per_hour(samples, "rss beyond the prefix cache", skip=settle)
+    heap_known = bool(samples) and all(s["heap in use beyond the prefix cache"] is not None for _, s in samples)
+    heap_slope = slope_per_hour(samples, "heap in use beyond the prefix cache", skip=settle) if heap_known else None
     result = {
         "minutes": round(elapsed / 60, 1),
         "requests": sum(soak.outcomes.values()),
@@ -417,11 +423,13 @@ def main() -> int:
         else None,
         "rss slope per hour": round(rss_slope, 4),
         "rss beyond the prefix cache slope per hour": round(beyond_slope, 4),
+        "heap in use beyond the prefix cache slope per hour": None if heap_slope is None else round(heap_slope, 4),
         "prefix cache MiB last": round(samples[-1][1]["prefix cache"] / 2**20, 1) if samples else None,
         # One sample a minute, so a curve (a plateau or a line) can be read back from the JSON: seconds, server
-        # pid, RSS and the prefix cache in MiB.
+        # pid, RSS, the prefix cache and the heap in use beyond it, in MiB.
         "rss samples": [
             [round(t), s["pid"], round(s["rss"] / 2**20, 1), round(s["prefix cache"] / 2**20, 1)]
+            + ([round(s["heap in use beyond the prefix cache"] / 2**20, 1)] if heap_known else [])
             for t, s in samples[:: max(1, round(60 / args.sample_every))]
         ],
         "threads min/max": [min(s["threads"] for _, s in samples), max(s["threads"] for _, s in samples)] if samples else None,
@@ -448,6 +456,10 @@ def main() -> int:
             ["RSS first / last (MiB)", result["rss MiB first/last"]],
             ["RSS slope per hour (the longest-running server, after its first 10 minutes)", f"{rss_slope:+.2%}"],
             ["the same, RSS beyond the prefix cache's KV", f"{beyond_slope:+.2%}"],
+            [
+                "the same, the C heap's bytes in use beyond the prefix cache's KV",
+                "-" if heap_slope is None else f"{heap_slope:+.2%}",
+            ],
             ["prefix cache at the end (MiB)", result["prefix cache MiB last"]],
             ["threads min / max", result["threads min/max"]],
             ["open files min / max", result["open files min/max"]],

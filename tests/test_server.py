@@ -19,6 +19,7 @@ from tiny import tiny_checkpoint
 
 from moestream.cli import build_parser, main
 from moestream.conversion.synthetic import byte_tokenizer
+from moestream.core.memory import heap_bytes
 from moestream.generation.generate import chat_prompt
 
 MODEL = "tiny"
@@ -340,6 +341,10 @@ def test_metrics_are_prometheus_text_with_the_process_metrics_beside(server):
     assert families["moestream_requests"].type == "counter"
     for name in ("process_open_fds", "process_cpu_seconds", "process_resident_memory_bytes"):
         assert families[name].samples[0].value > 0, name
+    if heap_bytes() is not None:  # (glibc: the C heap's bytes in use, which a model's tensors are part of)
+        in_use = families["moestream_heap_in_use_bytes"].samples[0].value
+        assert 1 * 2**20 < in_use < families["moestream_resident_memory_bytes"].samples[0].value
+        assert families["moestream_heap_free_bytes"].samples[0].value >= 0
 
 
 def test_twenty_concurrent_streams_with_disconnects_never_crash(server):

@@ -42,6 +42,24 @@ def release_freed_heap() -> None:
         _malloc_trim(0)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """(bytes the C heap has handed out and not had back, bytes it holds free for later), over all its arenas
+    (glibc's mallinfo2, 2.33 and later; None elsewhere). RSS mixes what a process uses with what its
+    allocator keeps and with pages of mapped files; the bytes in use alone tell a leak (they grow) from an
+    allocator holding on to freed memory (they stay while RSS grows)."""
+    if _mallinfo2 is None:
+        return None
+    info = _mallinfo2()
+    return info.uordblks + info.hblkhd, info.fordblks
+
+
 def reset_peak_rss() -> bool:
     """Restart peak-RSS accounting (Linux's clear_refs "5"), so one run's peak can be measured in a process
     that did other work before. Returns False where the kernel does not allow it."""
@@ -61,6 +79,9 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc's (musl and macOS have none)
+_mallinfo2 = getattr(_libc, "mallinfo2", None)  # glibc 2.33 and later (mallinfo's int fields wrap past 2 GiB)
+if _mallinfo2 is not None:
+    _mallinfo2.restype = _MallInfo2
 
 
 def page_cache_bytes(path: str | os.PathLike) -> int:

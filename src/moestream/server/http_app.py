@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..conversion.store import MANIFEST, file_checksum
 from ..core import loading
-from ..core.memory import current_rss_bytes, peak_rss_bytes
+from ..core.memory import current_rss_bytes, heap_bytes, peak_rss_bytes
 from ..core.runtime import runtime_of
 from ..generation.batching import KVBudgetExceeded
 from ..generation.generate import context_length
@@ -471,6 +471,9 @@ class ServerCollector:
         yield gauge("expert_cache_budget_bytes", "The expert cache budget (--memory).", s["cache_budget_bytes"])
         yield gauge("resident_memory_bytes", "Resident set size of the server process.", current_rss_bytes())
         yield gauge("peak_resident_memory_bytes", "Peak resident set size of the server process.", peak_rss_bytes())
+        if (heap := heap_bytes()) is not None:  # (glibc: what of the RSS the C heap has handed out, and keeps free)
+            yield gauge("heap_in_use_bytes", "Bytes the C heap has handed out (tensors, Python objects).", heap[0])
+            yield gauge("heap_free_bytes", "Bytes the C heap keeps free for later allocations.", heap[1])
 
 
 def metrics_registry(service: Service):
