@@ -353,6 +353,9 @@ def main() -> int:
         *shlex.split(args.serve_args),
         *("--max-queue", str(args.max_queue), "--max-batch", str(args.max_batch), "--context", str(args.context)),
         *("--shutdown-timeout", "20", "--log-level", "warning"),
+        # The server's own limit (it has none by default): a request that hangs ends with a 504/503 that the
+        # soak would count as unexpected. Above the clients' --request-timeout, as in the runs before.
+        *("--request-timeout", "600"),
     ]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"soak-{os.getpid()}.log"
     soak = Soak(args)

@@ -555,6 +555,18 @@ def test_timeouts_answer_503_in_the_queue_and_504_while_running(slow_server):
     assert http.post("/v1/completions", json={**body, "max_tokens": 3}).json()["choices"][0]["text"] == "AAA"
 
 
+def test_without_a_request_timeout_a_long_request_runs_to_its_end(slow_server):
+    """The default (none, as in llama.cpp's and vLLM's servers): a request that takes longer than any limit a
+    test would give still ends with all its tokens, streamed or not."""
+    assert build_parser().parse_args(["serve", "STORE"]).request_timeout is None
+    http = slow_server(request_timeout=None, max_batch=1)
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 30}  # 1.5 s
+    assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == "A" * 30
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == "A" * 30
+
+
 def test_a_request_whose_kv_cannot_fit_is_refused_and_others_wait_for_room(slow_server):
     # The tiny model's KV is 256 bytes a position (2 layers x 2 KV heads x 8 x keys and values x fp32).
     http = slow_server(batch_kv_memory=100 * 256, max_batch=4)

@@ -30,7 +30,7 @@ DESCRIPTION = (
     "are decoded together, so each step reads every needed expert once for all of them; more wait in a "
     "first-in first-out queue. Recent conversations' KV is kept (--kv-memory), so a follow-up prefills only its "
     "new tokens. A seeded request gets the answer it would get alone. A client that disconnects cancels its "
-    "request; --request-timeout bounds each."
+    "request; --request-timeout, if given, bounds each."
 )
 
 
@@ -66,9 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout",
         type=float,
-        default=600.0,
+        default=None,
         metavar="SECONDS",
-        help="the longest a request may take, queueing included; then it is cancelled (default 600)",
+        help="the longest a request may take, queueing included; then it is cancelled (default: no limit, as in "
+        "llama.cpp's and vLLM's servers: an agent's first prompt can take many minutes to read on a CPU, and a "
+        "client that gives up and disconnects cancels its request anyway)",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -156,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     from ..server.run import serve
 
     positive(args.max_queue, "--max-queue")
-    positive(args.request_timeout, "--request-timeout")
+    if args.request_timeout is not None:
+        positive(args.request_timeout, "--request-timeout")
     non_negative(args.shutdown_timeout, "--shutdown-timeout")
     positive(args.default_max_tokens, "--default-max-tokens")
     positive(args.max_batch, "--max-batch")

@@ -18,6 +18,7 @@ job never outlives its deadline by more than one step, queued or running.
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import sys
 import threading
@@ -133,8 +134,8 @@ class Job:
     """
 
     choices: list[Choice]
-    timeout: float  # seconds from submission to the last token, queueing included
-    deadline: float  # time.monotonic()
+    timeout: float | None  # seconds from submission to the last token, queueing included (None: no limit)
+    deadline: float  # time.monotonic(); infinite without a timeout
     _worker: Worker
     _loop: asyncio.AbstractEventLoop
     request: Request | None = None  # the scheduler's, made by submit
@@ -334,16 +335,17 @@ class Worker:
         if self._own_thread:
             self._thread.stop()
 
-    def submit(self, choices: list[Choice], timeout: float) -> Job:
+    def submit(self, choices: list[Choice], timeout: float | None) -> Job:
         """Queue a request's choices from the running event loop; raises QueueFull when `max_queue` jobs
         wait, KVBudgetExceeded when a choice's KV could never fit, TooManyChoices when the answers to one
         prompt need more rows than the batch has."""
-        job = Job(list(choices), timeout, time.monotonic() + timeout, self, asyncio.get_running_loop())
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        job = Job(list(choices), timeout, deadline, self, asyncio.get_running_loop())
         job.request = Request(
             lambda index: self._decoding(job, index),
             [c.prompt_ids for c in choices],
             [len(c.prompt_ids) + c.params.max_tokens for c in choices],
-            deadline=job.deadline,
+            deadline=None if job.timeout is None else job.deadline,
             tag=job,
         )
         self.scheduler.check(job.request)
@@ -437,7 +439,7 @@ class Worker:
             on_text=lambda text: job._post("text", Piece(index, text, decoding.take_logprobs())),
             on_first_token=lambda: self._first_token(job),
             cancel=job.request.cancel,
-            deadline=job.deadline,
+            deadline=None if job.timeout is None else job.deadline,
         )
         return decoding
 

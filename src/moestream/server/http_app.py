@@ -65,7 +65,7 @@ MAX_BODY_BYTES = 16 * 2**20
 class ServerConfig:
     model_name: str
     max_queue: int = 64
-    request_timeout: float = 600.0  # seconds from arrival to the last token, queueing included
+    request_timeout: float | None = None  # seconds from arrival to the last token, queueing included (None: no limit)
     default_max_tokens: int = 512  # for a chat request that names no limit (completions: OpenAI's 16)
     max_batch: int = 8  # sequences decoded together
     batch_kv_memory: int = 2 * 2**30  # bytes of KV the running sequences may hold together
