@@ -17,7 +17,7 @@ from moestream.conversion.synthetic import byte_tokenizer, make_model
 from moestream.generation.constraints import Vocabulary
 from moestream.generation.generate import chat_prompt, eos_ids
 from moestream.generation.serving import generate_batch
-from moestream.server import tool_calls
+from moestream.server import openai_api, tool_calls
 from moestream.server.answer_stream import AnswerStream, ArgumentsDelta, CallStarted, ContentDelta, Thinking
 from moestream.server.openai_api import ChatCompletions
 
@@ -27,6 +27,7 @@ TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 EXPECTED = {
     "GLM-4.6": "glm",
     "GLM-4.7-Flash": "glm",
+    "Qwen-Qwen3-0.6B": "hermes",  # (Qwen3's, Qwen3-30B-A3B's and Qwen3-235B-A22B's too)
     "Qwen3-Coder": "qwen3-coder",
     "Qwen3.5-4B": "qwen3-coder",
     "poolside-Laguna-S-2.1": "glm",
@@ -197,3 +198,28 @@ def test_a_forced_call_is_generated_through_the_template(model, name):
         tokenizer = tokenizer_for(name, think_tokens=True)
         again = ChatCompletions(tokenizer, "tiny", 16384, 256).parse({"messages": follow, "tools": [WEATHER], "max_tokens": 4})
         assert "sunny, 21 C" in tokenizer.decode(again.choices[0].prompt_ids)
+
+
+SYSTEM, DEVELOPER, USER = "You help.", "Mind the lighthouse.", "Where is the harbour?"
+
+
+@pytest.mark.parametrize("name", HELD)
+def test_a_developer_message_reaches_the_prompt_through_every_template(name):
+    """Agents send their instructions as developer messages after the request's own (the Responses API's
+    `instructions`; Codex's are thousands of tokens): the prompt holds both, once each and in order, through
+    every template; one that does not render both (most skip the developer role, or keep one system message)
+    renders them as the one system message they make."""
+    tokenizer = tokenizer_for(name)
+    endpoint = ChatCompletions(tokenizer, "tiny", 16384, 256)
+
+    def prompt(messages: list[dict]) -> str:
+        (choice,) = endpoint.parse({"messages": messages, "max_tokens": 4}).choices
+        return tokenizer.decode(choice.prompt_ids)
+
+    text = prompt(
+        [{"role": "system", "content": SYSTEM}, {"role": "developer", "content": DEVELOPER}, {"role": "user", "content": USER}]
+    )
+    assert [text.count(part) for part in (SYSTEM, DEVELOPER, USER)] == [1, 1, 1], text
+    assert text.index(SYSTEM) < text.index(DEVELOPER) < text.index(USER)
+    if not openai_api._keeps_developer(tokenizer):
+        assert text == prompt([{"role": "system", "content": f"{SYSTEM}\n\n{DEVELOPER}"}, {"role": "user", "content": USER}])

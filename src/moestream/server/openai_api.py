@@ -488,6 +488,44 @@ class Endpoint(ABC):
         return out
 
 
+def system_roles_for(tokenizer, messages: list[dict]) -> list[dict]:
+    """`messages` with their system roles as the tokenizer's chat template takes them. OpenAI's `developer`
+    role is the system role of models older than it (OpenAI's API treats it so), and agents put their
+    instructions there (Codex's are thousands of tokens), after the request's own. Most MoE families'
+    templates drop a role they do not know without a word (Qwen3's), refuse it, or keep one system message
+    only (gpt-oss's, MiniMax-M3's): unless the template renders a system and a developer message both, each
+    developer message becomes a system one, and the system messages that open the conversation become one,
+    in order (what llama.cpp's server does too)."""
+    if _keeps_developer(tokenizer):
+        return messages
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system" and isinstance(messages[lead].get("content"), str):
+        lead += 1
+    if lead < 2:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])}, *messages[lead:]]
+
+
+# Whether a chat template renders a system and a developer message both, in order, by its text (a server has
+# one template; the tests a few dozen): found once by rendering a probe.
+_DEVELOPER_KEPT: dict[str | None, bool] = {}
+_PROBE = [("system", "moestream probe: system"), ("developer", "moestream probe: developer"), ("user", "moestream probe: user")]
+
+
+def _keeps_developer(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    if template not in _DEVELOPER_KEPT:
+        try:
+            text = chat_prompt(tokenizer, [{"role": role, "content": content} for role, content in _PROBE])
+            places = [text.find(content) for _, content in _PROBE]
+            kept = all(text.count(content) == 1 for _, content in _PROBE) and places == sorted(places)
+        except Exception:  # (a template that refuses the role, or a system message after the first)
+            kept = False
+        _DEVELOPER_KEPT[template] = kept
+    return _DEVELOPER_KEPT[template]
+
+
 class ChatCompletions(Endpoint):
     """POST /v1/chat/completions: messages through the checkpoint's chat template (with `tools`, when
     the template defines a tool-call format)."""
@@ -497,7 +535,7 @@ class ChatCompletions(Endpoint):
     prompt_param = "messages"
 
     def prompts(self, req: ChatCompletionRequest, reply: ChatReply) -> list[list[int]]:
-        messages = [m.as_dict() for m in req.messages]
+        messages = system_roles_for(self.tokenizer, [m.as_dict() for m in req.messages])
         options = {}
         if req.tools:
             options["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
