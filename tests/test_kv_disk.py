@@ -4,6 +4,7 @@ damaged, truncated or foreign file is never loaded (the prefix is computed again
 directory stays within its budget; a failed write leaves the prefix in RAM and the request served."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -132,6 +133,30 @@ def test_a_continuation_gets_the_same_tokens_from_ram_disk_a_restart_and_a_fresh
     assert from_ram == from_disk == after_restart
     if kv_cache_dtype == "auto":  # (int8 rows read back differ from a fresh prefill's float ones: test_kv_int8.py)
         assert fresh == from_ram
+    moestream.close(model)
+
+
+def test_a_prefix_still_being_written_to_disk_is_reused_from_ram(store, tmp_path, monkeypatch):
+    """An agent's next turn comes as soon as its tool has run, while the last turn's KV (larger than
+    --kv-memory, so bound for the disk only) is still being written: the turn reuses that prefix from RAM,
+    and gets the tokens a fresh prefill gives; the write then completes."""
+    model, tokenizer = moestream.load(store, "1GiB", compute_dtype="fp32")
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 250, (40,), generator=g).tolist()
+    first, _ = _tokens(model, tokenizer, prompt)
+    follow = prompt + first + torch.randint(3, 250, (5,), generator=g).tolist()
+    fresh, _ = _tokens(model, tokenizer, follow)
+    release, write = threading.Event(), DiskTier._write
+    monkeypatch.setattr(DiskTier, "_write", lambda self, ids, cache: (release.wait(60), write(self, ids, cache)))
+    tier = _tier(model, tmp_path / "tier")
+    prefixes = PrefixCache(1, disk=tier)  # (every conversation's KV is more than RAM may keep: the disk's only)
+    _tokens(model, tokenizer, prompt, prefixes)
+    assert tier.stats().writes == 0 and [ids for ids, _ in tier.pending()] == [tuple(prompt + first[:-1])]
+    reused, cached = _tokens(model, tokenizer, follow, prefixes)
+    assert cached == len(prompt) + len(first) - 1 and reused == fresh
+    release.set()
+    tier.flush()
+    assert tier.stats().writes == 2 and not tier.pending()  # (the follow-up's own KV went the same way)
     moestream.close(model)
 
 

@@ -238,6 +238,11 @@ class PrefixCache:
             if best is not None:
                 self._entries.move_to_end(best)
         if self.disk is not None:
+            # Prefixes on their way to the disk are still in RAM (DiskTier.pending).
+            for ids, queued in self.disk.pending():
+                n = common_prefix(ids, prompt, len(prompt) - 1)
+                if n > best_len and _cuttable(queued, len(ids), n):
+                    cache, best, best_len = _shallow(queued), ids, n
             # Recently used again: back in RAM, once all of it has arrived from the disk and proved sound.
             found, n = self.disk.match(prompt, at_least=best_len + 1, when_checked=self._put_read_back)
             if found is not None:

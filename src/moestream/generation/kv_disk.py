@@ -460,6 +460,8 @@ class DiskTier:
         # Keyed by the prefix's ids packed 4 bytes each (`packed`): a tier of small models' KV holds millions
         # of tokens, which as tuples of Python ints took 36 bytes each in RAM, growing with the disk.
         self._index: dict[bytes, _Entry] = {}
+        # Prefixes queued and not yet written, by the same keys: their KV is still in RAM (`pending`).
+        self._pending: dict[bytes, tuple[tuple[int, ...], DynamicCache]] = {}
         self._lock = threading.Lock()
         self._stats = DiskStats()
         self._scan()
@@ -494,10 +496,20 @@ class DiskTier:
     def put(self, ids: Sequence[int], cache: DynamicCache) -> None:
         """Queue the KV of `ids` (a prefix cache's entry, whose tensors are never written again) for the disk."""
         ids = tuple(ids)
+        key = packed(ids)
         with self._lock:
-            if packed(ids) in self._index:
+            if key in self._index or key in self._pending:
                 return
+            self._pending[key] = (ids, cache)
         self._queue.put((ids, cache))
+
+    def pending(self) -> list[tuple[tuple[int, ...], DynamicCache]]:
+        """The prefixes queued and not yet written, (ids, cache) each: their KV is in RAM until its file is
+        done. An agent's next turn comes as soon as its tool has run, while the last turn's gigabyte of KV
+        is still being written (by a writer that yields the CPU to the prefill of that very turn): it finds
+        its prefix here, not on disk."""
+        with self._lock:
+            return list(self._pending.values())
 
     def flush(self) -> None:
         """Wait until every queued prefix is written (a clean stop; the tests)."""
@@ -519,6 +531,8 @@ class DiskTier:
                     self._stats.errors += 1
                 log.warning("moestream: the KV tier could not write a prefix (%s)", e)
             finally:
+                with self._lock:
+                    self._pending.pop(packed(ids), None)
                 self._queue.task_done()
 
     def _write(self, ids: tuple[int, ...], cache: DynamicCache) -> None:
