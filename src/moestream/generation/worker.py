@@ -135,7 +135,7 @@ class Job:
 
     choices: list[Choice]
     timeout: float | None  # seconds from submission to the last token, queueing included (None: no limit)
-    deadline: float  # time.monotonic(); infinite without a timeout
+    deadline: float  # time.monotonic(); infinite without a timeout (no step ever reaches it)
     _worker: Worker
     _loop: asyncio.AbstractEventLoop
     request: Request | None = None  # the scheduler's, made by submit
@@ -345,7 +345,7 @@ class Worker:
             lambda index: self._decoding(job, index),
             [c.prompt_ids for c in choices],
             [len(c.prompt_ids) + c.params.max_tokens for c in choices],
-            deadline=None if job.timeout is None else job.deadline,
+            deadline=job.deadline,
             tag=job,
         )
         self.scheduler.check(job.request)
@@ -439,7 +439,7 @@ class Worker:
             on_text=lambda text: job._post("text", Piece(index, text, decoding.take_logprobs())),
             on_first_token=lambda: self._first_token(job),
             cancel=job.request.cancel,
-            deadline=None if job.timeout is None else job.deadline,
+            deadline=job.deadline,
         )
         return decoding
 
